@@ -1,0 +1,27 @@
+# Two entry points, both safe on a fresh machine: they set up .venv first.
+#   make demo   start the daemon on the default socket and cache, run a small workload, stop
+#   make test   the whole test suite
+PYTHON ?= python3
+VENV := .venv
+# The CPU build of torch (it lies on disk on our machines); set TORCH_SPEC=torch for a CUDA host.
+TORCH_SPEC ?= torch==2.13.0
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VENV)/bin/python -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/kernel-service demo
+
+test: setup
+	$(VENV)/bin/python -m pytest -q
+
+stubs: setup
+	$(VENV)/bin/python -m proto.generate
+
+.PHONY: setup demo test stubs

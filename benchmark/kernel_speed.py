@@ -1,0 +1,301 @@
+"""Speed and correctness of the kernel zoo on a CUDA GPU, against torch's best path.
+
+    python benchmark/kernel_speed.py [--target auto|sm_90a] [--only gemm,attention,...] [--out DIR]
+
+Builds every kernel with TileLang directly (in a thread pool: nvcc runs in
+subprocesses, so threads overlap the compiles), checks each against torch, then
+times ours and torch with CUDA events. Timing method: a `torch.cuda._sleep` is
+queued first so the host enqueues all timed launches while the GPU is still
+busy (host launch overhead stays out of the numbers), each launch sits between
+its own pair of events, and the median is reported. Memory-bound kinds rotate
+over enough input sets to exceed L2. Tolerances: relative Frobenius error
+against an fp32/fp64 torch reference below 1e-2 for 16-bit dtypes (fp16/bf16
+rounding of outputs is ~4e-3), 1e-4 for float32.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import kernels  # noqa: E402
+
+PEAK_HBM = 4.8e12  # H200 datasheet bytes/s; the measured copy is printed beside it
+DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# (kind, label, params, variants): each variant is a dict of tiling overrides.
+GEMM_VARIANTS = [{}, {"block_M": 256, "block_N": 128, "block_K": 64, "num_stages": 3}]
+ATTN_VARIANTS = [{}, {"block_N": 64, "num_stages": 3}, {"block_M": 64, "block_N": 128, "threads": 128}]
+ROW_VARIANTS = {4096: [{"threads": 128}, {"threads": 256}, {"threads": 512}], 14336: [{"threads": 256}, {"threads": 512}, {"threads": 1024}]}
+CASES = [
+    ("gemm", "llama3-8b up 4096x14336x4096 fp16 NT", dict(M=4096, N=14336, K=4096, dtype="float16", trans_b=True), GEMM_VARIANTS),
+    ("gemm", "qwen2.5-7b up 4096x18944x3584 fp16 NT", dict(M=4096, N=18944, K=3584, dtype="float16", trans_b=True), [{}]),
+    ("attention", "b1 s4096 h32/8 d128 fp16", dict(batch=1, heads=32, kv_heads=8, seq_len=4096, head_dim=128, causal=False, dtype="float16"), ATTN_VARIANTS),
+    ("attention", "b1 s4096 h32/8 d128 fp16 causal", dict(batch=1, heads=32, kv_heads=8, seq_len=4096, head_dim=128, causal=True, dtype="float16"), ATTN_VARIANTS),
+    ("rmsnorm", "4096x4096 bf16", dict(M=None, N=4096, dtype="bfloat16"), ROW_VARIANTS[4096]),
+    ("rmsnorm", "4096x14336 bf16", dict(M=None, N=14336, dtype="bfloat16"), ROW_VARIANTS[14336]),
+    ("swiglu", "4096x4096 bf16", dict(M=None, N=4096, dtype="bfloat16"), [{}]),
+    ("swiglu", "4096x14336 bf16", dict(M=None, N=14336, dtype="bfloat16"), [{}, {"block_M": 4, "block_N": 1024}]),
+    ("swiglu", "4096x18944 bf16", dict(M=None, N=18944, dtype="bfloat16"), [{}]),
+    ("softmax", "4096x4096 bf16", dict(M=None, N=4096, dtype="bfloat16"), ROW_VARIANTS[4096]),
+    ("softmax", "4096x14336 bf16", dict(M=None, N=14336, dtype="bfloat16"), ROW_VARIANTS[14336]),
+]
+ROWS = 4096  # runtime M for the dynamic memory-bound kernels
+# Ragged shapes: correctness only (not multiples of any tile; dynamic sizes at two values).
+RAGGED = [
+    ("gemm", dict(M=None, N=200, K=72, dtype="float16", bias=True, act="gelu", trans_b=True), [dict(M=1000), dict(M=7)]),
+    ("gemm", dict(M=None, N=136, K=40, dtype="bfloat16", act="silu"), [dict(M=333)]),
+    ("gemm", dict(M=None, N=96, K=36, dtype="float32", bias=True, act="relu"), [dict(M=130)]),
+    ("attention", dict(batch=None, heads=4, kv_heads=2, seq_len=None, head_dim=64, causal=True, dtype="bfloat16"), [dict(batch=2, seq_len=1000), dict(batch=1, seq_len=77)]),
+    ("attention", dict(batch=None, heads=8, kv_heads=1, seq_len=None, head_dim=128, causal=False, dtype="float16"), [dict(batch=3, seq_len=333)]),
+    ("rmsnorm", dict(M=None, N=1000, dtype="float16"), [dict(M=37)]),
+    ("softmax", dict(M=None, N=1000, dtype="float32"), [dict(M=37)]),
+    ("swiglu", dict(M=None, N=1000, dtype="bfloat16"), [dict(M=37)]),
+    ("softmax", dict(M=None, N=16384, dtype="float16"), [dict(M=5)]),
+    ("rmsnorm", dict(M=None, N=4104, dtype="bfloat16"), [dict(M=9)]),
+    # Non-default tilings that validation accepts must also compute the right thing.
+    ("gemm", dict(M=None, N=72, K=88, dtype="float16", block_M=32, block_N=32, block_K=32, threads=128, num_stages=2), [dict(M=70)]),
+    ("gemm", dict(M=None, N=72, K=88, dtype="float16", block_M=64, block_N=16, block_K=16, threads=128, num_stages=2), [dict(M=70)]),
+    ("gemm", dict(M=None, N=272, K=200, dtype="bfloat16", block_M=16, block_N=256, block_K=64, threads=256, trans_b=True), [dict(M=70)]),
+    ("gemm", dict(M=None, N=72, K=200, dtype="float16", block_M=256, block_N=64, block_K=64, threads=128, num_stages=2), [dict(M=300)]),
+    ("gemm", dict(M=None, N=264, K=264, dtype="float16", block_M=64, block_N=256, block_K=128, threads=256, num_stages=1), [dict(M=100)]),
+    ("attention", dict(batch=None, heads=2, kv_heads=1, seq_len=None, head_dim=16, dtype="float16", causal=True, block_N=32, threads=128), [dict(batch=1, seq_len=200)]),
+    ("attention", dict(batch=None, heads=2, kv_heads=2, seq_len=None, head_dim=96, dtype="bfloat16", block_N=256, threads=128), [dict(batch=1, seq_len=300)]),
+    ("attention", dict(batch=None, heads=2, kv_heads=1, seq_len=None, head_dim=192, dtype="float16", causal=True), [dict(batch=1, seq_len=300)]),
+    ("attention", dict(batch=None, heads=2, kv_heads=1, seq_len=None, head_dim=64, dtype="float16", block_N=32, num_stages=4), [dict(batch=2, seq_len=129)]),
+]
+
+
+def compile_one(kind, params, target):
+    import tilelang
+
+    spec = kernels.canonicalize(kind, params, target)
+    k = kernels.get_kind(kind)
+    t0 = time.time()
+    ker = tilelang.compile(k.build(spec.params, spec.target), out_idx=list(k.outputs), target=spec.target.tilelang_target())
+    return ker, time.time() - t0, spec.params
+
+
+# ---- inputs and references ---------------------------------------------------
+
+def make_inputs(kind, p, rt):
+    """Fresh random inputs for kind `kind` with static params p and runtime sizes rt."""
+    dt = DT[p["dtype"]]
+    g = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float32).to(dt)  # noqa: E731
+    if kind == "gemm":
+        M, N, K = rt.get("M", p["M"]), p["N"], p["K"]
+        ins = [g(M, K) * 0.1, g(N, K) * 0.1 if p["trans_b"] else g(K, N) * 0.1]
+        return ins + ([g(N)] if p["bias"] else [])
+    if kind == "attention":
+        b, s = rt.get("batch", p["batch"]), rt.get("seq_len", p["seq_len"])
+        return [g(b, s, p["heads"], p["head_dim"]), g(b, s, p["kv_heads"], p["head_dim"]), g(b, s, p["kv_heads"], p["head_dim"])]
+    M = rt.get("M", p["M"]) or ROWS
+    if kind == "rmsnorm":
+        return [g(M, p["N"]), g(p["N"])]
+    if kind == "swiglu":
+        return [g(M, p["N"]), g(M, p["N"])]
+    return [g(M, p["N"]) * 4]
+
+
+def reference(kind, p, ins):
+    """fp32 torch reference (what correctness is judged against)."""
+    x = [t.float() for t in ins]
+    if kind == "gemm":
+        c = x[0] @ (x[1].T if p["trans_b"] else x[1])
+        if p["bias"]:
+            c = c + x[2]
+        return {"none": lambda t: t, "gelu": F.gelu, "silu": F.silu, "relu": F.relu}[p["act"]](c)
+    if kind == "attention":
+        q, k, v = (t.transpose(1, 2) for t in x)
+        grp = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=p["causal"]).transpose(1, 2)
+    if kind == "rmsnorm":
+        return x[0] * torch.rsqrt(x[0].pow(2).mean(-1, keepdim=True) + p["eps"]) * x[1]
+    if kind == "swiglu":
+        return F.silu(x[0]) * x[1]
+    return torch.softmax(x[0], -1)
+
+
+def torch_paths(kind, p):
+    """name -> callable(*ins): torch's fast paths for the same computation."""
+    if kind == "gemm":
+        return {"cuBLAS": (lambda a, b, *r: F.linear(a, b)) if p["trans_b"] else (lambda a, b, *r: a @ b)}
+    if kind == "attention":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def flash(q, k, v):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=p["causal"], enable_gqa=True).transpose(1, 2)
+
+        return {"SDPA-flash": flash}
+    eps = p.get("eps", 1e-6)
+    if kind == "rmsnorm":
+        eager = lambda x, w: F.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
+        manual = lambda x, w: (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w  # noqa: E731
+        return {"eager": eager, "compile": torch.compile(manual)}
+    if kind == "swiglu":
+        f = lambda g, u: F.silu(g) * u  # noqa: E731
+        return {"eager": f, "compile": torch.compile(f)}
+    f = lambda x: torch.softmax(x, -1)  # noqa: E731
+    return {"eager": f, "compile": torch.compile(lambda x: torch.softmax(x.float(), -1).to(x.dtype))}
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ---- timing --------------------------------------------------------------------
+
+def bench(fn, arg_sets, reps=50, warmup=10):
+    """Median ms of fn(*args) over reps, args rotating through arg_sets (defeats L2 reuse)."""
+    for i in range(warmup):
+        fn(*arg_sets[i % len(arg_sets)])
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    torch.cuda._sleep(50_000_000)  # ~25 ms of GPU busy-wait: the host enqueues everything below meanwhile
+    for i, (a, b) in enumerate(ev):
+        a.record()
+        fn(*arg_sets[i % len(arg_sets)])
+        b.record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in ev)
+    return times[len(times) // 2]
+
+
+def work(kind, p, rt):
+    """(flops, bytes) of one call: bytes are each input read once and the output written once."""
+    size = torch.tensor([], dtype=DT[p["dtype"]]).element_size()
+    if kind == "gemm":
+        M = rt.get("M", p["M"])
+        return 2 * M * p["N"] * p["K"], (M * p["K"] + p["N"] * p["K"] + M * p["N"]) * size
+    if kind == "attention":
+        b, s, h, d = p["batch"], p["seq_len"], p["heads"], p["head_dim"]
+        f = 4 * b * h * s * s * d * (0.5 if p["causal"] else 1.0)
+        return f, (2 * b * s * h * d + 2 * b * s * p["kv_heads"] * d) * size
+    M, N = ROWS, p["N"]
+    n = {"rmsnorm": 2, "swiglu": 3, "softmax": 2}[kind]
+    return 0, n * M * N * size + (N * size if kind == "rmsnorm" else 0)
+
+
+def copy_ms(nbytes):
+    """ms of a device-to-device copy moving nbytes in all (read + write), rotating past L2."""
+    n = int(nbytes // 2)
+    bufs = [(torch.empty(n, dtype=torch.uint8, device="cuda").random_(), torch.empty(n, dtype=torch.uint8, device="cuda"))
+            for _ in range(max(1, min(8, math.ceil(3 * 64e6 / nbytes))))]
+    return bench(lambda s, d: d.copy_(s), bufs, reps=30)
+
+
+def copy_bandwidth():
+    return (1 << 31) / (copy_ms(1 << 31) * 1e-3)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="auto")
+    ap.add_argument("--only", default="", help="comma-separated kinds")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--compile-only", action="store_true", help="build every kernel (works without a GPU) and stop")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    torch.manual_seed(0)
+    if not args.compile_only:
+        print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+
+    jobs = []  # (kind, label, params, variant_index)
+    for kind, label, params, variants in CASES:
+        if not only or kind in only:
+            for vi, v in enumerate(variants):
+                jobs.append(("perf", kind, label, {**params, **v}, vi))
+    for kind, params, rts in RAGGED:
+        if not only or kind in only:
+            jobs.append(("ragged", kind, str(params), params, rts))
+    t0 = time.time()
+    with ThreadPoolExecutor(args.workers) as pool:
+        futs = [pool.submit(compile_one, j[1], j[3], args.target) for j in jobs]
+        built = []
+        for j, f in zip(jobs, futs):
+            try:
+                built.append((j, *f.result()))
+            except Exception as e:  # a failed build is reported, not fatal to the rest
+                print(f"BUILD FAILED {j[1]} {j[3]}: {e!r}"[:2000], flush=True)
+    print(f"compiled {len(built)}/{len(jobs)} kernels in {time.time() - t0:.1f}s with {args.workers} threads", flush=True)
+    if args.compile_only:
+        return 0 if len(built) == len(jobs) else 1
+
+    bw = copy_bandwidth()
+    print(f"device copy bandwidth: {bw / 1e9:.0f} GB/s ({100 * bw / PEAK_HBM:.0f}% of {PEAK_HBM / 1e12:.1f} TB/s)", flush=True)
+
+    rows, failures, copy_at_size = [], [], {}
+    for (tag, kind, label, params, extra), ker, ctime, p in built:
+        tol = 1e-4 if p["dtype"] == "float32" else 1e-2
+        if kind == "gemm" and p["dtype"] == "float32":
+            tol = 5e-3  # tensor cores run fp32 GEMM in tf32
+        if tag == "ragged":
+            for rt in extra:
+                ins = make_inputs(kind, p, rt)
+                err = rel_err(ker(*ins), reference(kind, p, ins))
+                ok = err < tol
+                print(f"{'ok  ' if ok else 'FAIL'} ragged {kind} {label} {rt}: rel err {err:.1e}", flush=True)
+                if not ok:
+                    failures.append((kind, label, rt, err))
+            continue
+        rt = {"M": ROWS} if p.get("M", 1) is None else {}
+        ins = make_inputs(kind, p, rt)
+        err = rel_err(ker(*ins), reference(kind, p, ins))
+        if not err < tol:
+            failures.append((kind, label, params, err))
+        flops, nbytes = work(kind, p, rt)
+        if nbytes not in copy_at_size:  # the copy of the same byte count: what HBM allows at this size
+            copy_at_size[nbytes] = copy_ms(nbytes)
+        n_sets = max(1, math.ceil(3 * 64e6 / nbytes))  # >= ~3x the 50 MiB L2 across the rotation
+        sets = [ins] + [make_inputs(kind, p, rt) for _ in range(min(n_sets, 8) - 1)]
+        ours = bench(ker, sets)
+        theirs = {}
+        for name, fn in torch_paths(kind, p).items():
+            try:
+                fn(*ins)
+                theirs[name] = bench(fn, sets)
+            except Exception as e:
+                print(f"torch path {name} failed: {e!r}"[:500], flush=True)
+        best_name = min(theirs, key=theirs.get) if theirs else "-"
+        best = theirs.get(best_name, float("nan"))
+        tiles = {k: p[k] for k in ("block_M", "block_N", "block_K", "num_stages", "threads") if k in p}
+        rows.append(dict(kind=kind, shape=label, tiles=tiles, err=err, ours_ms=ours, torch=theirs, torch_best=best_name,
+                         torch_ms=best, speed=best / ours, tflops=flops / ours / 1e9 if flops else None,
+                         gbs=nbytes / ours / 1e6, hbm_pct=100 * nbytes / (ours * 1e-3) / PEAK_HBM,
+                         copy_pct=100 * copy_at_size[nbytes] / ours, compile_s=ctime))
+        print(f"done {kind} {label} {tiles}: ours {ours:.4f} ms, torch {theirs}, err {err:.1e}", flush=True)
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "kernel_speed.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "copy_GBs": bw / 1e9, "rows": rows, "failures": [str(x) for x in failures]}, f, indent=1)
+    hdr = f"{'kind':9} {'shape':40} {'tiles':34} {'ours ms':>8} {'torch ms':>9} {'torch':>10} {'t/ours':>6} {'TFLOP/s':>8} {'GB/s':>6} {'%4.8T':>5} {'%copy':>5} {'err':>7}"
+    lines = [f"copy bandwidth (2 GiB) {bw / 1e9:.0f} GB/s = {100 * bw / PEAK_HBM:.0f}% of 4.8 TB/s; t/ours > 1 means ours is faster;",
+             "%4.8T = our bytes/s over 4.8 TB/s; %copy = a device copy moving the same bytes, in time, over ours", hdr]
+    for r in rows:
+        t = ",".join(f"{k[6:] if k.startswith('block_') else k[:6]}={v}" for k, v in r["tiles"].items())
+        tf = f"{r['tflops']:.0f}" if r["tflops"] else "-"
+        lines.append(f"{r['kind']:9} {r['shape']:40} {t:34} {r['ours_ms']:8.4f} {r['torch_ms']:9.4f} {r['torch_best']:>10} {r['speed']:6.2f} {tf:>8} {r['gbs']:6.0f} {r['hbm_pct']:5.0f} {r['copy_pct']:5.0f} {r['err']:7.1e}")
+    lines.append("correctness failures: " + (", ".join(map(str, failures)) if failures else "none"))
+    text = "\n".join(lines)
+    with open(os.path.join(args.out, "kernel_speed.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

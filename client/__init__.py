@@ -1,0 +1,28 @@
+"""What agents import to get TileLang kernels from the kernel service.
+
+    import client
+    gemm = client.get_kernel("gemm", M=None, N=4096, K=4096, dtype="float16", target="auto")
+    C = gemm(A, B)
+
+Light to import: no TileLang, no compiler. See README for the full API.
+"""
+
+from .api import Client, connect, default_client, get_kernel, prefetch, stats
+from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelServiceError, ServiceError, ServiceUnavailable
+from .loader import Kernel
+
+__all__ = [
+    "Client",
+    "CompileError",
+    "CorruptArtifact",
+    "InvalidSpec",
+    "Kernel",
+    "KernelServiceError",
+    "ServiceError",
+    "ServiceUnavailable",
+    "connect",
+    "default_client",
+    "get_kernel",
+    "prefetch",
+    "stats",
+]

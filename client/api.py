@@ -1,0 +1,222 @@
+"""The client agents import: ask for kernels by signature, get loaded callables back."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format, struct_pb2
+
+import kernels
+from compile_service.paths import default_socket, socket_address
+from proto.kernelservice.v1 import kernel_service_pb2 as pb
+from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+
+from . import loader
+from .errors import CompileError, CorruptArtifact, InvalidSpec, ServiceError, ServiceUnavailable
+
+GET_TIMEOUT = 600.0  # a cold kernel can wait behind a queue of compiles
+STATS_TIMEOUT = 10.0
+RETRY_WINDOW = 30.0  # how long UNAVAILABLE is retried once a daemon has answered
+MAX_MESSAGE = 16 << 20
+OUTCOMES = {pb.OUTCOME_HIT: "hit", pb.OUTCOME_COMPILED: "compiled", pb.OUTCOME_JOINED: "joined"}
+
+
+def _param_value(name: str, value) -> pb.ParamValue:
+    if value is None:
+        return pb.ParamValue(null_value=struct_pb2.NULL_VALUE)
+    if isinstance(value, bool):
+        return pb.ParamValue(bool_value=value)
+    if isinstance(value, int):
+        return pb.ParamValue(int_value=value)
+    if isinstance(value, float):
+        return pb.ParamValue(float_value=value)
+    if isinstance(value, str):
+        return pb.ParamValue(string_value=value)
+    raise InvalidSpec(name, f"values must be int, float, bool, str or None, got {type(value).__name__}")
+
+
+def spec_to_proto(spec: kernels.CanonicalSpec) -> pb.KernelSpec:
+    return pb.KernelSpec(kind=spec.kind, target=str(spec.target), params={k: _param_value(k, v) for k, v in spec.params.items()})
+
+
+def _raise_for(err: grpc.RpcError, what: str):
+    code, details = err.code(), err.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        field, _, message = details.partition(": ")
+        raise InvalidSpec(field, message or details) from None
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        raise CompileError(f"{what} failed to compile:\n{details}") from None
+    if code == grpc.StatusCode.UNAVAILABLE:
+        raise ServiceUnavailable(f"kernel service unavailable: {details}") from None
+    raise ServiceError(f"{what}: {code.name}: {details}", code.name) from None
+
+
+class Client:
+    """A connection to the kernel service.
+
+    `fallback=True` compiles in this process, into the same cache, when no
+    daemon answers (it then needs TileLang; a file lock per kernel still makes
+    it compile once across processes).
+    """
+
+    def __init__(self, socket: str | os.PathLike | None = None, *, fallback: bool = False, cache_dir: str | os.PathLike | None = None, timeout: float = GET_TIMEOUT):
+        self.address = socket_address(socket or default_socket())
+        # The socket file, when the address is one: its absence means "no daemon" at once.
+        self.socket_path = Path(self.address[len("unix:"):]) if self.address.startswith("unix:") else None
+        self.fallback = fallback
+        self.cache_dir = cache_dir
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(
+            self.address,
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)],
+        )
+        self._stub = pb_grpc.KernelServiceStub(self._channel)
+        self._memo: dict[str, loader.Kernel] = {}
+        self._memo_lock = threading.Lock()
+        self._answered = False  # has a daemon ever answered this client?
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ----- transport
+    def _check_socket(self) -> None:
+        if not self._answered and self.socket_path is not None and not self.socket_path.exists():
+            raise ServiceUnavailable(f"no kernel service at {self.socket_path} (start one with `kernel-service serve`)")
+
+    def _call(self, method: Callable, request, timeout: float, what: str):
+        """One RPC with a deadline; retries UNAVAILABLE with backoff, and nothing else.
+
+        With no socket at all and no daemon ever seen, fails fast.
+        """
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            self._check_socket()
+            try:
+                result = method(request, timeout=max(0.001, deadline - time.monotonic()))
+                self._answered = True
+                return result
+            except grpc.RpcError as err:
+                retry_until = min(deadline, time.monotonic() + (RETRY_WINDOW if self._answered else 2.0))
+                if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay >= retry_until:
+                    _raise_for(err, what)
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 1.0)
+
+    # ----- API
+    def get_kernel(self, kind: str, *, target: str | None = None, timeout: float | None = None, **params) -> loader.Kernel:
+        """The kernel `kind` with `params`, loaded and callable. Memoized per process.
+
+        Raises InvalidSpec (a ValueError naming the field), CompileError,
+        ServiceUnavailable (a ConnectionError) or ServiceError.
+        """
+        spec = kernels.canonicalize(kind, params, target)
+        memo_key = spec.to_json()
+        kernel = self._memo.get(memo_key)
+        if kernel is not None:
+            return kernel
+        try:
+            reply = self._call(self._stub.GetKernel, pb.GetKernelRequest(spec=spec_to_proto(spec)), timeout or self.timeout, f"kernel {kind}")
+        except ServiceUnavailable:
+            if not self.fallback:
+                raise
+            from .fallback import build_locally
+
+            kernel = build_locally(spec, self.cache_dir)
+        else:
+            kernel = self._load(reply)
+        with self._memo_lock:
+            return self._memo.setdefault(memo_key, kernel)
+
+    def _load(self, reply: pb.GetKernelResponse) -> loader.Kernel:
+        a = reply.artifact
+        kernel = loader.load(Path(a.entry_dir), a.library, a.library_sha256, a.library_size, json.loads(a.abi_json), json.loads(a.canonical_spec), a.key)
+        kernel.outcome = OUTCOMES.get(reply.outcome, "unknown")
+        kernel.compile_seconds = reply.compile_seconds
+        return kernel
+
+    def prefetch(self, specs: Iterable[dict], *, timeout: float | None = None, progress: Callable[[int, int, dict], None] | None = None, load: bool = True) -> list:
+        """Makes many kernels ready at once (cold ones compile in parallel).
+
+        `specs` are dicts like {"kind": "gemm", "M": 128, ..., "target": "c"}.
+        Returns, in request order, the loaded Kernel (or, with load=False, the
+        outcome string) or the exception for each spec. `progress(done, total,
+        event)` is called as each finishes.
+        """
+        canon = []
+        for i, raw in enumerate(specs):
+            raw = dict(raw)
+            try:
+                canon.append(kernels.canonicalize(raw.pop("kind", None), raw, raw.pop("target", None)))
+            except InvalidSpec as exc:
+                raise InvalidSpec(f"specs[{i}].{exc.field}", str(exc).split(": ", 1)[-1]) from None
+        request = pb.PrefetchRequest(specs=[spec_to_proto(s) for s in canon])
+        results: list = [None] * len(canon)
+        self._check_socket()
+        try:
+            for event in self._stub.Prefetch(request, timeout=timeout or self.timeout):
+                if event.error_code:
+                    exc = CompileError(event.error_message) if event.error_code == "FAILED_PRECONDITION" else ServiceError(event.error_message, event.error_code)
+                    results[event.index] = exc
+                elif load:
+                    kernel = self._load(event.kernel)
+                    with self._memo_lock:
+                        results[event.index] = self._memo.setdefault(canon[event.index].to_json(), kernel)
+                else:
+                    results[event.index] = OUTCOMES.get(event.kernel.outcome, "unknown")
+                if progress:
+                    progress(event.done, event.total, json_format.MessageToDict(event, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+        except grpc.RpcError as err:
+            _raise_for(err, "prefetch")
+        return results
+
+    def stats(self) -> dict:
+        """The daemon's counters (compiles, hits, misses, failures, in_flight, workers, entries, bytes, ...)."""
+        reply = self._call(self._stub.GetStats, pb.GetStatsRequest(), STATS_TIMEOUT, "stats")
+        return {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}  # native ints, unlike MessageToDict
+
+
+# ----- module-level API on a default connection
+_default: Client | None = None
+_default_lock = threading.Lock()
+
+
+def connect(socket: str | os.PathLike | None = None, **options) -> Client:
+    """A new client for the daemon at `socket` (default: $KERNEL_SERVICE_SOCKET or the XDG path)."""
+    return Client(socket, **options)
+
+
+def default_client() -> Client:
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Client(fallback=os.environ.get("KERNEL_SERVICE_FALLBACK", "") == "1")
+        return _default
+
+
+def get_kernel(kind: str, *, target: str | None = None, **params) -> loader.Kernel:
+    return default_client().get_kernel(kind, target=target, **params)
+
+
+def prefetch(specs: Iterable[dict], **options) -> list:
+    return default_client().prefetch(specs, **options)
+
+
+def stats() -> dict:
+    return default_client().stats()
+
+
+__all__ = ["Client", "connect", "get_kernel", "prefetch", "stats", "CorruptArtifact"]

@@ -1,0 +1,30 @@
+"""What `get_kernel` raises. Each is also a familiar builtin type."""
+
+from kernels.spec import InvalidSpec  # a ValueError whose `field` names the bad parameter
+
+
+class KernelServiceError(Exception):
+    """Base of the service's own errors (besides InvalidSpec)."""
+
+
+class CompileError(KernelServiceError, RuntimeError):
+    """The kernel failed to compile; the message holds the compiler's output."""
+
+
+class ServiceUnavailable(KernelServiceError, ConnectionError):
+    """No daemon answers on the socket (and no fallback was asked for)."""
+
+
+class ServiceError(KernelServiceError, RuntimeError):
+    """The daemon failed for another reason (cache write failed, queue full, deadline passed)."""
+
+    def __init__(self, message: str, code: str = ""):
+        super().__init__(message)
+        self.code = code
+
+
+class CorruptArtifact(KernelServiceError, OSError):
+    """A cache file failed its checks (digest, size, owner, permissions, symlink); it is not loaded."""
+
+
+__all__ = ["InvalidSpec", "KernelServiceError", "CompileError", "ServiceUnavailable", "ServiceError", "CorruptArtifact"]

@@ -1,0 +1,13 @@
+"""The kernel-compilation daemon: owns the cache, compiles each kernel once.
+
+Modules, in the order a request flows through them:
+    servicer   gRPC <-> domain (thin)
+    scheduler  single-flight table, priority queue, compile pool
+    compiler   the one place that calls TileLang (runs in worker processes)
+    store      on-disk entries: staging, atomic publish, integrity checks
+    keys       canonical spec + toolchain fingerprint -> key
+    server     process lifecycle: socket, health, signals, drain
+    config, paths, cpus, cli
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,102 @@
+"""`kernel-service`: serve, stats, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _serve(args) -> int:
+    from .config import ServiceConfig
+    from .server import AlreadyRunning, Daemon
+
+    try:
+        config = ServiceConfig.resolve(
+            socket=args.socket,
+            cache_dir=args.cache_dir,
+            workers=args.workers,
+            target=args.target,
+            grace=args.grace,
+            queue_limit=args.queue_limit,
+            kernel_modules=tuple(args.kernel_module),
+        )
+    except ValueError as exc:
+        print(f"kernel-service: {exc}", file=sys.stderr)
+        return 2
+    try:
+        Daemon(config).serve_forever()
+    except AlreadyRunning as exc:
+        print(f"kernel-service: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _stats(args) -> int:
+    import client
+
+    try:
+        stats = client.connect(args.socket).stats()
+    except client.ServiceUnavailable as exc:
+        print(f"kernel-service: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    for name in ("compiles", "hits", "misses", "joined", "failures", "invalid", "corrupt", "in_flight", "workers", "cpu_quota", "entries"):
+        print(f"{name:>16}: {stats[name]}")
+    print(f"{'bytes':>16}: {stats['bytes']} ({_human_bytes(int(stats['bytes']))})")
+    print(f"{'compile_seconds':>16}: {stats['compile_seconds']:.2f}")
+    for name in ("cache_dir", "address", "version", "toolchain"):
+        print(f"{name:>16}: {stats[name]}")
+    print(f"{'uptime':>16}: {stats['uptime_seconds']:.0f} s")
+    return 0
+
+
+def _demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.cache_dir, args.socket)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kernel-service", description="TileLang kernel-compilation daemon")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon until SIGTERM")
+    serve.add_argument("--socket", help="Unix socket path (default $KERNEL_SERVICE_SOCKET, then $XDG_RUNTIME_DIR/kernel-service/kernel-service.sock)")
+    serve.add_argument("--cache-dir", help="cache root (default $KERNEL_SERVICE_CACHE_DIR, then $XDG_CACHE_HOME/kernel-service)")
+    serve.add_argument("--workers", type=int, help="compile processes (default: CPUs allowed by affinity and cgroup quota)")
+    serve.add_argument("--target", default="auto", help="target for requests that name none: auto, c, sm_90a, ... (default auto)")
+    serve.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for running compiles (default 30)")
+    serve.add_argument("--queue-limit", type=int, default=4096, help="compiles queued before RESOURCE_EXHAUSTED (default 4096)")
+    serve.add_argument("--kernel-module", action="append", default=[], metavar="MODULE", help="import MODULE to register extra kernel kinds (repeatable)")
+    serve.set_defaults(run=_serve)
+
+    stats = sub.add_parser("stats", help="print the daemon's counters")
+    stats.add_argument("--socket", help="Unix socket path of the daemon")
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    stats.set_defaults(run=_stats)
+
+    demo = sub.add_parser("demo", help="start a daemon, ask it for a few kernels twice, run them, stop")
+    demo.add_argument("--socket", help="Unix socket path (default: the daemon's default)")
+    demo.add_argument("--cache-dir", help="cache root (default: the daemon's default)")
+    demo.set_defaults(run=_demo)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Default locations of the daemon's socket and cache root.
+
+Light to import: the client uses it to find the daemon.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+APP = "kernel-service"
+
+
+def _absolute_env(name: str, env) -> Path | None:
+    value = env.get(name)
+    return Path(value) if value and os.path.isabs(value) else None
+
+
+def default_socket(env=os.environ) -> Path:
+    """$KERNEL_SERVICE_SOCKET, else $XDG_RUNTIME_DIR/kernel-service/kernel-service.sock,
+    else /tmp/kernel-service-<uid>/kernel-service.sock."""
+    if env.get("KERNEL_SERVICE_SOCKET"):
+        return Path(env["KERNEL_SERVICE_SOCKET"])
+    runtime = _absolute_env("XDG_RUNTIME_DIR", env)
+    base = runtime / APP if runtime else Path("/tmp") / f"{APP}-{os.getuid()}"
+    return base / f"{APP}.sock"
+
+
+def xdg_cache_home(env=os.environ) -> Path:
+    """$XDG_CACHE_HOME when set and absolute, else ~/.cache (the XDG rule)."""
+    return _absolute_env("XDG_CACHE_HOME", env) or Path.home() / ".cache"
+
+
+def default_cache_dir(env=os.environ) -> Path:
+    """$KERNEL_SERVICE_CACHE_DIR, else $XDG_CACHE_HOME/kernel-service or ~/.cache/kernel-service."""
+    if env.get("KERNEL_SERVICE_CACHE_DIR"):
+        return Path(env["KERNEL_SERVICE_CACHE_DIR"])
+    return xdg_cache_home(env) / APP
+
+
+def socket_address(path: Path | str) -> str:
+    """A gRPC target for a Unix socket path, or a host:port passed through."""
+    text = str(path)
+    if text.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) or (":" in text and "/" not in text):
+        return text
+    return f"unix:{os.path.abspath(text)}"

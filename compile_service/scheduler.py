@@ -1,0 +1,228 @@
+"""Who compiles what, when: single-flight, a bounded priority queue, a process pool.
+
+- Single-flight: one in-flight future per key; every concurrent request for
+  that key waits on it, so a kernel compiles once however many ask.
+- Priorities: a request somebody is blocked on (GetKernel) goes before
+  background work (Prefetch).
+- The pool: `workers` driver threads, each feeding one compile at a time to a
+  pool of as many worker processes (spawned, TileLang imported once each).
+  Publishing to the store happens on the driver thread, outside any lock.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from kernels.spec import CanonicalSpec
+
+from . import compiler
+from .keys import cache_key
+from .store import Entry, Store, StoreError
+
+log = logging.getLogger(__name__)
+
+URGENT, BACKGROUND = 0, 1
+
+
+class Outcome(IntEnum):  # values match the proto's Outcome enum
+    HIT = 1
+    COMPILED = 2
+    JOINED = 3
+
+
+class ShuttingDown(Exception):
+    """The daemon is draining; no new work is accepted."""
+
+
+class QueueFull(Exception):
+    """More compiles are waiting than the queue allows."""
+
+
+@dataclass
+class Counters:
+    compiles: int = 0
+    hits: int = 0
+    misses: int = 0
+    failures: int = 0
+    joined: int = 0
+    compile_seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **deltas) -> None:
+        with self.lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+
+@dataclass(order=True)
+class _Job:
+    priority: int
+    seq: int
+    key: str = field(compare=False)
+    spec: CanonicalSpec = field(compare=False)
+    future: cf.Future = field(compare=False)
+
+
+class Scheduler:
+    def __init__(self, store: Store, workers: int, queue_limit: int = 4096, kernel_modules: tuple[str, ...] = ()):
+        self.store = store
+        self.workers = workers
+        self.queue_limit = queue_limit
+        self.kernel_modules = kernel_modules
+        self.counters = Counters()
+        self._lock = threading.Lock()  # guards _inflight, _closing and the pool handle
+        self._inflight: dict[str, cf.Future] = {}
+        self._queue: queue.PriorityQueue[_Job] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._closing = False
+        self._pool = self._new_pool()
+        self._drivers = [threading.Thread(target=self._drive, name=f"compile-driver-{i}", daemon=True) for i in range(workers)]
+        for t in self._drivers:
+            t.start()
+
+    def _new_pool(self) -> cf.ProcessPoolExecutor:
+        # spawn, not fork: the daemon runs gRPC threads, which fork does not survive.
+        return cf.ProcessPoolExecutor(
+            self.workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=compiler.worker_init,
+            initargs=(self.kernel_modules,),
+        )
+
+    def warm_up(self) -> None:
+        """Starts every worker now (each pays TileLang's import once), not on the first cold request."""
+        futures = [self._pool.submit(time.sleep, 0.05) for _ in range(self.workers)]
+        cf.wait(futures)
+
+    # ----- requests
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def request(self, spec: CanonicalSpec, priority: int = URGENT) -> tuple[cf.Future, Outcome]:
+        """A future of the kernel's Entry, and how it is being satisfied.
+
+        Raises ShuttingDown or QueueFull. The future raises CompileFailed or StoreError.
+        """
+        if self._closing:
+            raise ShuttingDown("the kernel service is shutting down")
+        key = cache_key(spec)
+        entry = self.store.lookup(key)
+        if entry is not None:
+            self.counters.add(hits=1)
+            return _done(entry), Outcome.HIT
+        with self._lock:
+            if self._closing:
+                raise ShuttingDown("the kernel service is shutting down")
+            future = self._inflight.get(key)
+            if future is not None:
+                self.counters.add(misses=1, joined=1)
+                return future, Outcome.JOINED
+            # A compile may have published between our lookup and the lock.
+            entry = self.store.lookup(key)
+            if entry is not None:
+                self.counters.add(hits=1)
+                return _done(entry), Outcome.HIT
+            if len(self._inflight) >= self.queue_limit:
+                raise QueueFull(f"{len(self._inflight)} compiles are already queued (limit {self.queue_limit}); retry later")
+            future = cf.Future()
+            self._inflight[key] = future
+            self._queue.put(_Job(priority, next(self._seq), key, spec, future))
+        self.counters.add(misses=1)
+        return future, Outcome.COMPILED
+
+    # ----- the drivers
+    def _drive(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job.spec is None:  # shutdown sentinel
+                return
+            self._run(job)
+
+    def _run(self, job: _Job) -> None:
+        staging = None
+        try:
+            if self._closing:
+                raise ShuttingDown("the kernel service shut down before this kernel was compiled")
+            staging = self.store.new_staging(job.key)
+            result = self._submit(compiler.build, job.spec.to_json(), str(staging)).result()
+            entry = self.store.publish(job.key, staging, result["library"], result["meta"])
+            self.counters.add(compiles=1, compile_seconds=result["meta"]["compile_seconds"])
+            outcome: Entry | BaseException = entry
+        except BrokenProcessPool:
+            if self._closing:
+                outcome = ShuttingDown("the kernel service shut down while compiling this kernel")
+            else:
+                self._replace_pool()
+                outcome = compiler.CompileFailed("the compiler worker process died (crashed or was killed) while building this kernel")
+        except (compiler.CompileFailed, StoreError, ShuttingDown) as exc:
+            outcome = exc
+        except BaseException as exc:  # never leave waiters hanging
+            log.exception("unexpected error compiling %s", job.key[:16])
+            outcome = exc
+        finally:
+            if staging is not None:
+                self.store.discard_staging(staging)
+        if isinstance(outcome, BaseException):
+            if not isinstance(outcome, ShuttingDown):
+                self.counters.add(failures=1)
+                log.warning("compile of %s failed: %s", job.spec.to_json(), str(outcome)[:500])
+        # Leave the in-flight table before answering: a later request then finds the entry on disk.
+        with self._lock:
+            self._inflight.pop(job.key, None)
+        if isinstance(outcome, BaseException):
+            job.future.set_exception(outcome)
+        else:
+            job.future.set_result(outcome)
+
+    def _submit(self, fn, *args) -> cf.Future:
+        with self._lock:
+            pool = self._pool
+        return pool.submit(fn, *args)
+
+    def _replace_pool(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            broken, self._pool = self._pool, self._new_pool()
+        broken.shutdown(wait=False, cancel_futures=True)
+
+    # ----- shutdown
+    def shutdown(self, grace: float) -> None:
+        """Refuses new work, lets running compiles finish for up to `grace` seconds,
+        then kills the workers. Queued jobs fail with ShuttingDown; no staging is left."""
+        with self._lock:
+            self._closing = True
+        for _ in self._drivers:
+            self._queue.put(_Job(BACKGROUND + 1, next(self._seq), "", None, cf.Future()))
+        deadline = time.monotonic() + grace
+        for t in self._drivers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._drivers):
+            log.warning("compiles still running after %.1fs grace; stopping the workers", grace)
+            _kill_workers(self._pool)
+            for t in self._drivers:
+                t.join(10)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _done(entry: Entry) -> cf.Future:
+    future = cf.Future()
+    future.set_result(entry)
+    return future
+
+
+def _kill_workers(pool: cf.ProcessPoolExecutor) -> None:
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        if proc.is_alive():
+            proc.kill()

@@ -1,0 +1,144 @@
+"""The daemon process: one instance per socket and cache, a gRPC server, a clean drain.
+
+Start-up: take the cache's and the socket's instance locks (a second live
+daemon is refused with the holder's pid; a socket file left by a killed daemon
+is removed, since its lock died with it), sweep dead writers' staging
+directories, start the compile workers, then listen.
+Shutdown (SIGTERM/SIGINT): health goes NOT_SERVING, new RPCs are refused,
+running ones get `grace` seconds, then the workers are stopped. Entries are
+only ever published whole, so no partial entry is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from filelock import FileLock, Timeout
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+
+from .compiler import load_kernel_modules
+from .config import ServiceConfig
+from .cpus import usable_cpus
+from .paths import socket_address
+from .scheduler import Scheduler
+from .servicer import KernelServicer
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kernelservice.v1.KernelService"
+MAX_MESSAGE = 16 << 20
+
+
+class AlreadyRunning(RuntimeError):
+    pass
+
+
+def _instance_lock(path: Path, what: str) -> FileLock:
+    lock = FileLock(str(path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        holder = _read_pid(path.with_suffix(".pid"))
+        raise AlreadyRunning(f"another kernel-service daemon{f' (pid {holder})' if holder else ''} is already serving {what}") from None
+    path.with_suffix(".pid").write_text(f"{os.getpid()}\n")
+    return lock
+
+
+def _read_pid(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+class Daemon:
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self._locks: list[FileLock] = []
+        self._stopped = threading.Event()
+        self.server: grpc.Server | None = None
+        self.health = health.HealthServicer()
+
+    def start(self) -> None:
+        cfg = self.config
+        cfg.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cfg.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._locks.append(_instance_lock(cfg.cache_dir / "daemon.lock", f"cache dir {cfg.cache_dir}"))
+        try:
+            self._locks.append(_instance_lock(cfg.socket.with_name(cfg.socket.name + ".lock"), f"socket {cfg.socket}"))
+        except AlreadyRunning:
+            self._release()
+            raise
+        if cfg.socket.exists() or cfg.socket.is_symlink():
+            log.info("removing stale socket %s left by a daemon that is gone", cfg.socket)
+            cfg.socket.unlink()
+
+        load_kernel_modules(cfg.kernel_modules)
+        store = Store(cfg.cache_dir)
+        swept = store.clean_staging()
+        if swept:
+            log.info("removed %d staging directories left by dead writers", swept)
+        self.scheduler = Scheduler(store, cfg.workers, cfg.queue_limit, cfg.kernel_modules)
+        if cfg.warm_up:
+            self.scheduler.warm_up()
+
+        address = socket_address(cfg.socket)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max(64, 8 * cfg.workers), thread_name_prefix="rpc"),
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", MAX_MESSAGE),
+                ("grpc.max_send_message_length", MAX_MESSAGE),
+            ],
+        )
+        self.servicer = KernelServicer(self.scheduler, cfg.target, usable_cpus(), address)
+        pb_grpc.add_KernelServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server.add_insecure_port(address)
+        self.server.start()
+        os.chmod(cfg.socket, 0o600)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("kernel-service listening on %s, cache %s, %d workers", address, cfg.cache_dir, cfg.workers)
+
+    def stop(self, grace: float | None = None) -> None:
+        if self._stopped.is_set():
+            return
+        grace = self.config.grace if grace is None else grace
+        log.info("draining: refusing new requests, up to %.0fs for running ones", grace)
+        self.health.enter_graceful_shutdown()
+        done = self.server.stop(grace) if self.server else None
+        self.scheduler.shutdown(grace)
+        if done is not None:
+            done.wait(grace + 5)
+        try:
+            self.config.socket.unlink()
+        except FileNotFoundError:
+            pass
+        self._release()
+        self._stopped.set()
+        log.info("stopped")
+
+    def _release(self) -> None:
+        for lock in self._locks:
+            lock.release()
+        self._locks.clear()
+
+    def serve_forever(self) -> None:
+        """Runs until SIGTERM or SIGINT, then drains."""
+        stop_requested = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop_requested.set())
+        self.start()
+        while not stop_requested.wait(1.0):
+            pass
+        self.stop()

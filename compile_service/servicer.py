@@ -1,0 +1,164 @@
+"""The gRPC servicer: proto in, domain calls, proto and status codes out. Nothing else."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import threading
+import time
+
+import grpc
+
+import kernels
+from kernels.spec import InvalidSpec
+from proto.kernelservice.v1 import kernel_service_pb2 as pb
+from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+
+from . import __version__
+from .compiler import CompileFailed
+from .keys import describe_toolchain
+from .scheduler import BACKGROUND, URGENT, Outcome, QueueFull, Scheduler, ShuttingDown
+from .store import Entry, StoreError
+
+log = logging.getLogger(__name__)
+
+MAX_ERROR_TEXT = 12_000
+MAX_BATCH = 4096
+
+
+def spec_from_proto(spec: pb.KernelSpec, default_target: str) -> kernels.CanonicalSpec:
+    params = {}
+    for name, value in spec.params.items():
+        which = value.WhichOneof("value")
+        if which is None:
+            raise InvalidSpec(name, "parameter sent with no value")
+        params[name] = None if which == "null_value" else getattr(value, which)
+    return kernels.canonicalize(spec.kind, params, spec.target or default_target)
+
+
+def response(entry: Entry, outcome: Outcome) -> pb.GetKernelResponse:
+    artifact = pb.KernelArtifact(
+        key=entry.key,
+        entry_dir=str(entry.path),
+        library=entry.library,
+        library_sha256=entry.library_sha256,
+        library_size=entry.library_size,
+        abi_json=json.dumps(entry.abi, sort_keys=True),
+        canonical_spec=json.dumps(entry.meta["spec"], sort_keys=True, separators=(",", ":")),
+    )
+    return pb.GetKernelResponse(
+        artifact=artifact,
+        cached_result=outcome == Outcome.HIT,
+        outcome=int(outcome),
+        compile_seconds=float(entry.meta.get("compile_seconds", 0.0)),
+    )
+
+
+def _clip(text: str) -> str:
+    if len(text) <= MAX_ERROR_TEXT:
+        return text
+    half = MAX_ERROR_TEXT // 2
+    return f"{text[:half]}\n... [{len(text) - MAX_ERROR_TEXT} characters cut] ...\n{text[-half:]}"
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a domain error maps to (see the proto's Errors lists)."""
+    if isinstance(exc, InvalidSpec):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, CompileFailed):
+        return grpc.StatusCode.FAILED_PRECONDITION, _clip(str(exc))
+    if isinstance(exc, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, ShuttingDown):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, StoreError):
+        return grpc.StatusCode.INTERNAL, f"kernel cache write failed: {exc.strerror or exc}"
+    if isinstance(exc, cf.TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while the kernel was compiling; it keeps compiling"
+    log.exception("unexpected error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"unexpected {type(exc).__name__}: {exc}"
+
+
+class KernelServicer(pb_grpc.KernelServiceServicer):
+    def __init__(self, scheduler: Scheduler, default_target: str, cpu_quota: int, address: str):
+        self.scheduler = scheduler
+        self.default_target = default_target
+        self.cpu_quota = cpu_quota
+        self.address = address
+        self.started = time.time()
+        self.invalid = 0
+        self._invalid_lock = threading.Lock()
+
+    def _validate(self, spec: pb.KernelSpec) -> kernels.CanonicalSpec:
+        try:
+            return spec_from_proto(spec, self.default_target)
+        except InvalidSpec:
+            with self._invalid_lock:
+                self.invalid += 1
+            raise
+
+    def GetKernel(self, request, context):
+        try:
+            spec = self._validate(request.spec)
+            future, outcome = self.scheduler.request(spec, URGENT)
+            entry = future.result(timeout=context.time_remaining())
+            return response(entry, outcome)
+        except Exception as exc:  # noqa: BLE001 - every domain error becomes a status
+            context.abort(*status_of(exc))
+
+    def Prefetch(self, request, context):
+        if len(request.specs) > MAX_BATCH:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"specs: at most {MAX_BATCH} per Prefetch, got {len(request.specs)}")
+        try:
+            specs = []
+            for i, raw in enumerate(request.specs):
+                try:
+                    specs.append(self._validate(raw))
+                except InvalidSpec as exc:
+                    raise InvalidSpec(f"specs[{i}].{exc.field}", str(exc).split(": ", 1)[-1]) from None
+            pending = {}
+            for i, spec in enumerate(specs):
+                future, outcome = self.scheduler.request(spec, BACKGROUND)
+                pending[future] = pending.get(future, []) + [(i, outcome)]
+        except Exception as exc:  # noqa: BLE001
+            context.abort(*status_of(exc))
+        total, done = len(specs), 0
+        try:
+            for future in cf.as_completed(pending, timeout=context.time_remaining()):
+                for index, outcome in pending[future]:
+                    done += 1
+                    event = pb.PrefetchEvent(index=index, done=done, total=total)
+                    if future.exception() is None:
+                        event.kernel.CopyFrom(response(future.result(), outcome))
+                    else:
+                        code, message = status_of(future.exception())
+                        event.error_code, event.error_message = code.name, message
+                    yield event
+        except cf.TimeoutError as exc:
+            context.abort(*status_of(exc))
+
+    def GetStats(self, request, context):
+        c = self.scheduler.counters
+        entries, size = self.scheduler.store.totals()
+        with c.lock:
+            return pb.Stats(
+                compiles=c.compiles,
+                hits=c.hits,
+                misses=c.misses,
+                failures=c.failures,
+                joined=c.joined,
+                compile_seconds=c.compile_seconds,
+                in_flight=self.scheduler.in_flight,
+                workers=self.scheduler.workers,
+                entries=entries,
+                bytes=size,
+                corrupt=self.scheduler.store.corrupt_found,
+                invalid=self.invalid,
+                cpu_quota=self.cpu_quota,
+                cache_dir=str(self.scheduler.store.root),
+                address=self.address,
+                uptime_seconds=time.time() - self.started,
+                version=__version__,
+                toolchain=describe_toolchain(),
+            )

@@ -1,0 +1,199 @@
+"""FlashAttention-style forward: O = softmax(Q K^T / sqrt(d)) V, online softmax, GQA."""
+# No `from __future__ import annotations` here: TileLang reads the T.Tensor
+# annotations of the PrimFuncs below at trace time.
+
+import math
+
+from .registry import register
+from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
+
+LOG2E = 1.4426950408889634
+SMEM_LIMIT = 220 * 1024  # of Hopper's 227 KiB per block
+
+
+def _pow2(name, value, lo, hi):
+    if value & (value - 1) or not lo <= value <= hi:
+        raise InvalidSpec(name, f"must be a power of two in [{lo}, {hi}], got {value}")
+
+
+@register
+class Attention(KernelKind):
+    name = "attention"
+    doc = "O[b,s,h,d] = softmax(Q K^T / sqrt(d)) V with Q,O [batch,seq_len,heads,head_dim], K,V [batch,seq_len,kv_heads,head_dim]."
+    params = (
+        dim("batch", "None makes it a runtime size", dynamic=True),
+        dim("heads", "query heads"),
+        dim("kv_heads", "key/value heads; heads must be a multiple (GQA)"),
+        dim("seq_len", "query and key length; None makes it a runtime size", dynamic=True),
+        dim("head_dim"),
+        Param("causal", bool, default=False, doc="query i sees keys 0..i"),
+        dtype_param(),
+        tile("block_M", "query rows per block"),
+        tile("block_N", "keys per inner step"),
+        tile("num_stages", "K/V pipeline depth (CUDA only)"),
+        tile("threads", "threads per block: 128 or 256 (CUDA only)"),
+    )
+
+    def check(self, p, target):
+        if p["heads"] % p["kv_heads"]:
+            raise InvalidSpec("kv_heads", f"heads ({p['heads']}) must be a multiple of kv_heads ({p['kv_heads']})")
+        if target.is_cpu:
+            for name in ("num_stages", "threads"):
+                if p[name] is not None:
+                    raise InvalidSpec(name, "applies only to CUDA targets")
+            p["block_M"] = p["block_M"] or 16
+            p["block_N"] = p["block_N"] or 16
+            _pow2("block_M", p["block_M"], 1, 128)
+            _pow2("block_N", p["block_N"], 1, 128)
+            return p
+        d = p["head_dim"]
+        if d % 16 or d > 256:
+            raise InvalidSpec("head_dim", f"must be a multiple of 16 up to 256 on CUDA, got {d}")
+        if p["dtype"] == "float32":
+            raise InvalidSpec("dtype", "float32 attention is not supported on CUDA; use float16 or bfloat16")
+        # Each warpgroup (128 threads) owns one 64-row wgmma tile of queries, so
+        # block_M and threads go together: 64 with 128 threads, 128 with 256.
+        if p["threads"] is None:
+            p["threads"] = 2 * p["block_M"] if p["block_M"] in (64, 128) else 256
+        if p["threads"] not in (128, 256):
+            raise InvalidSpec("threads", f"must be 128 or 256, got {p['threads']}")
+        if p["block_M"] is None:
+            p["block_M"] = p["threads"] // 2
+        if p["block_M"] != p["threads"] // 2:
+            raise InvalidSpec("block_M", f"must be threads/2 (64 rows per 128-thread warpgroup): {p['threads'] // 2} for {p['threads']} threads, got {p['block_M']}")
+        p["block_N"] = p["block_N"] or (128 if d <= 128 else 64)
+        p["num_stages"] = p["num_stages"] or 2
+        bm, bn = p["block_M"], p["block_N"]
+        _pow2("block_N", bn, 32, 256)
+        if not 1 <= p["num_stages"] <= 4:
+            raise InvalidSpec("num_stages", f"must be in [1, 4], got {p['num_stages']}")
+        # Per thread: the scores tile and the output accumulator, in fp32 registers.
+        regs = (bm * bn + bm * d) // p["threads"]
+        if regs > 192:
+            raise InvalidSpec("block_M", f"a {bm}x{bn} tile with head_dim {d} needs {regs} fp32 registers per thread (max 192); use smaller blocks or more threads")
+        smem = 2 * (bm * d + p["num_stages"] * 2 * bn * d + bm * d)
+        if smem > SMEM_LIMIT:
+            raise InvalidSpec("num_stages", f"tiles need {smem // 1024} KiB of shared memory, over the {SMEM_LIMIT // 1024} KiB a block gets")
+        return p
+
+    def _shapes(self, T, p):
+        batch = p["batch"] if p["batch"] is not None else T.dynamic("batch")
+        seq = p["seq_len"] if p["seq_len"] is not None else T.dynamic("seq_len")
+        return batch, seq, (batch, seq, p["heads"], p["head_dim"]), (batch, seq, p["kv_heads"], p["head_dim"])
+
+    def build_cpu(self, p):
+        import tilelang.language as T
+
+        batch, seq, q_shape, kv_shape = self._shapes(T, p)
+        d, dtype, causal = p["head_dim"], p["dtype"], p["causal"]
+        bm, bn = p["block_M"], p["block_N"]
+        group = p["heads"] // p["kv_heads"]
+        scale = LOG2E / math.sqrt(d)  # exp2 of pre-scaled scores: one multiply per score
+
+        @T.prim_func
+        def main(Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype), V: T.Tensor(kv_shape, dtype), O: T.Tensor(q_shape, dtype)):
+            with T.Kernel(T.ceildiv(seq, bm), p["heads"], batch) as (bx, h, b):
+                s = T.alloc_local((bm, bn), "float32")
+                acc = T.alloc_local((bm, d), "float32")
+                m = T.alloc_local((bm,), "float32")
+                m_prev = T.alloc_local((bm,), "float32")
+                lsum = T.alloc_local((bm,), "float32")
+                for i, j in T.grid(bm, d):
+                    acc[i, j] = 0
+                for i in T.serial(bm):
+                    m[i] = -T.infinity("float32")
+                    lsum[i] = 0
+                for kb in T.serial(T.ceildiv(seq, bn)):
+                    # Scores, with keys past seq_len (and, when causal, past the query) at -inf.
+                    for i, j in T.grid(bm, bn):
+                        q, k = bx * bm + i, kb * bn + j
+                        s[i, j] = -T.infinity("float32")
+                        if q < seq and k < seq and (not causal or k <= q):
+                            s[i, j] = 0
+                            for c in T.serial(d):
+                                s[i, j] += Q[b, q, h, c] * K[b, k, h // group, c]
+                            s[i, j] = s[i, j] * scale
+                    for i in T.serial(bm):
+                        m_prev[i] = m[i]
+                        for j in T.serial(bn):
+                            m[i] = T.max(m[i], s[i, j])
+                    # Rows with every key masked so far keep m = -inf; exp2 of that must not be NaN.
+                    for i, j in T.grid(bm, bn):
+                        s[i, j] = T.if_then_else(m[i] == -T.infinity("float32"), 0, T.exp2(s[i, j] - m[i]))
+                    for i in T.serial(bm):
+                        r = T.if_then_else(m[i] == -T.infinity("float32"), 1, T.exp2(m_prev[i] - m[i]))
+                        lsum[i] = lsum[i] * r
+                        for c in T.serial(d):
+                            acc[i, c] = acc[i, c] * r
+                        for j in T.serial(bn):
+                            lsum[i] += s[i, j]
+                    for i, j, c in T.grid(bm, bn, d):
+                        if kb * bn + j < seq:
+                            acc[i, c] += s[i, j] * V[b, kb * bn + j, h // group, c]
+                for i, c in T.grid(bm, d):
+                    if bx * bm + i < seq:
+                        O[b, bx * bm + i, h, c] = acc[i, c] / lsum[i]
+
+        return main
+
+    def build_cuda(self, p, target: Target):
+        import tilelang.language as T
+
+        batch, seq, q_shape, kv_shape = self._shapes(T, p)
+        d, dtype, causal = p["head_dim"], p["dtype"], p["causal"]
+        bm, bn = p["block_M"], p["block_N"]
+        group = p["heads"] // p["kv_heads"]
+        scale = LOG2E / math.sqrt(d)
+        acc_t = "float32"
+
+        @T.prim_func
+        def main(Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype), V: T.Tensor(kv_shape, dtype), O: T.Tensor(q_shape, dtype)):
+            with T.Kernel(T.ceildiv(seq, bm), p["heads"], batch, threads=p["threads"]) as (bx, h, b):
+                Q_s = T.alloc_shared((bm, d), dtype)
+                K_s = T.alloc_shared((bn, d), dtype)
+                V_s = T.alloc_shared((bn, d), dtype)
+                O_s = T.alloc_shared((bm, d), dtype)
+                s = T.alloc_fragment((bm, bn), acc_t)
+                s_cast = T.alloc_fragment((bm, bn), dtype)
+                acc = T.alloc_fragment((bm, d), acc_t)
+                m = T.alloc_fragment((bm,), acc_t)
+                m_prev = T.alloc_fragment((bm,), acc_t)
+                r = T.alloc_fragment((bm,), acc_t)
+                row_sum = T.alloc_fragment((bm,), acc_t)
+                lsum = T.alloc_fragment((bm,), acc_t)
+
+                T.copy(Q[b, bx * bm : (bx + 1) * bm, h, :], Q_s)
+                T.fill(acc, 0)
+                T.fill(lsum, 0)
+                T.fill(m, -T.infinity(acc_t))
+                # Causal blocks stop at the diagonal: keys past the last query row are all masked.
+                steps = T.min(T.ceildiv(seq, bn), T.ceildiv((bx + 1) * bm, bn)) if causal else T.ceildiv(seq, bn)
+                for kb in T.Pipelined(steps, num_stages=p["num_stages"]):
+                    T.copy(K[b, kb * bn : (kb + 1) * bn, h // group, :], K_s)
+                    # The mask rides in the accumulator's initial value: 0 where visible, -inf where not.
+                    for i, j in T.Parallel(bm, bn):
+                        if causal:
+                            s[i, j] = T.if_then_else(kb * bn + j <= bx * bm + i, 0, -T.infinity(acc_t))
+                        else:
+                            s[i, j] = T.if_then_else(kb * bn + j < seq, 0, -T.infinity(acc_t))
+                    T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(m, m_prev)
+                    T.reduce_max(s, m, dim=1, clear=False)
+                    for i in T.Parallel(bm):
+                        r[i] = T.exp2(m_prev[i] * scale - m[i] * scale)
+                    for i, j in T.Parallel(bm, bn):
+                        s[i, j] = T.exp2(s[i, j] * scale - m[i] * scale)
+                    T.reduce_sum(s, row_sum, dim=1)
+                    for i in T.Parallel(bm):
+                        lsum[i] = lsum[i] * r[i] + row_sum[i]
+                    T.copy(s, s_cast)
+                    for i, j in T.Parallel(bm, d):
+                        acc[i, j] *= r[i]
+                    T.copy(V[b, kb * bn : (kb + 1) * bn, h // group, :], V_s)
+                    T.gemm(s_cast, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bm, d):
+                    acc[i, j] /= lsum[i]
+                T.copy(acc, O_s)
+                T.copy(O_s, O[b, bx * bm : (bx + 1) * bm, h, :])
+
+        return main

@@ -1,0 +1,175 @@
+"""C = act(A @ B + bias), B given as [K, N] or [N, K] when trans_b; fp32 accumulation."""
+# No `from __future__ import annotations` here: TileLang reads the T.Tensor
+# annotations of the PrimFuncs below at trace time.
+
+import math
+
+from .registry import register
+from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
+
+ACTS = ("none", "gelu", "silu", "relu")
+# Hopper has 227 KiB of shared memory per block; leave room for barriers.
+SMEM_LIMIT = 220 * 1024
+
+
+def activation(T, x, act):
+    """The epilogue's activation as a TIR expression on fp32 `x` (traced, so shared by both forms)."""
+    if act == "gelu":  # exact erf form, as torch's default GELU
+        return 0.5 * x * (1.0 + T.erf(x * (1.0 / math.sqrt(2.0))))
+    if act == "silu":
+        return x / (1.0 + T.exp(-x))
+    if act == "relu":
+        return T.max(x, T.float32(0))
+    return x
+
+
+def _pow2(name, value, lo, hi):
+    if value & (value - 1) or not lo <= value <= hi:
+        raise InvalidSpec(name, f"must be a power of two in [{lo}, {hi}], got {value}")
+
+
+@register
+class Gemm(KernelKind):
+    name = "gemm"
+    doc = "C[M,N] = act(A[M,K] @ B + bias[N]), with B as [K,N] or, when trans_b, [N,K]."
+    params = (
+        dim("M", "rows of A and C; None makes it a runtime size", dynamic=True),
+        dim("N", "columns of C"),
+        dim("K", "reduction length"),
+        dtype_param(),
+        Param("trans_b", bool, default=False, doc="B is stored [N, K], the layout of linear weights"),
+        Param("bias", bool, default=False, doc="add a bias[N] input (after B) to every row"),
+        Param("act", str, default="none", choices=ACTS, doc="activation applied in the epilogue (gelu is the exact erf form)"),
+        tile("block_M"),
+        tile("block_N"),
+        tile("block_K"),
+        tile("num_stages", "shared-memory pipeline depth (CUDA only)"),
+        tile("threads", "threads per block: 128 or 256 (CUDA only)"),
+    )
+
+    def check(self, p, target):
+        if target.is_cpu:
+            for name in ("num_stages", "threads"):
+                if p[name] is not None:
+                    raise InvalidSpec(name, "applies only to CUDA targets")
+            defaults = {"block_M": 32, "block_N": 32, "block_K": 32}
+        elif p["dtype"] == "float32":  # tf32 tensor cores; 4-byte elements halve what fits
+            defaults = {"block_M": 128, "block_N": 128, "block_K": 32, "num_stages": 3, "threads": 256}
+        else:  # 128x256x64 in 3 stages: the wgmma-friendly Hopper tile
+            defaults = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256}
+        for name, value in defaults.items():
+            if p[name] is None:
+                p[name] = value
+        bm, bn, bk = p["block_M"], p["block_N"], p["block_K"]
+        if target.is_cpu:
+            for name in ("block_M", "block_N", "block_K"):
+                _pow2(name, p[name], 1, 128)
+            return p
+        _pow2("block_M", bm, 16, 256)
+        _pow2("block_N", bn, 16, 256)
+        _pow2("block_K", bk, 16, 128)
+        if p["threads"] not in (128, 256):
+            raise InvalidSpec("threads", f"must be 128 or 256, got {p['threads']}")
+        if not 1 <= p["num_stages"] <= 6:
+            raise InvalidSpec("num_stages", f"must be in [1, 6], got {p['num_stages']}")
+        # Each thread holds bm*bn/threads fp32 accumulators; past 128 they spill.
+        if bm * bn // p["threads"] > 128:
+            raise InvalidSpec("block_N", f"a {bm}x{bn} tile needs {bm * bn // p['threads']} accumulator registers per thread (max 128); use smaller tiles or more threads")
+        # A warp tile must hold at least one 16x8 MMA per warp.
+        if bm * bn < p["threads"] // 32 * 16 * 16:
+            raise InvalidSpec("block_M", f"a {bm}x{bn} tile is too small for {p['threads']} threads")
+        size = 4 if p["dtype"] == "float32" else 2
+        smem = p["num_stages"] * (bm * bk + bk * bn) * size + bm * bn * size
+        if smem > SMEM_LIMIT:
+            raise InvalidSpec("num_stages", f"tiles need {smem // 1024} KiB of shared memory, over the {SMEM_LIMIT // 1024} KiB a block gets")
+        # cp.async/TMA rows must be 16-byte aligned, so K (and N for B[K,N]) must be too.
+        align = 16 // size
+        if p["K"] % align or (not p["trans_b"] and p["N"] % align) or p["N"] % align:
+            raise InvalidSpec("K" if p["K"] % align else "N", f"must be a multiple of {align} for {p['dtype']} on CUDA (16-byte rows)")
+        return p
+
+    def build_cpu(self, p):
+        import tilelang.language as T
+
+        M = p["M"] if p["M"] is not None else T.dynamic("M")
+        N, K, dtype = p["N"], p["K"], p["dtype"]
+        bm, bn, bk = p["block_M"], p["block_N"], p["block_K"]
+        trans_b, act, has_bias = p["trans_b"], p["act"], p["bias"]
+        b_shape = (N, K) if trans_b else (K, N)
+
+        @T.macro
+        def body(A, B, Bias, C):
+            with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm)) as (bx, by):
+                acc = T.alloc_local((bm, bn), "float32")
+                for i, j in T.grid(bm, bn):
+                    acc[i, j] = 0
+                for ko in T.serial(T.ceildiv(K, bk)):
+                    for i, j, k in T.grid(bm, bn, bk):
+                        row, col, kk = by * bm + i, bx * bn + j, ko * bk + k
+                        if row < M and col < N and kk < K:
+                            if trans_b:
+                                acc[i, j] += A[row, kk] * B[col, kk]
+                            else:
+                                acc[i, j] += A[row, kk] * B[kk, col]
+                for i, j in T.grid(bm, bn):
+                    row, col = by * bm + i, bx * bn + j
+                    if row < M and col < N:
+                        if has_bias:
+                            acc[i, j] += Bias[col]
+                        C[row, col] = activation(T, acc[i, j], act)
+
+        if has_bias:
+            @T.prim_func
+            def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), C: T.Tensor((M, N), dtype)):
+                body(A, B, Bias, C)
+        else:
+            @T.prim_func
+            def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor((M, N), dtype)):
+                body(A, B, None, C)
+        return main
+
+    def build_cuda(self, p, target: Target):
+        import tilelang.language as T
+
+        M = p["M"] if p["M"] is not None else T.dynamic("M")
+        N, K, dtype = p["N"], p["K"], p["dtype"]
+        bm, bn, bk = p["block_M"], p["block_N"], p["block_K"]
+        trans_b, act, has_bias = p["trans_b"], p["act"], p["bias"]
+        b_shape = (N, K) if trans_b else (K, N)
+        b_tile = (bn, bk) if trans_b else (bk, bn)
+
+        @T.macro
+        def body(A, B, Bias, C):
+            with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=p["threads"]) as (bx, by):
+                A_s = T.alloc_shared((bm, bk), dtype)
+                B_s = T.alloc_shared(b_tile, dtype)
+                C_s = T.alloc_shared((bm, bn), dtype)
+                C_f = T.alloc_fragment((bm, bn), "float32")
+                # Grouped block order keeps a panel of B tiles hot in L2.
+                T.use_swizzle(panel_size=10)
+                T.clear(C_f)
+                for ko in T.Pipelined(T.ceildiv(K, bk), num_stages=p["num_stages"]):
+                    T.copy(A[by * bm, ko * bk], A_s)
+                    if trans_b:
+                        T.copy(B[bx * bn, ko * bk], B_s)
+                    else:
+                        T.copy(B[ko * bk, bx * bn], B_s)
+                    T.gemm(A_s, B_s, C_f, transpose_B=trans_b)
+                if has_bias or act != "none":
+                    for i, j in T.Parallel(bm, bn):
+                        if has_bias:  # clamped: columns past N are computed but never stored
+                            C_f[i, j] += T.cast(Bias[T.min(bx * bn + j, N - 1)], "float32")
+                        C_f[i, j] = activation(T, C_f[i, j], act)
+                # Staging through shared memory makes the store coalesced (TMA on Hopper).
+                T.copy(C_f, C_s)
+                T.copy(C_s, C[by * bm, bx * bn])
+
+        if has_bias:
+            @T.prim_func
+            def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), C: T.Tensor((M, N), dtype)):
+                body(A, B, Bias, C)
+        else:
+            @T.prim_func
+            def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor((M, N), dtype)):
+                body(A, B, None, C)
+        return main

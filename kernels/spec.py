@@ -1,0 +1,219 @@
+"""Kernel signatures: targets, parameter schemas and validation.
+
+Nothing here imports TileLang: the daemon validates every request with this
+module before any compile work, and the client can use it without paying the
+compiler's import.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import subprocess
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+__all__ = ["InvalidSpec", "Target", "parse_target", "Param", "KernelKind", "CanonicalSpec", "REQUIRED"]
+
+# Sizes above this are rejected as absurd: no tensor dimension of a real model
+# comes near it, and it keeps every index inside int32 arithmetic.
+MAX_DIM = 1 << 20
+DTYPES_16 = ("float16", "bfloat16")
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+class InvalidSpec(ValueError):
+    """A kernel signature that cannot be built; `field` names the culprit."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+_ARCH = re.compile(r"^sm_(\d{2,3})(a?)$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a kernel runs: `c` (the CPU, via generated C) or `cuda` with an arch."""
+
+    kind: str  # "c" or "cuda"
+    arch: str | None = None  # "sm_90a" for cuda
+
+    def __str__(self) -> str:
+        return self.arch if self.kind == "cuda" else "c"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.kind == "c"
+
+    @property
+    def compute_capability(self) -> int | None:
+        """90 for sm_90a, 80 for sm_80; None on the CPU."""
+        return int(_ARCH.match(self.arch).group(1)) if self.arch else None
+
+    def tilelang_target(self) -> str | dict:
+        # TileLang rejects the string form "cuda -arch=..."; the dict form works.
+        return "c" if self.is_cpu else {"kind": "cuda", "arch": self.arch}
+
+
+@functools.cache
+def detect_local_target() -> Target:
+    """The local GPU's arch, else the CPU. Hopper gets `sm_90a` (its wgmma/setmaxnreg need it).
+
+    Asks nvidia-smi rather than torch, so that resolving "auto" never creates a
+    CUDA context in the daemon.
+    """
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        ).stdout.split()
+        major, minor = out[0].split(".")
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return Target("c")
+    suffix = "a" if (major, minor) == ("9", "0") else ""
+    return Target("cuda", f"sm_{major}{minor}{suffix}")
+
+
+def parse_target(text: str | None) -> Target:
+    """Accepts "c", "auto" (or None) and CUDA arch names such as "sm_90a" or "sm_80"."""
+    if text is None or text == "auto":
+        return detect_local_target()
+    if not isinstance(text, str):
+        raise InvalidSpec("target", f"expected a string such as 'c', 'auto' or 'sm_90a', got {type(text).__name__}")
+    if text == "c":
+        return Target("c")
+    match = _ARCH.match(text)
+    if match and int(match.group(1)) >= 70:
+        return Target("cuda", text)
+    raise InvalidSpec("target", f"unknown target {text!r}; use 'c', 'auto' or a CUDA arch like 'sm_90a' or 'sm_80' (sm_70 or newer)")
+
+
+REQUIRED: Any = object()
+
+
+@dataclass(frozen=True)
+class Param:
+    """One public parameter of a kernel kind: its type, default and bounds."""
+
+    name: str
+    type: type  # int, float, bool or str
+    default: Any = REQUIRED
+    choices: tuple | None = None
+    min: float | None = None
+    max: float | None = None
+    nullable: bool = False  # None allowed: a runtime (dynamic) dimension, or "use the default tiling"
+    doc: str = ""
+
+    def check(self, value: Any) -> Any:
+        if value is None:
+            if self.nullable:
+                return None
+            raise InvalidSpec(self.name, "must not be None")
+        # bool is an int subclass; a size given as True is a bug, not a 1.
+        if self.type is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise InvalidSpec(self.name, f"expected an integer, got {value!r}")
+        if self.type is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidSpec(self.name, f"expected a number, got {value!r}")
+            value = float(value)
+            if not math.isfinite(value):
+                raise InvalidSpec(self.name, f"expected a finite number, got {value!r}")
+        if self.type is bool and not isinstance(value, bool):
+            raise InvalidSpec(self.name, f"expected true or false, got {value!r}")
+        if self.type is str and not isinstance(value, str):
+            raise InvalidSpec(self.name, f"expected a string, got {value!r}")
+        if self.choices is not None and value not in self.choices:
+            raise InvalidSpec(self.name, f"{value!r} is not one of {', '.join(map(str, self.choices))}")
+        if self.min is not None and value < self.min:
+            raise InvalidSpec(self.name, f"must be at least {self.min}, got {value!r}")
+        if self.max is not None and value > self.max:
+            raise InvalidSpec(self.name, f"must be at most {self.max}, got {value!r}")
+        return value
+
+
+def dim(name: str, doc: str = "", dynamic: bool = False) -> Param:
+    """A tensor dimension: a positive int, or None for a runtime size when `dynamic`."""
+    return Param(name, int, min=1, max=MAX_DIM, nullable=dynamic, doc=doc)
+
+
+def dtype_param(doc: str = "element type of the tensors") -> Param:
+    return Param("dtype", str, choices=DTYPES, doc=doc)
+
+
+def tile(name: str, doc: str = "") -> Param:
+    """An optional tiling knob; None means the kind's default for the target."""
+    return Param(name, int, default=None, min=1, max=1024, nullable=True, doc=doc)
+
+
+@dataclass(frozen=True)
+class CanonicalSpec:
+    """A validated signature with every default filled in: what a key is made of."""
+
+    kind: str
+    params: dict
+    target: Target
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.kind, "params": self.params, "target": str(self.target)}, sort_keys=True, separators=(",", ":"))
+
+
+class KernelKind:
+    """A kernel family: a parameter schema plus a builder of TileLang PrimFuncs.
+
+    Subclasses set `name`, `params` and `doc`, may override `check` for rules
+    that involve several fields, and implement `build_cpu` / `build_cuda`,
+    importing TileLang inside them (never at module level).
+    """
+
+    name: ClassVar[str]
+    doc: ClassVar[str] = ""
+    params: ClassVar[tuple[Param, ...]]
+    # Which PrimFunc parameters are outputs, in order (negative counts from the end).
+    outputs: ClassVar[tuple[int, ...]] = (-1,)
+
+    def canonicalize(self, raw: dict, target: Target) -> CanonicalSpec:
+        known = {p.name for p in self.params}
+        extra = sorted(set(raw) - known)
+        if extra:
+            raise InvalidSpec(extra[0], f"unknown parameter for kind {self.name!r}; it takes {', '.join(sorted(known))}")
+        values = {}
+        for p in self.params:
+            if p.name in raw:
+                values[p.name] = p.check(raw[p.name])
+            elif p.default is REQUIRED:
+                raise InvalidSpec(p.name, f"missing required parameter of kind {self.name!r}")
+            else:
+                values[p.name] = p.default
+        if target.is_cpu and values.get("dtype") in DTYPES_16:
+            raise InvalidSpec("dtype", f"{values['dtype']} is not supported on target 'c'; use float32")
+        values = self.check(values, target) or values
+        return CanonicalSpec(self.name, values, target)
+
+    def check(self, p: dict, target: Target) -> dict | None:
+        """Cross-field rules and default tilings; raise InvalidSpec, or return an updated dict."""
+        return None
+
+    def build(self, p: dict, target: Target):
+        """The TileLang PrimFunc for canonical params `p` on `target`."""
+        return self.build_cpu(p) if target.is_cpu else self.build_cuda(p, target)
+
+    def build_cpu(self, p: dict):
+        raise NotImplementedError
+
+    def build_cuda(self, p: dict, target: Target):
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {"name": self.name, "doc": self.doc, "params": [field_doc(p) for p in self.params]}
+
+
+def field_doc(p: Param) -> dict:
+    out = {"name": p.name, "type": p.type.__name__, "doc": p.doc}
+    if p.default is not REQUIRED:
+        out["default"] = p.default
+    if p.choices:
+        out["choices"] = list(p.choices)
+    return out

@@ -1,0 +1,76 @@
+"""out = silu(gate) * up, elementwise, computed in fp32."""
+# No `from __future__ import annotations` here: TileLang reads the T.Tensor
+# annotations of the PrimFuncs below at trace time.
+
+
+from .registry import register
+from .spec import InvalidSpec, KernelKind, Target, dim, dtype_param, tile
+
+
+def _silu_mul(T, g, u):
+    g = T.cast(g, "float32")
+    return g / (1.0 + T.exp(-g)) * T.cast(u, "float32")
+
+
+@register
+class SwiGLU(KernelKind):
+    name = "swiglu"
+    doc = "out[M,N] = silu(gate[M,N]) * up[M,N]."
+    params = (
+        dim("M", "rows; None makes it a runtime size", dynamic=True),
+        dim("N", "row length (intermediate size)"),
+        dtype_param(),
+        tile("block_M", "rows per block"),
+        tile("block_N", "columns per block"),
+    )
+
+    def check(self, p, target):
+        # GPU: 8x1024 per block of 256 threads is 32 elements (four 16-byte vectors) per thread.
+        bm, bn = (4, 64) if target.is_cpu else (8, 1024)
+        p["block_M"] = p["block_M"] or bm
+        p["block_N"] = p["block_N"] or bn
+        for name in ("block_M", "block_N"):
+            if p[name] & (p[name] - 1):
+                raise InvalidSpec(name, f"must be a power of two, got {p[name]}")
+        if not target.is_cpu:
+            per_thread = p["block_M"] * p["block_N"] // 256
+            if not 8 <= per_thread <= 64:
+                raise InvalidSpec("block_N", f"block_M*block_N must be 2048..16384 on CUDA (8..64 elements per thread), got {p['block_M'] * p['block_N']}")
+            if p["N"] % 8:
+                raise InvalidSpec("N", f"must be a multiple of 8 on CUDA (16-byte rows), got {p['N']}")
+        return p
+
+    def build_cpu(self, p):
+        import tilelang.language as T
+
+        M = p["M"] if p["M"] is not None else T.dynamic("M")
+        N, dtype, bm, bn = p["N"], p["dtype"], p["block_M"], p["block_N"]
+
+        @T.prim_func
+        def main(G: T.Tensor((M, N), dtype), U: T.Tensor((M, N), dtype), Y: T.Tensor((M, N), dtype)):
+            with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm)) as (bx, by):
+                for i, j in T.grid(bm, bn):
+                    if by * bm + i < M and bx * bn + j < N:
+                        Y[by * bm + i, bx * bn + j] = _silu_mul(T, G[by * bm + i, bx * bn + j], U[by * bm + i, bx * bn + j])
+
+        return main
+
+    def build_cuda(self, p, target: Target):
+        import tilelang.language as T
+
+        M = p["M"] if p["M"] is not None else T.dynamic("M")
+        N, dtype, bm, bn = p["N"], p["dtype"], p["block_M"], p["block_N"]
+
+        @T.prim_func
+        def main(G: T.Tensor((M, N), dtype), U: T.Tensor((M, N), dtype), Y: T.Tensor((M, N), dtype)):
+            with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=256) as (bx, by):
+                g = T.alloc_fragment((bm, bn), dtype)
+                u = T.alloc_fragment((bm, bn), dtype)
+                # T.copy guards the ragged edges and vectorizes the rest.
+                T.copy(G[by * bm, bx * bn], g)
+                T.copy(U[by * bm, bx * bn], u)
+                for i, j in T.Parallel(bm, bn):
+                    g[i, j] = _silu_mul(T, g[i, j], u[i, j])
+                T.copy(g, Y[by * bm, bx * bn])
+
+        return main

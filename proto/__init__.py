@@ -1,0 +1,1 @@
+"""The wire contract (kernelservice.v1) and its generated Python stubs."""

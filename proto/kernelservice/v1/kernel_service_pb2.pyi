@@ -1,0 +1,153 @@
+from google.protobuf import struct_pb2 as _struct_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
+    OUTCOME_HIT: _ClassVar[Outcome]
+    OUTCOME_COMPILED: _ClassVar[Outcome]
+    OUTCOME_JOINED: _ClassVar[Outcome]
+OUTCOME_UNSPECIFIED: Outcome
+OUTCOME_HIT: Outcome
+OUTCOME_COMPILED: Outcome
+OUTCOME_JOINED: Outcome
+
+class KernelSpec(_message.Message):
+    __slots__ = ("kind", "params", "target")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ParamValue
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ParamValue, _Mapping]] = ...) -> None: ...
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    params: _containers.MessageMap[str, ParamValue]
+    target: str
+    def __init__(self, kind: _Optional[str] = ..., params: _Optional[_Mapping[str, ParamValue]] = ..., target: _Optional[str] = ...) -> None: ...
+
+class ParamValue(_message.Message):
+    __slots__ = ("int_value", "float_value", "bool_value", "string_value", "null_value")
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
+    NULL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    int_value: int
+    float_value: float
+    bool_value: bool
+    string_value: str
+    null_value: _struct_pb2.NullValue
+    def __init__(self, int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., bool_value: _Optional[bool] = ..., string_value: _Optional[str] = ..., null_value: _Optional[_Union[_struct_pb2.NullValue, str]] = ...) -> None: ...
+
+class GetKernelRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: KernelSpec
+    def __init__(self, spec: _Optional[_Union[KernelSpec, _Mapping]] = ...) -> None: ...
+
+class KernelArtifact(_message.Message):
+    __slots__ = ("key", "entry_dir", "library", "library_sha256", "library_size", "abi_json", "canonical_spec")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_DIR_FIELD_NUMBER: _ClassVar[int]
+    LIBRARY_FIELD_NUMBER: _ClassVar[int]
+    LIBRARY_SHA256_FIELD_NUMBER: _ClassVar[int]
+    LIBRARY_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ABI_JSON_FIELD_NUMBER: _ClassVar[int]
+    CANONICAL_SPEC_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    entry_dir: str
+    library: str
+    library_sha256: str
+    library_size: int
+    abi_json: str
+    canonical_spec: str
+    def __init__(self, key: _Optional[str] = ..., entry_dir: _Optional[str] = ..., library: _Optional[str] = ..., library_sha256: _Optional[str] = ..., library_size: _Optional[int] = ..., abi_json: _Optional[str] = ..., canonical_spec: _Optional[str] = ...) -> None: ...
+
+class GetKernelResponse(_message.Message):
+    __slots__ = ("artifact", "cached_result", "outcome", "compile_seconds")
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_RESULT_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    artifact: KernelArtifact
+    cached_result: bool
+    outcome: Outcome
+    compile_seconds: float
+    def __init__(self, artifact: _Optional[_Union[KernelArtifact, _Mapping]] = ..., cached_result: _Optional[bool] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., compile_seconds: _Optional[float] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("specs",)
+    SPECS_FIELD_NUMBER: _ClassVar[int]
+    specs: _containers.RepeatedCompositeFieldContainer[KernelSpec]
+    def __init__(self, specs: _Optional[_Iterable[_Union[KernelSpec, _Mapping]]] = ...) -> None: ...
+
+class PrefetchEvent(_message.Message):
+    __slots__ = ("index", "done", "total", "kernel", "error_code", "error_message")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    done: int
+    total: int
+    kernel: GetKernelResponse
+    error_code: str
+    error_message: str
+    def __init__(self, index: _Optional[int] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., kernel: _Optional[_Union[GetKernelResponse, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes", "joined", "corrupt", "invalid", "compile_seconds", "cpu_quota", "cache_dir", "address", "uptime_seconds", "version", "toolchain")
+    COMPILES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DIR_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOOLCHAIN_FIELD_NUMBER: _ClassVar[int]
+    compiles: int
+    hits: int
+    misses: int
+    failures: int
+    in_flight: int
+    workers: int
+    entries: int
+    bytes: int
+    joined: int
+    corrupt: int
+    invalid: int
+    compile_seconds: float
+    cpu_quota: int
+    cache_dir: str
+    address: str
+    uptime_seconds: float
+    version: str
+    toolchain: str
+    def __init__(self, compiles: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., failures: _Optional[int] = ..., in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., joined: _Optional[int] = ..., corrupt: _Optional[int] = ..., invalid: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., cpu_quota: _Optional[int] = ..., cache_dir: _Optional[str] = ..., address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ...) -> None: ...

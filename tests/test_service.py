@@ -1,0 +1,300 @@
+"""The service end to end: real daemons on real sockets, real TileLang compiles."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import client
+import tests.failing_kind  # noqa: F401  (clients validate locally: they share the daemon's registry)
+from compile_service.config import ServiceConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rmsnorm_ref(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def test_gemm_and_rmsnorm_match_torch(make_daemon):
+    d = make_daemon()
+    c = d.client()
+    gemm = c.get_kernel("gemm", M=48, N=40, K=72, dtype="float32", target="c")
+    a, b = torch.randn(48, 72), torch.randn(72, 40)
+    torch.testing.assert_close(gemm(a, b), a @ b, rtol=1e-4, atol=1e-4)
+    assert gemm.outcome == "compiled"
+
+    norm = c.get_kernel("rmsnorm", M=None, N=300, dtype="float32", target="c")
+    for rows in (1, 19):  # one compiled kernel, two runtime row counts
+        x, w = torch.randn(rows, 300), torch.randn(300)
+        torch.testing.assert_close(norm(x, w), rmsnorm_ref(x, w), rtol=1e-4, atol=1e-4)
+
+    assert c.get_kernel("gemm", M=48, N=40, K=72, dtype="float32", target="c") is gemm  # memoized
+    stats = c.stats()
+    assert (stats["compiles"], stats["misses"], stats["failures"], stats["entries"]) == (2, 2, 0, 2)
+
+
+FRESH_PROCESS = textwrap.dedent(
+    """
+    import json, sys, time
+    t0 = time.perf_counter()
+    import client
+    c = client.connect(sys.argv[1])
+    out = []
+    for spec in json.loads(sys.argv[2]):
+        kind = spec.pop("kind")
+        k = c.get_kernel(kind, target="c", **spec)
+        out.append(k.outcome)
+    print(json.dumps({"outcomes": out, "tilelang_imported": "tilelang" in sys.modules}))
+    """
+)
+
+
+def run_fresh(socket, specs) -> dict:
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(socket), json.dumps(specs)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+SPECS = [
+    {"kind": "gemm", "M": 32, "N": 32, "K": 32, "dtype": "float32"},
+    {"kind": "gemm", "M": None, "N": 16, "K": 64, "dtype": "float32", "trans_b": True},
+    {"kind": "rmsnorm", "M": None, "N": 128, "dtype": "float32"},
+]
+
+
+def test_second_process_is_served_without_compiling(make_daemon):
+    d = make_daemon()
+    first = run_fresh(d.socket, [dict(s) for s in SPECS])
+    assert first["outcomes"] == ["compiled"] * 3
+    compiles = d.client().stats()["compiles"]
+    second = run_fresh(d.socket, [dict(s) for s in SPECS])
+    assert second == {"outcomes": ["hit"] * 3, "tilelang_imported": False}
+    assert d.client().stats()["compiles"] == compiles == 3
+
+    # A restarted daemon on the same cache serves them from disk too.
+    d.stop()
+    d2 = make_daemon(cache_dir=d.cache_dir)
+    assert run_fresh(d2.socket, [dict(s) for s in SPECS])["outcomes"] == ["hit"] * 3
+    assert d2.client().stats()["compiles"] == 0
+
+
+def test_stampede_of_8_processes_compiles_each_kernel_once(make_daemon):
+    d = make_daemon()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", FRESH_PROCESS, str(d.socket), json.dumps(SPECS)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(8)
+    ]
+    outcomes = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        outcomes += json.loads(out.strip().splitlines()[-1])["outcomes"]
+    stats = d.client().stats()
+    assert stats["compiles"] == 3 and stats["failures"] == 0
+    assert outcomes.count("compiled") == 3
+    assert len(outcomes) == 24 and set(outcomes) <= {"compiled", "joined", "hit"}
+
+
+@pytest.mark.parametrize(
+    "kind, params, field",
+    [
+        ("conv3d", {"M": 1}, "kind"),
+        ("gemm", {"N": 8, "K": 8, "dtype": "float32"}, "M"),
+        ("gemm", {"M": 8, "N": 8, "K": 8, "dtype": "float32", "alpha": 2}, "alpha"),
+        ("gemm", {"M": 8.0, "N": 8, "K": 8, "dtype": "float32"}, "M"),
+        ("gemm", {"M": True, "N": 8, "K": 8, "dtype": "float32"}, "M"),
+        ("gemm", {"M": 0, "N": 8, "K": 8, "dtype": "float32"}, "M"),
+        ("gemm", {"M": 8, "N": 1 << 40, "K": 8, "dtype": "float32"}, "N"),
+        ("gemm", {"M": 8, "N": 8, "K": 8, "dtype": "float16"}, "dtype"),
+        ("gemm", {"M": 8, "N": 8, "K": 8, "dtype": "int4"}, "dtype"),
+        ("rmsnorm", {"M": 8, "N": 8, "dtype": "float32", "eps": float("nan")}, "eps"),
+    ],
+)
+def test_bad_input_is_rejected_before_any_work(shared_daemon, kind, params, field):
+    c = shared_daemon.client()
+    before = c.stats()
+    with pytest.raises(client.InvalidSpec) as err:
+        c.get_kernel(kind, target="c", **params)
+    assert err.value.field == field and isinstance(err.value, ValueError)
+    after = c.stats()
+    assert (after["compiles"], after["misses"], after["entries"]) == (before["compiles"], before["misses"], before["entries"])
+
+
+def test_daemon_validates_what_clients_send(shared_daemon):
+    """A client that skips local validation still gets INVALID_ARGUMENT naming the field."""
+    from client.api import _raise_for
+    from proto.kernelservice.v1 import kernel_service_pb2 as pb
+    from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+    import grpc
+
+    c = shared_daemon.client()
+    stub = pb_grpc.KernelServiceStub(c._channel)
+    bad = [
+        pb.KernelSpec(kind="gemm", target="c", params={"M": pb.ParamValue(string_value="x")}),
+        pb.KernelSpec(kind="gemm", target="sm_12", params={}),
+        pb.KernelSpec(kind="gemm", target="c", params={"M": pb.ParamValue()}),
+    ]
+    for spec in bad:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetKernel(pb.GetKernelRequest(spec=spec), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(client.InvalidSpec):
+            _raise_for(err.value, "x")
+    with pytest.raises(client.InvalidSpec, match="target"):
+        c.get_kernel("gemm", target="cuda -arch=sm_90", M=8, N=8, K=8, dtype="float32")
+
+
+def test_compile_failure_is_reported_and_not_cached(make_daemon):
+    d = make_daemon("--kernel-module", "tests.failing_kind")
+    c = d.client()
+    with pytest.raises(client.CompileError, match="Buffer X is 1-dimensional"):
+        c.get_kernel("broken", target="c", N=4)
+    with pytest.raises(client.CompileError):
+        c.get_kernel("broken", target="c", N=4)
+    stats = c.stats()
+    assert stats["failures"] == 2 and stats["compiles"] == 0 and stats["entries"] == 0
+
+
+def test_truncated_library_is_rebuilt(make_daemon):
+    d = make_daemon()
+    c = d.client()
+    k = c.get_kernel("gemm", M=16, N=16, K=16, dtype="float32", target="c")
+    lib = k.path
+    lib.write_bytes(lib.read_bytes()[: lib.stat().st_size // 2])
+    fresh = d.client()
+    k2 = fresh.get_kernel("gemm", M=16, N=16, K=16, dtype="float32", target="c")
+    assert k2.outcome == "compiled"
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    torch.testing.assert_close(k2(a, b), a @ b, rtol=1e-4, atol=1e-4)
+    stats = fresh.stats()
+    assert stats["corrupt"] == 1 and stats["compiles"] == 2
+    assert "corrupt or incomplete" in d.log()
+
+
+def test_sigterm_during_compiles_leaves_no_partial_entry(make_daemon):
+    d = make_daemon("--grace", "0")
+    specs = [{"kind": "gemm", "M": 16 * i, "N": 16, "K": 16, "dtype": "float32", "target": "c"} for i in range(1, 9)]
+    runner = subprocess.Popen(
+        [sys.executable, "-c", "import client, sys, json; print(client.connect(sys.argv[1]).prefetch(json.loads(sys.argv[2]), load=False))", str(d.socket), json.dumps(specs)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not any(d.cache_dir.joinpath("staging").iterdir()):  # wait until a compile is under way
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    d.signal(signal.SIGTERM)
+    assert d.proc.wait(60) == 0
+    runner.communicate(timeout=60)
+    assert list(d.cache_dir.joinpath("staging").iterdir()) == []
+    # Whatever was published is whole: a new daemon verifies every entry.
+    from compile_service.store import Store
+
+    store = Store(d.cache_dir)
+    keys = store.keys()
+    assert len(keys) < len(specs)
+    assert all(store.lookup(k) is not None for k in keys) and store.corrupt_found == 0
+
+
+def test_second_daemon_is_refused_and_stale_socket_is_replaced(make_daemon):
+    d = make_daemon()
+    rival = make_daemon(cache_dir=d.cache_dir, start=False)
+    rival.start(wait=False)
+    assert rival.proc.wait(60) == 1
+    assert "already serving cache dir" in rival.log() and f"pid {d.proc.pid}" in rival.log()
+
+    d.signal(signal.SIGKILL)
+    d.proc.wait()
+    assert d.socket.exists()  # the socket file outlives a killed daemon
+    successor = make_daemon(cache_dir=d.cache_dir, socket=d.socket)
+    assert successor.client().get_kernel("rmsnorm", M=2, N=8, dtype="float32", target="c")(torch.ones(2, 8), torch.ones(8)).shape == (2, 8)
+
+
+def test_missing_daemon_fails_fast(tmp_path):
+    c = client.connect(tmp_path / "nobody.sock")
+    t = time.monotonic()
+    with pytest.raises(client.ServiceUnavailable):
+        c.get_kernel("rmsnorm", M=2, N=8, dtype="float32", target="c")
+    assert time.monotonic() - t < 1.0
+    with pytest.raises(ConnectionError):
+        c.stats()
+
+
+FALLBACK = textwrap.dedent(
+    """
+    import sys, torch, client
+    c = client.connect(sys.argv[1], fallback=True, cache_dir=sys.argv[2])
+    k = c.get_kernel("rmsnorm", M=None, N=64, dtype="float32", target="c")
+    x, w = torch.randn(3, 64), torch.randn(64)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    assert torch.allclose(k(x, w), ref, atol=1e-5)
+    print(k.outcome)
+    """
+)
+
+
+def test_fallback_compiles_once_across_processes(tmp_path):
+    cache = tmp_path / "cache"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", FALLBACK, str(tmp_path / "nobody.sock"), str(cache)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outcomes = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        outcomes.append(out.split()[-1])
+    assert sorted(outcomes) == ["compiled", "hit", "hit"]
+
+
+def test_prefetch_streams_progress_and_reports_failures_per_kernel(make_daemon):
+    d = make_daemon("--kernel-module", "tests.failing_kind")
+    c = d.client()
+    events = []
+    specs = [
+        {"kind": "rmsnorm", "M": None, "N": 32, "dtype": "float32", "target": "c"},
+        {"kind": "broken", "N": 4, "target": "c"},
+        {"kind": "rmsnorm", "M": None, "N": 32, "dtype": "float32", "target": "c"},  # same kernel twice
+    ]
+    results = c.prefetch(specs, progress=lambda done, total, e: events.append((done, total)))
+    assert events == [(1, 3), (2, 3), (3, 3)]
+    assert isinstance(results[1], client.CompileError)
+    assert results[0] is results[2]
+    x, w = torch.randn(5, 32), torch.randn(32)
+    torch.testing.assert_close(results[0](x, w), rmsnorm_ref(x, w), rtol=1e-4, atol=1e-4)
+    with pytest.raises(client.InvalidSpec, match=r"specs\[1\]\.N"):
+        c.prefetch([specs[0], {"kind": "rmsnorm", "M": 4, "N": -1, "dtype": "float32", "target": "c"}])
+    assert c.stats()["compiles"] == 1
+
+
+def test_stats_cli_prints_json(shared_daemon):
+    out = subprocess.run([sys.executable, "-m", "compile_service.cli", "stats", "--socket", str(shared_daemon.socket), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout)
+    for name in ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes"):
+        assert name in stats
+    assert stats["workers"] == 2
+
+
+def test_config_sizes_pool_to_cpus_and_rejects_bad_workers(tmp_path):
+    from compile_service.cpus import usable_cpus
+
+    env = {"XDG_CACHE_HOME": str(tmp_path), "XDG_RUNTIME_DIR": "relative/ignored"}
+    cfg = ServiceConfig.resolve(env=env)
+    assert cfg.workers == usable_cpus()
+    assert cfg.cache_dir == tmp_path / "kernel-service"
+    assert cfg.socket == Path(f"/tmp/kernel-service-{os.getuid()}/kernel-service.sock")
+    with pytest.raises(ValueError, match="workers"):
+        ServiceConfig.resolve(workers=0, env=env)
