@@ -8,6 +8,8 @@ Light to import: no TileLang, no compiler. See README for the full API.
 """
 
 from .api import Client, connect, default_client, get_kernel, prefetch, stats
+from .api import use_shared_inductor_cache_default as use_shared_inductor_cache
+from .inductor import InductorCache
 from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelServiceError, ServiceError, ServiceUnavailable
 from .loader import Kernel
 
@@ -15,6 +17,7 @@ __all__ = [
     "Client",
     "CompileError",
     "CorruptArtifact",
+    "InductorCache",
     "InvalidSpec",
     "Kernel",
     "KernelServiceError",
@@ -25,4 +28,5 @@ __all__ = [
     "get_kernel",
     "prefetch",
     "stats",
+    "use_shared_inductor_cache",
 ]

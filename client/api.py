@@ -19,6 +19,7 @@ from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 
 from . import loader
+from .inductor import InductorCache, use_shared_inductor_cache
 from .errors import CompileError, CorruptArtifact, InvalidSpec, ServiceError, ServiceUnavailable
 
 GET_TIMEOUT = 600.0  # a cold kernel can wait behind a queue of compiles
@@ -183,6 +184,17 @@ class Client:
             _raise_for(err, "prefetch")
         return results
 
+    def service_info(self) -> dict:
+        """Where the daemon keeps things: cache_dir, inductor_dir, version, toolchain, default_target."""
+        reply = self._call(self._stub.GetServiceInfo, pb.GetServiceInfoRequest(), STATS_TIMEOUT, "service info")
+        return {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
+
+    def use_shared_inductor_cache(self) -> InductorCache:
+        """Points this process's torch.compile at the daemon's persistent Inductor directory
+        and returns it with where it came from ("environment", "daemon" or "fallback").
+        An existing TORCHINDUCTOR_CACHE_DIR wins. Call it before the first torch.compile."""
+        return use_shared_inductor_cache(lambda: self.service_info()["inductor_dir"])
+
     def stats(self) -> dict:
         """The daemon's counters (compiles, hits, misses, failures, in_flight, workers, entries, bytes, ...)."""
         reply = self._call(self._stub.GetStats, pb.GetStatsRequest(), STATS_TIMEOUT, "stats")
@@ -217,6 +229,10 @@ def prefetch(specs: Iterable[dict], **options) -> list:
 
 def stats() -> dict:
     return default_client().stats()
+
+
+def use_shared_inductor_cache_default() -> InductorCache:
+    return default_client().use_shared_inductor_cache()
 
 
 __all__ = ["Client", "connect", "get_kernel", "prefetch", "stats", "CorruptArtifact"]

@@ -56,6 +56,7 @@ def _stats(args) -> int:
         print(f"{name:>16}: {stats[name]}")
     print(f"{'bytes':>16}: {stats['bytes']} ({_human_bytes(int(stats['bytes']))})")
     print(f"{'compile_seconds':>16}: {stats['compile_seconds']:.2f}")
+    print(f"{'inductor':>16}: {stats['inductor_dir']} ({stats['inductor_entries']} files, {_human_bytes(int(stats['inductor_bytes']))})")
     for name in ("cache_dir", "address", "version", "toolchain"):
         print(f"{name:>16}: {stats[name]}")
     print(f"{'uptime':>16}: {stats['uptime_seconds']:.0f} s")

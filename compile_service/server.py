@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 
+from . import inductor
 from .compiler import load_kernel_modules
 from .config import ServiceConfig
 from .cpus import usable_cpus
@@ -100,7 +101,7 @@ class Daemon:
                 ("grpc.max_send_message_length", MAX_MESSAGE),
             ],
         )
-        self.servicer = KernelServicer(self.scheduler, cfg.target, usable_cpus(), address)
+        self.servicer = KernelServicer(self.scheduler, cfg.target, usable_cpus(), address, inductor.ensure(cfg.cache_dir))
         pb_grpc.add_KernelServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(address)

@@ -7,6 +7,7 @@ import json
 import logging
 import threading
 import time
+from pathlib import Path
 
 import grpc
 
@@ -15,7 +16,7 @@ from kernels.spec import InvalidSpec
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 
-from . import __version__
+from . import __version__, inductor
 from .compiler import CompileFailed
 from .keys import describe_toolchain
 from .scheduler import BACKGROUND, URGENT, Outcome, QueueFull, Scheduler, ShuttingDown
@@ -81,8 +82,9 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 class KernelServicer(pb_grpc.KernelServiceServicer):
-    def __init__(self, scheduler: Scheduler, default_target: str, cpu_quota: int, address: str):
+    def __init__(self, scheduler: Scheduler, default_target: str, cpu_quota: int, address: str, inductor_dir: Path):
         self.scheduler = scheduler
+        self.inductor_dir = inductor_dir
         self.default_target = default_target
         self.cpu_quota = cpu_quota
         self.address = address
@@ -141,6 +143,7 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
     def GetStats(self, request, context):
         c = self.scheduler.counters
         entries, size = self.scheduler.store.totals()
+        inductor_entries, inductor_bytes = inductor.usage(self.inductor_dir)
         with c.lock:
             return pb.Stats(
                 compiles=c.compiles,
@@ -161,4 +164,16 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                 uptime_seconds=time.time() - self.started,
                 version=__version__,
                 toolchain=describe_toolchain(),
+                inductor_dir=str(self.inductor_dir),
+                inductor_entries=inductor_entries,
+                inductor_bytes=inductor_bytes,
             )
+
+    def GetServiceInfo(self, request, context):
+        return pb.ServiceInfo(
+            cache_dir=str(self.scheduler.store.root),
+            inductor_dir=str(self.inductor_dir),
+            version=__version__,
+            toolchain=describe_toolchain(),
+            default_target=self.default_target,
+        )

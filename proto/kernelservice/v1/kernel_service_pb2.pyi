@@ -113,7 +113,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes", "joined", "corrupt", "invalid", "compile_seconds", "cpu_quota", "cache_dir", "address", "uptime_seconds", "version", "toolchain")
+    __slots__ = ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes", "joined", "corrupt", "invalid", "compile_seconds", "cpu_quota", "cache_dir", "address", "uptime_seconds", "version", "toolchain", "inductor_dir", "inductor_entries", "inductor_bytes")
     COMPILES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,9 @@ class Stats(_message.Message):
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOOLCHAIN_FIELD_NUMBER: _ClassVar[int]
+    INDUCTOR_DIR_FIELD_NUMBER: _ClassVar[int]
+    INDUCTOR_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    INDUCTOR_BYTES_FIELD_NUMBER: _ClassVar[int]
     compiles: int
     hits: int
     misses: int
@@ -150,4 +153,25 @@ class Stats(_message.Message):
     uptime_seconds: float
     version: str
     toolchain: str
-    def __init__(self, compiles: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., failures: _Optional[int] = ..., in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., joined: _Optional[int] = ..., corrupt: _Optional[int] = ..., invalid: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., cpu_quota: _Optional[int] = ..., cache_dir: _Optional[str] = ..., address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ...) -> None: ...
+    inductor_dir: str
+    inductor_entries: int
+    inductor_bytes: int
+    def __init__(self, compiles: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., failures: _Optional[int] = ..., in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., joined: _Optional[int] = ..., corrupt: _Optional[int] = ..., invalid: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., cpu_quota: _Optional[int] = ..., cache_dir: _Optional[str] = ..., address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., inductor_entries: _Optional[int] = ..., inductor_bytes: _Optional[int] = ...) -> None: ...
+
+class GetServiceInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServiceInfo(_message.Message):
+    __slots__ = ("cache_dir", "inductor_dir", "version", "toolchain", "default_target")
+    CACHE_DIR_FIELD_NUMBER: _ClassVar[int]
+    INDUCTOR_DIR_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOOLCHAIN_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TARGET_FIELD_NUMBER: _ClassVar[int]
+    cache_dir: str
+    inductor_dir: str
+    version: str
+    toolchain: str
+    default_target: str
+    def __init__(self, cache_dir: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., default_target: _Optional[str] = ...) -> None: ...

@@ -52,6 +52,11 @@ class KernelServiceStub:
                 request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.Stats.FromString,
                 _registered_method=True)
+        self.GetServiceInfo = channel.unary_unary(
+                '/kernelservice.v1.KernelService/GetServiceInfo',
+                request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetServiceInfoRequest.SerializeToString,
+                response_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ServiceInfo.FromString,
+                _registered_method=True)
 
 
 class KernelServiceServicer:
@@ -102,6 +107,15 @@ class KernelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServiceInfo(self, request, context):
+        """Where the daemon keeps things, cheaply (no directory walks): clients use
+        it to point torch.compile at the shared Inductor directory.
+        Errors: UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KernelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,6 +133,11 @@ def add_KernelServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetStatsRequest.FromString,
                     response_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.Stats.SerializeToString,
+            ),
+            'GetServiceInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServiceInfo,
+                    request_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetServiceInfoRequest.FromString,
+                    response_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ServiceInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -205,6 +224,33 @@ class KernelService:
             '/kernelservice.v1.KernelService/GetStats',
             proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetStatsRequest.SerializeToString,
             proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServiceInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kernelservice.v1.KernelService/GetServiceInfo',
+            proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetServiceInfoRequest.SerializeToString,
+            proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ServiceInfo.FromString,
             options,
             channel_credentials,
             insecure,

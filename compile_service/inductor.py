@@ -1,0 +1,41 @@
+"""The shared persistent torch.compile (Inductor) directory the daemon owns.
+
+Inductor keeps compiled graphs under TORCHINDUCTOR_CACHE_DIR, by default under
+/tmp, which a reboot or a fresh container loses. The daemon keeps one under its
+cache root, so every agent on the host (and every restart) reuses them.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+DIRNAME = "torchinductor"
+
+
+def inductor_dir(cache_root: Path) -> Path:
+    return Path(cache_root) / DIRNAME
+
+
+def ensure(cache_root: Path) -> Path:
+    """Creates the directory with the cache root's permission bits (owner-only unless configured shared)."""
+    path = inductor_dir(cache_root)
+    path.mkdir(exist_ok=True)
+    os.chmod(path, stat.S_IMODE(os.stat(cache_root).st_mode))
+    return path
+
+
+def usage(path: Path) -> tuple[int, int]:
+    """(files, bytes) under `path`, not following symlinks."""
+    files = size = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                files += 1
+                size += st.st_size
+    return files, size
