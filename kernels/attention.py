@@ -6,14 +6,12 @@ import math
 
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
+from .tiling import cuda_only, pow2, smem_limit
 
 LOG2E = 1.4426950408889634
-SMEM_LIMIT = 220 * 1024  # of Hopper's 227 KiB per block
-
-
-def _pow2(name, value, lo, hi):
-    if value & (value - 1) or not lo <= value <= hi:
-        raise InvalidSpec(name, f"must be a power of two in [{lo}, {hi}], got {value}")
+CPU_SCRATCH = 256 * 1024
+# CUDA (block_M, block_N, num_stages) defaults, largest first; the first that fits shared memory wins.
+DEFAULT_TILES = ((128, 128, 2), (128, 64, 2), (128, 64, 1), (64, 64, 2), (64, 64, 1), (64, 32, 1))
 
 
 @register
@@ -37,44 +35,61 @@ class Attention(KernelKind):
     def check(self, p, target):
         if p["heads"] % p["kv_heads"]:
             raise InvalidSpec("kv_heads", f"heads ({p['heads']}) must be a multiple of kv_heads ({p['kv_heads']})")
+        cuda_only(p, target, "num_stages", "threads")
         if target.is_cpu:
-            for name in ("num_stages", "threads"):
-                if p[name] is not None:
-                    raise InvalidSpec(name, "applies only to CUDA targets")
             p["block_M"] = p["block_M"] or 16
             p["block_N"] = p["block_N"] or 16
-            _pow2("block_M", p["block_M"], 1, 128)
-            _pow2("block_N", p["block_N"], 1, 128)
+            pow2("block_M", p["block_M"], 1, 128)
+            pow2("block_N", p["block_N"], 1, 128)
+            # The scores and output tiles are C stack arrays; keep them well under a thread's stack.
+            scratch = 4 * p["block_M"] * (p["block_N"] + p["head_dim"])
+            if scratch > CPU_SCRATCH:
+                raise InvalidSpec("head_dim", f"block_M*(block_N+head_dim) fp32 scratch is {scratch // 1024} KiB, over {CPU_SCRATCH // 1024} KiB on target 'c'; use a smaller block_M")
             return p
         d = p["head_dim"]
         if d % 16 or d > 256:
             raise InvalidSpec("head_dim", f"must be a multiple of 16 up to 256 on CUDA, got {d}")
         if p["dtype"] == "float32":
             raise InvalidSpec("dtype", "float32 attention is not supported on CUDA; use float16 or bfloat16")
-        # Each warpgroup (128 threads) owns one 64-row wgmma tile of queries, so
-        # block_M and threads go together: 64 with 128 threads, 128 with 256.
-        if p["threads"] is None:
-            p["threads"] = 2 * p["block_M"] if p["block_M"] in (64, 128) else 256
-        if p["threads"] not in (128, 256):
+        # Each warpgroup (128 threads) owns one 64-row tile of queries (one wgmma M),
+        # so block_M and threads go together: 64 with 128 threads, 128 with 256.
+        if p["threads"] not in (None, 128, 256):
             raise InvalidSpec("threads", f"must be 128 or 256, got {p['threads']}")
-        if p["block_M"] is None:
+        if p["block_M"] is None and p["threads"] is not None:
             p["block_M"] = p["threads"] // 2
-        if p["block_M"] != p["threads"] // 2:
-            raise InvalidSpec("block_M", f"must be threads/2 (64 rows per 128-thread warpgroup): {p['threads'] // 2} for {p['threads']} threads, got {p['block_M']}")
-        p["block_N"] = p["block_N"] or (128 if d <= 128 else 64)
-        p["num_stages"] = p["num_stages"] or 2
+        # TileLang 0.1.15's cp.async pipeline (pre-Hopper) cannot code-generate a
+        # variable trip count (causal, or a runtime seq_len): one stage there.
+        if target.compute_capability < 90 and (p["causal"] or p["seq_len"] is None):
+            if p["num_stages"] not in (None, 1):
+                raise InvalidSpec("num_stages", f"must be 1 on {target} when causal or seq_len is a runtime size")
+            p["num_stages"] = 1
+        # Defaults: the largest tiles that fit, among those the caller left open
+        # (128x128 keys in 2 stages for d=128 on Hopper, measured 1.5x SDPA flash on H200).
+        for bm, bn, st in DEFAULT_TILES:
+            chosen = (p["block_M"] or bm, p["block_N"] or bn, p["num_stages"] or st)
+            if self._smem(*chosen, d) <= smem_limit(target):
+                break
+        p["block_M"], p["block_N"], p["num_stages"] = chosen  # the smallest, if none fits: rejected below
+        p["threads"] = p["threads"] or (2 * p["block_M"] if p["block_M"] in (64, 128) else 256)
         bm, bn = p["block_M"], p["block_N"]
-        _pow2("block_N", bn, 32, 256)
+        if bm != p["threads"] // 2:
+            raise InvalidSpec("block_M", f"must be threads/2 (64 rows per 128-thread warpgroup): {p['threads'] // 2} for {p['threads']} threads, got {bm}")
+        pow2("block_N", bn, 32, 256)
         if not 1 <= p["num_stages"] <= 4:
             raise InvalidSpec("num_stages", f"must be in [1, 4], got {p['num_stages']}")
         # Per thread: the scores tile and the output accumulator, in fp32 registers.
         regs = (bm * bn + bm * d) // p["threads"]
         if regs > 192:
             raise InvalidSpec("block_M", f"a {bm}x{bn} tile with head_dim {d} needs {regs} fp32 registers per thread (max 192); use smaller blocks or more threads")
-        smem = 2 * (bm * d + p["num_stages"] * 2 * bn * d + bm * d)
-        if smem > SMEM_LIMIT:
-            raise InvalidSpec("num_stages", f"tiles need {smem // 1024} KiB of shared memory, over the {SMEM_LIMIT // 1024} KiB a block gets")
+        smem = self._smem(bm, bn, p["num_stages"], d)
+        if smem > smem_limit(target):
+            raise InvalidSpec("num_stages", f"tiles need {smem // 1024} KiB of shared memory, over the {smem_limit(target) // 1024} KiB a block gets on {target}")
         return p
+
+    @staticmethod
+    def _smem(bm, bn, stages, d):
+        """Bytes of shared memory: Q and O tiles, plus K and V tiles per stage (16-bit)."""
+        return 2 * (2 * bm * d + stages * 2 * bn * d)
 
     def _shapes(self, T, p):
         batch = p["batch"] if p["batch"] is not None else T.dynamic("batch")

@@ -4,8 +4,8 @@
 
 
 from .registry import register
-from .softmax import check_row, padded
 from .spec import KernelKind, Param, Target, dim, dtype_param, tile
+from .tiling import check_row, padded
 
 
 @register

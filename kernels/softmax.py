@@ -3,44 +3,10 @@
 # annotations of the PrimFuncs below at trace time.
 
 from .registry import register
-from .spec import InvalidSpec, KernelKind, Target, dim, dtype_param, tile
+from .spec import KernelKind, Target, dim, dtype_param, tile
+from .tiling import check_row, padded
 
 LOG2E = 1.4426950408889634
-MAX_ROW_CUDA = 16384  # one row lives in one block's registers: at most 64 fp32 per thread
-MAX_PER_THREAD = 64
-
-
-def default_threads(n, dtype):
-    """Fewest threads (128..1024) holding at most 64 elements each, preferring a
-    count that gives every thread whole 16-byte vectors."""
-    vec = 4 if dtype == "float32" else 8
-    fits = [t for t in (128, 256, 512, 1024) if -(-n // t) <= MAX_PER_THREAD]
-    return next((t for t in fits if n % (t * vec) == 0), fits[0])
-
-
-def check_row(p, target):
-    """Shared by the one-row-per-block kinds (softmax, rmsnorm)."""
-    if target.is_cpu:
-        if p["threads"] is not None:
-            raise InvalidSpec("threads", "applies only to CUDA targets")
-        return p
-    if p["N"] > MAX_ROW_CUDA:
-        raise InvalidSpec("N", f"rows longer than {MAX_ROW_CUDA} are not supported on CUDA (a row is held in one block's registers), got {p['N']}")
-    if p["N"] % 8:
-        raise InvalidSpec("N", f"must be a multiple of 8 on CUDA (16-byte rows), got {p['N']}")
-    if p["threads"] is None:
-        p["threads"] = default_threads(p["N"], p["dtype"])
-    t = p["threads"]
-    if t & (t - 1) or not 32 <= t <= 1024:
-        raise InvalidSpec("threads", f"must be a power of two in [32, 1024], got {t}")
-    if -(-p["N"] // t) > MAX_PER_THREAD:
-        raise InvalidSpec("threads", f"{t} threads would hold {-(-p['N'] // t)} elements each (max {MAX_PER_THREAD}); use more threads")
-    return p
-
-
-def padded(n, threads):
-    """n rounded up to a multiple of threads: a fragment's layout needs the multiple."""
-    return -(-n // threads) * threads
 
 
 @register

@@ -5,6 +5,7 @@
 
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Target, dim, dtype_param, tile
+from .tiling import check_row_alignment, pow2
 
 
 def _silu_mul(T, g, u):
@@ -30,14 +31,12 @@ class SwiGLU(KernelKind):
         p["block_M"] = p["block_M"] or bm
         p["block_N"] = p["block_N"] or bn
         for name in ("block_M", "block_N"):
-            if p[name] & (p[name] - 1):
-                raise InvalidSpec(name, f"must be a power of two, got {p[name]}")
+            pow2(name, p[name], 1, 1024)
         if not target.is_cpu:
             per_thread = p["block_M"] * p["block_N"] // 256
             if not 8 <= per_thread <= 64:
                 raise InvalidSpec("block_N", f"block_M*block_N must be 2048..16384 on CUDA (8..64 elements per thread), got {p['block_M'] * p['block_N']}")
-            if p["N"] % 8:
-                raise InvalidSpec("N", f"must be a multiple of 8 on CUDA (16-byte rows), got {p['N']}")
+            check_row_alignment(p)
         return p
 
     def build_cpu(self, p):

@@ -62,6 +62,9 @@ def test_all_kinds_registered():
         ("attention", {**ATTN, "head_dim": 256, "block_N": 256}, "sm_90a", "block_M", "registers"),
         ("attention", {**ATTN, "head_dim": 256, "block_N": 128, "num_stages": 4}, "sm_90a", "num_stages", "shared memory"),
         ("attention", {**ATTN, "dtype": "float32", "threads": 128}, "c", "threads", "CUDA"),
+        ("attention", {**ATTN, "causal": True, "num_stages": 2}, "sm_80", "num_stages", "must be 1"),
+        ("attention", {**ATTN, "head_dim": 256}, "sm_75", "num_stages", "shared memory"),
+        ("attention", {**ATTN, "dtype": "float32", "head_dim": 8192}, "c", "head_dim", "scratch"),
         ("rmsnorm", {"M": 8, "N": 64, "dtype": "float32", "eps": -1.0}, "c", "eps", "at least"),
         ("rmsnorm", {"M": 8, "N": 64, "dtype": "float32", "eps": float("nan")}, "c", "eps", "finite"),
         ("rmsnorm", {"M": 8, "N": 64, "dtype": "float32", "eps": "1e-6"}, "c", "eps", "number"),
@@ -75,6 +78,7 @@ def test_all_kinds_registered():
         ("swiglu", {"M": 8, "N": 64, "dtype": "float16", "block_N": 100}, "sm_90a", "block_N", "power of two"),
         ("swiglu", {"M": 8, "N": 64, "dtype": "float16", "block_M": 1, "block_N": 64}, "sm_90a", "block_N", "elements per thread"),
         ("swiglu", {"M": 8, "N": 60, "dtype": "float16"}, "sm_90a", "N", "multiple of 8"),
+        ("swiglu", {"M": 8, "N": 30, "dtype": "float32"}, "sm_90a", "N", "multiple of 4"),
     ],
 )
 def test_rejected(kind, params, target, field, words):
