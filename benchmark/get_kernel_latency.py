@@ -7,7 +7,9 @@ Starts a daemon on a fresh cache, then for each kernel runs one fresh process
 that asks for it cold (compiled on request) and another that asks for it warm
 (served from the cache). Each reports the time from `get_kernel` to a loaded
 callable (and the client's import time separately), runs the kernel at two
-runtime sizes and compares it with the torch reference.
+runtime sizes and compares it with the torch reference. On a GPU the kernel is
+called on a side stream right behind a long busy-wait, so a kernel that did not
+launch on the caller's current stream would read unwritten inputs and fail.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compile_service.demo import wait_serving  # noqa: E402
-from compile_service.paths import socket_address  # noqa: E402
+from compile_service.launch import DaemonProcess  # noqa: E402
 
 CPU_SPECS = [
     {"kind": "gemm", "M": None, "N": 256, "K": 256, "dtype": "float32", "trans_b": True},
@@ -33,9 +34,13 @@ CPU_SPECS = [
 ]
 GPU_SPECS = [
     {"kind": "gemm", "M": None, "N": 14336, "K": 4096, "dtype": "float16", "trans_b": True},
-    {"kind": "gemm", "M": None, "N": 4096, "K": 4096, "dtype": "bfloat16", "trans_b": True},
+    {"kind": "gemm", "M": None, "N": 4096, "K": 4096, "dtype": "bfloat16", "trans_b": True, "bias": True, "act": "silu"},
     {"kind": "rmsnorm", "M": None, "N": 4096, "dtype": "float16"},
     {"kind": "rmsnorm", "M": None, "N": 4096, "dtype": "bfloat16"},
+    {"kind": "swiglu", "M": None, "N": 14336, "dtype": "bfloat16"},
+    {"kind": "softmax", "M": None, "N": 4096, "dtype": "float16"},
+    {"kind": "attention", "batch": 1, "heads": 32, "kv_heads": 8, "seq_len": None, "head_dim": 128, "causal": True, "dtype": "bfloat16"},
+    {"kind": "attention", "batch": None, "heads": 28, "kv_heads": 4, "seq_len": None, "head_dim": 128, "causal": False, "dtype": "float16"},
 ]
 
 AGENT = textwrap.dedent(
@@ -58,8 +63,19 @@ AGENT = textwrap.dedent(
         device = "cpu" if k.abi["device"] == "cpu" else "cuda"
         p = k.spec["params"]
         for n in sizes:
-            ins = make_inputs(kind, p, device, runtime={"M": n, "batch": 1, "seq_len": n})
-            got, want = k(*ins), reference(kind, p, ins)
+            ins = make_inputs(kind, p, device, runtime={"M": n, "batch": 2, "seq_len": n})
+            want = reference(kind, p, ins)
+            if device == "cuda":
+                # On a side stream, behind a busy-wait: a kernel launched on any
+                # other stream than the caller's would read its inputs unwritten.
+                side = torch.cuda.Stream()
+                torch.cuda.synchronize()
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(200_000_000)
+                    got = k(*[t * 1 for t in ins])
+                side.synchronize()
+            else:
+                got = k(*ins)
             err = (got.float() - want.float()).abs().max().item()
             try:
                 torch.testing.assert_close(got, want, **tolerance(p["dtype"]))
@@ -97,19 +113,11 @@ def main() -> int:
 
     target = str(kernels.parse_target(args.target))
     specs, sizes = (CPU_SPECS, [37, 300]) if target == "c" else (GPU_SPECS, [4096, 1000])
-    base = Path(tempfile.mkdtemp(prefix="ks-latency-"))
-    socket = base / "ks.sock"
-    log = open(base / "daemon.log", "w")
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "compile_service.cli", "serve", "--socket", str(socket), "--cache-dir", str(base / "cache"), "--target", target],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    daemon = DaemonProcess(Path(tempfile.mkdtemp(prefix="ks-latency-")) / "cache", "--target", target).start()
+    socket = daemon.socket
     rows, failed = [], False
     try:
-        wait_serving(socket_address(socket), 180, daemon)
-        print(f"target {target}; fresh cache {base / 'cache'}", file=sys.stderr)
+        print(f"target {target}; fresh cache {daemon.cache_dir}; daemon log {daemon.log_path}", file=sys.stderr)
         for spec in specs:
             cold = agent(socket, dict(spec), target, not args.no_run, sizes)
             warm = agent(socket, dict(spec), target, not args.no_run, sizes)
@@ -117,15 +125,14 @@ def main() -> int:
             failed |= not ok or cold["outcome"] != "compiled" or warm["outcome"] != "hit"
             rows.append({"spec": spec, "cold": cold, "warm": warm, "ok": ok})
     finally:
-        daemon.terminate()
-        daemon.wait(60)
-    print(f"{'kernel':<64} {'cold get':>9} {'warm get':>9} {'client import':>14} {'max err':>9}  check")
+        daemon.stop()
+    print(f"{'kernel':<100} {'cold get':>9} {'warm get':>9} {'client import':>14} {'max err':>9}  check")
     for r in rows:
         label = ", ".join(f"{k}={v}" for k, v in r["spec"].items())
         errs = [c["max_abs_err"] for c in r["cold"]["checked"]]
         check = "-" if args.no_run else ("ok" if r["ok"] else "FAIL")
         print(
-            f"{label:<64} {r['cold']['get_s'] * 1e3:>7.0f}ms {r['warm']['get_s'] * 1e3:>7.1f}ms {r['warm']['client_import_s'] * 1e3:>12.0f}ms "
+            f"{label:<100} {r['cold']['get_s'] * 1e3:>7.0f}ms {r['warm']['get_s'] * 1e3:>7.1f}ms {r['warm']['client_import_s'] * 1e3:>12.0f}ms "
             f"{max(errs) if errs else float('nan'):>9.2e}  {check}"
         )
     if args.json:

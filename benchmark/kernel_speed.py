@@ -2,9 +2,10 @@
 
     python benchmark/kernel_speed.py [--target auto|sm_90a] [--only gemm,attention,...] [--out DIR]
 
-Builds every kernel with TileLang directly (in a thread pool: nvcc runs in
-subprocesses, so threads overlap the compiles), checks each against torch, then
-times ours and torch with CUDA events. Timing method: a `torch.cuda._sleep` is
+Builds every kernel through the service (a daemon on a fresh cache, the zoo
+prefetched by the client, which loads each kernel as an agent would), checks
+each against torch (kernels/reference.py), then times ours and torch with CUDA
+events. Timing method: a `torch.cuda._sleep` is
 queued first so the host enqueues all timed launches while the GPU is still
 busy (host launch overhead stays out of the numbers), each launch sits between
 its own pair of events, and the median is reported. Memory-bound kinds rotate
@@ -18,15 +19,17 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import kernels  # noqa: E402
+from compile_service.launch import DaemonProcess  # noqa: E402
+from kernels import reference  # noqa: E402
 
 PEAK_HBM = 4.8e12  # H200 datasheet bytes/s; the measured copy is printed beside it
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -74,55 +77,9 @@ RAGGED = [
 ]
 
 
-def compile_one(kind, params, target):
-    import tilelang
-
-    spec = kernels.canonicalize(kind, params, target)
-    k = kernels.get_kind(kind)
-    t0 = time.time()
-    ker = tilelang.compile(k.build(spec.params, spec.target), out_idx=list(k.outputs), target=spec.target.tilelang_target())
-    return ker, time.time() - t0, spec.params
-
-
-# ---- inputs and references ---------------------------------------------------
-
 def make_inputs(kind, p, rt):
-    """Fresh random inputs for kind `kind` with static params p and runtime sizes rt."""
-    dt = DT[p["dtype"]]
-    g = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float32).to(dt)  # noqa: E731
-    if kind == "gemm":
-        M, N, K = rt.get("M", p["M"]), p["N"], p["K"]
-        ins = [g(M, K) * 0.1, g(N, K) * 0.1 if p["trans_b"] else g(K, N) * 0.1]
-        return ins + ([g(N)] if p["bias"] else [])
-    if kind == "attention":
-        b, s = rt.get("batch", p["batch"]), rt.get("seq_len", p["seq_len"])
-        return [g(b, s, p["heads"], p["head_dim"]), g(b, s, p["kv_heads"], p["head_dim"]), g(b, s, p["kv_heads"], p["head_dim"])]
-    M = rt.get("M", p["M"]) or ROWS
-    if kind == "rmsnorm":
-        return [g(M, p["N"]), g(p["N"])]
-    if kind == "swiglu":
-        return [g(M, p["N"]), g(M, p["N"])]
-    return [g(M, p["N"]) * 4]
-
-
-def reference(kind, p, ins):
-    """fp32 torch reference (what correctness is judged against)."""
-    x = [t.float() for t in ins]
-    if kind == "gemm":
-        c = x[0] @ (x[1].T if p["trans_b"] else x[1])
-        if p["bias"]:
-            c = c + x[2]
-        return {"none": lambda t: t, "gelu": F.gelu, "silu": F.silu, "relu": F.relu}[p["act"]](c)
-    if kind == "attention":
-        q, k, v = (t.transpose(1, 2) for t in x)
-        grp = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=p["causal"]).transpose(1, 2)
-    if kind == "rmsnorm":
-        return x[0] * torch.rsqrt(x[0].pow(2).mean(-1, keepdim=True) + p["eps"]) * x[1]
-    if kind == "swiglu":
-        return F.silu(x[0]) * x[1]
-    return torch.softmax(x[0], -1)
+    """Fresh random inputs on the GPU for static params p and runtime sizes rt."""
+    return reference.make_inputs(kind, p, "cuda", runtime=rt, seed=int(torch.randint(1 << 30, ())))
 
 
 def torch_paths(kind, p):
@@ -207,7 +164,6 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated kinds")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--compile-only", action="store_true", help="build every kernel (works without a GPU) and stop")
-    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
     torch.manual_seed(0)
@@ -223,15 +179,15 @@ def main():
         if not only or kind in only:
             jobs.append(("ragged", kind, str(params), params, rts))
     t0 = time.time()
-    with ThreadPoolExecutor(args.workers) as pool:
-        futs = [pool.submit(compile_one, j[1], j[3], args.target) for j in jobs]
-        built = []
-        for j, f in zip(jobs, futs):
-            try:
-                built.append((j, *f.result()))
-            except Exception as e:  # a failed build is reported, not fatal to the rest
-                print(f"BUILD FAILED {j[1]} {j[3]}: {e!r}"[:2000], flush=True)
-    print(f"compiled {len(built)}/{len(jobs)} kernels in {time.time() - t0:.1f}s with {args.workers} threads", flush=True)
+    with DaemonProcess(Path(tempfile.mkdtemp(prefix="ks-speed-")) / "cache", "--target", args.target) as daemon:
+        results = daemon.client().prefetch([{"kind": j[1], **j[3], "target": args.target} for j in jobs])
+    built = []
+    for j, k in zip(jobs, results):
+        if isinstance(k, Exception):  # a failed build is reported, not fatal to the rest
+            print(f"BUILD FAILED {j[1]} {j[3]}: {k}"[:2000], flush=True)
+        else:
+            built.append((j, k, k.compile_seconds, k.spec["params"]))
+    print(f"built {len(built)}/{len(jobs)} kernels through the service in {time.time() - t0:.1f}s", flush=True)
     if args.compile_only:
         return 0 if len(built) == len(jobs) else 1
 
@@ -246,15 +202,15 @@ def main():
         if tag == "ragged":
             for rt in extra:
                 ins = make_inputs(kind, p, rt)
-                err = rel_err(ker(*ins), reference(kind, p, ins))
+                err = rel_err(ker(*ins), reference.reference(kind, p, ins))
                 ok = err < tol
                 print(f"{'ok  ' if ok else 'FAIL'} ragged {kind} {label} {rt}: rel err {err:.1e}", flush=True)
                 if not ok:
                     failures.append((kind, label, rt, err))
             continue
-        rt = {"M": ROWS} if p.get("M", 1) is None else {}
+        rt = {"M": ROWS}
         ins = make_inputs(kind, p, rt)
-        err = rel_err(ker(*ins), reference(kind, p, ins))
+        err = rel_err(ker(*ins), reference.reference(kind, p, ins))
         if not err < tol:
             failures.append((kind, label, params, err))
         flops, nbytes = work(kind, p, rt)

@@ -21,11 +21,11 @@ def make_inputs(kind: str, p: dict, device="cpu", runtime: dict | None = None, s
     import torch
 
     runtime = runtime or {}
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     dtype = getattr(torch, p["dtype"]) if "dtype" in p else torch.float32
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
 
     if kind == "gemm":
         m = _size(p, "M", runtime)
