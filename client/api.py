@@ -25,6 +25,9 @@ from .errors import CompileError, CorruptArtifact, InvalidSpec, ServiceError, Se
 GET_TIMEOUT = 600.0  # a cold kernel can wait behind a queue of compiles
 STATS_TIMEOUT = 10.0
 RETRY_WINDOW = 30.0  # how long UNAVAILABLE is retried once a daemon has answered
+# A blocking call cannot be cancelled by its caller: CANCELLED means the daemon went
+# away mid-call (a drain cuts calls that arrived as it stopped), which is UNAVAILABLE.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 MAX_MESSAGE = 16 << 20
 OUTCOMES = {pb.OUTCOME_HIT: "hit", pb.OUTCOME_COMPILED: "compiled", pb.OUTCOME_JOINED: "joined"}
 
@@ -98,7 +101,7 @@ class Client:
             raise ServiceUnavailable(f"no kernel service at {self.socket_path} (start one with `kernel-service serve`)")
 
     def _call(self, method: Callable, request, timeout: float, what: str):
-        """One RPC with a deadline; retries UNAVAILABLE with backoff, and nothing else.
+        """One RPC with a deadline; retries UNAVAILABLE (and a drain's CANCELLED) with backoff, and nothing else.
 
         With no socket at all and no daemon ever seen, fails fast.
         """
@@ -112,7 +115,7 @@ class Client:
                 return result
             except grpc.RpcError as err:
                 retry_until = min(deadline, time.monotonic() + (RETRY_WINDOW if self._answered else 2.0))
-                if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay >= retry_until:
+                if err.code() not in RETRYABLE or time.monotonic() + delay >= retry_until:
                     _raise_for(err, what)
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 1.0)

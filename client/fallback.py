@@ -25,7 +25,12 @@ from .errors import CompileError
 
 @functools.cache
 def _store(root: str) -> Store:
-    return Store(root)
+    # Keep the mode the daemon gave an existing cache (0750 when configured group-shared).
+    try:
+        mode = 0o750 if os.stat(root).st_mode & 0o777 == 0o750 else 0o700
+    except FileNotFoundError:
+        mode = 0o700
+    return Store(root, mode)
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""`kernel-service`: serve, stats, demo."""
+"""`kernel-service`: serve, stats, verify, demo."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 
 def _serve(args) -> int:
-    from .config import ServiceConfig
+    from .config import ServiceConfig, parse_size
     from .server import AlreadyRunning, Daemon
 
     try:
@@ -21,16 +21,46 @@ def _serve(args) -> int:
             grace=args.grace,
             queue_limit=args.queue_limit,
             kernel_modules=tuple(args.kernel_module),
+            failure_ttl=args.failure_ttl,
+            max_bytes=parse_size(args.max_size) if args.max_size is not None else None,
+            max_entries=args.max_entries,
+            evict_min_age=args.evict_min_age,
+            mode=int(args.mode, 8) if args.mode is not None else None,
+            tcp=args.tcp,
+            allow_remote=args.allow_remote,
         )
     except ValueError as exc:
         print(f"kernel-service: {exc}", file=sys.stderr)
         return 2
     try:
         Daemon(config).serve_forever()
-    except AlreadyRunning as exc:
+    except (AlreadyRunning, OSError) as exc:
         print(f"kernel-service: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _verify(args) -> int:
+    from .config import ServiceConfig
+    from .store import Store
+
+    cache_dir = ServiceConfig.resolve(cache_dir=args.cache_dir).cache_dir
+    try:
+        store = Store(cache_dir, create=False)
+    except OSError as exc:
+        print(f"kernel-service: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    report = store.verify(repair=args.repair)
+    if args.json:
+        damage = [{"what": d.what, "path": str(d.path), "why": d.why, "repaired": d.repaired} for d in report.damage]
+        print(json.dumps({"cache_dir": str(cache_dir), "entries_ok": report.entries_ok, "staging_in_use": report.staging_in_use, "damage": damage}, indent=2))
+    else:
+        for d in report.damage:
+            print(f"{'removed' if d.repaired else 'DAMAGED'} {d.what:>7}: {d.path}: {d.why}")
+        print(f"{cache_dir}: {report.entries_ok} entries ok, {len(report.damage)} damaged, {len(report.unrepaired)} left unrepaired, {report.staging_in_use} staging dirs in use")
+        if report.unrepaired and not args.repair:
+            print("run `kernel-service verify --repair` to remove them (safe while the daemon runs)")
+    return 1 if report.unrepaired else 0
 
 
 def _human_bytes(n: int) -> str:
@@ -52,7 +82,7 @@ def _stats(args) -> int:
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
-    for name in ("compiles", "hits", "misses", "joined", "failures", "invalid", "corrupt", "in_flight", "workers", "cpu_quota", "entries"):
+    for name in ("compiles", "hits", "misses", "joined", "failures", "failures_cached", "invalid", "corrupt", "evictions", "in_flight", "workers", "cpu_quota", "entries"):
         print(f"{name:>16}: {stats[name]}")
     print(f"{'bytes':>16}: {stats['bytes']} ({_human_bytes(int(stats['bytes']))})")
     print(f"{'compile_seconds':>16}: {stats['compile_seconds']:.2f}")
@@ -82,7 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for running compiles (default 30)")
     serve.add_argument("--queue-limit", type=int, default=4096, help="compiles queued before RESOURCE_EXHAUSTED (default 4096)")
     serve.add_argument("--kernel-module", action="append", default=[], metavar="MODULE", help="import MODULE to register extra kernel kinds (repeatable)")
+    serve.add_argument("--failure-ttl", type=float, help="seconds a failed compile is answered from memory before it is retried (default 60; 0: never remembered)")
+    serve.add_argument("--max-size", metavar="BYTES", help="cache budget: evict least recently used entries above this size (e.g. 10G; default unbounded)")
+    serve.add_argument("--max-entries", type=int, help="cache budget in entries (default unbounded)")
+    serve.add_argument("--evict-min-age", type=float, metavar="SECONDS", help="never evict an entry handed out this recently (default 300)")
+    serve.add_argument("--mode", choices=("0700", "0750"), help="cache and socket directory mode: 0700 owner only (default), 0750 group may read and connect, never write")
+    serve.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP (host defaults to 127.0.0.1; loopback only unless --allow-remote)")
+    serve.add_argument("--allow-remote", action="store_true", help="allow --tcp on a non-loopback address (no authentication: trusted networks only)")
     serve.set_defaults(run=_serve)
+
+    verify = sub.add_parser("verify", help="check every cache entry against its manifest; exit 1 on damage left unrepaired")
+    verify.add_argument("--cache-dir", help="cache root (default $KERNEL_SERVICE_CACHE_DIR, then $XDG_CACHE_HOME/kernel-service)")
+    verify.add_argument("--repair", action="store_true", help="remove damaged entries and dead writers' staging dirs (safe while a daemon runs)")
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    verify.set_defaults(run=_verify)
 
     stats = sub.add_parser("stats", help="print the daemon's counters")
     stats.add_argument("--socket", help="Unix socket path of the daemon")

@@ -93,7 +93,8 @@ def build(spec_json: str, staging: str) -> dict:
     """Compiles one canonical spec into `staging`; returns the library's file name
     and the entry's metadata (spec, abi, compile_seconds, toolchain).
 
-    Raises CompileFailed with TileLang's message on any compile error.
+    Raises CompileFailed with TileLang's message on any compile error, and
+    OSError when the staging directory cannot be written.
     """
     import tilelang
 
@@ -111,6 +112,13 @@ def build(spec_json: str, staging: str) -> dict:
         # for both loaders (TileLang's tvm_ffi path would otherwise switch to
         # callee-allocated outputs).
         kernel = tilelang.compile(func, target=target.tilelang_target())
+    except CompileFailed:
+        raise
+    except Exception as exc:  # TileLang raises many types; the caller needs the text, not the class
+        raise CompileFailed(f"{type(exc).__name__}: {exc}") from None
+    # Writing into the staging directory can fail (disk full): that is a cache error, raised
+    # as OSError, not a compile failure to report as the kernel's fault or to remember.
+    try:
         if target.is_cpu:
             shutil.copyfile(kernel.adapter.libpath, out / LIBRARY)
         else:
@@ -118,10 +126,10 @@ def build(spec_json: str, staging: str) -> dict:
         source = kernel.get_kernel_source()
         if source:
             (out / ("kernel.c" if target.is_cpu else "kernel.cu")).write_text(source)
-    except CompileFailed:
+    except OSError:
         raise
-    except Exception as exc:  # TileLang raises many types; the caller needs the text, not the class
-        raise CompileFailed(f"{type(exc).__name__}: {exc}") from None
+    except Exception as exc:
+        raise CompileFailed(f"exporting the built library failed: {type(exc).__name__}: {exc}") from None
     meta = {
         "spec": spec,
         "abi": abi,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,12 @@ class ServiceConfig:
     queue_limit: int = 4096  # compiles queued or running before RESOURCE_EXHAUSTED
     warm_up: bool = True  # start every compile worker at launch
     kernel_modules: tuple[str, ...] = ()  # extra modules that register kernel kinds
+    failure_ttl: float = 60.0  # seconds a failed compile is answered from memory before a retry
+    max_bytes: int | None = None  # cache budget in bytes (None: unbounded)
+    max_entries: int | None = None  # cache budget in entries (None: unbounded)
+    evict_min_age: float = 300.0  # never evict an entry handed out this many seconds ago or less
+    mode: int = 0o700  # cache and socket directories: 0o700 owner only, 0o750 group may read
+    tcp: str | None = None  # "host:port" to listen on besides the Unix socket (None: no TCP)
 
     @classmethod
     def resolve(
@@ -33,9 +41,44 @@ class ServiceConfig:
         """Flags win, then KERNEL_SERVICE_* variables, then the XDG defaults."""
         if workers is not None and workers < 1:
             raise ValueError(f"--workers must be at least 1, got {workers}")
+        if rest.get("mode") not in (None, 0o700, 0o750):
+            raise ValueError(f"--mode must be 0700 (owner only) or 0750 (group may read, never write), got {rest['mode']:04o}")
+        for name in ("failure_ttl", "evict_min_age", "max_bytes", "max_entries"):
+            if rest.get(name) is not None and rest[name] < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {rest[name]}")
+        if rest.get("tcp") is not None:
+            rest["tcp"] = tcp_address(rest["tcp"], rest.pop("allow_remote", False))
+        rest.pop("allow_remote", None)
         return cls(
             socket=Path(socket) if socket else default_socket(env),
             cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(env),
             workers=workers or usable_cpus(),
             **{k: v for k, v in rest.items() if v is not None},
         )
+
+
+_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "123", "512M", "10G" or "10GiB" (binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"cannot read {text!r} as a size; use bytes or a suffix: 512M, 10G")
+    return int(float(match.group(1)) * _SUFFIXES[match.group(2).upper()])
+
+
+def tcp_address(text: str, allow_remote: bool = False) -> str:
+    """A gRPC listen address from "PORT", ":PORT", "HOST:PORT" or "[V6]:PORT"; the host
+    defaults to 127.0.0.1 and must be loopback unless `allow_remote`."""
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--tcp {text!r}: expected HOST:PORT with a port from 1 to 65535")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not allow_remote:
+        raise ValueError(f"--tcp {text!r}: {host} is not a loopback address; the service has no authentication, pass --allow-remote to expose it anyway")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

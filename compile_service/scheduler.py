@@ -7,12 +7,17 @@
 - The pool: `workers` driver threads, each feeding one compile at a time to a
   pool of as many worker processes (spawned, TileLang imported once each).
   Publishing to the store happens on the driver thread, outside any lock.
+- Failures are remembered: a key whose compile failed answers with that
+  failure for `failure_ttl` seconds instead of compiling again for every caller.
+- The budget: after each publish the driver evicts least recently used entries
+  down to `max_bytes` / `max_entries` (see Store.evict).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import json
 import logging
 import multiprocessing
 import queue
@@ -53,6 +58,7 @@ class Counters:
     hits: int = 0
     misses: int = 0
     failures: int = 0
+    failures_cached: int = 0  # requests answered with a remembered compile failure
     joined: int = 0
     compile_seconds: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -72,15 +78,36 @@ class _Job:
     future: cf.Future = field(compare=False)
 
 
+@dataclass(frozen=True)
+class Budget:
+    """How big the cache may grow; None means unbounded."""
+
+    max_bytes: int | None = None
+    max_entries: int | None = None
+    min_age: float = 300.0  # never evict an entry handed out this recently (seconds)
+
+
 class Scheduler:
-    def __init__(self, store: Store, workers: int, queue_limit: int = 4096, kernel_modules: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        store: Store,
+        workers: int,
+        queue_limit: int = 4096,
+        kernel_modules: tuple[str, ...] = (),
+        failure_ttl: float = 60.0,
+        budget: Budget = Budget(),
+    ):
         self.store = store
         self.workers = workers
         self.queue_limit = queue_limit
         self.kernel_modules = kernel_modules
+        self.failure_ttl = failure_ttl
+        self.budget = budget
         self.counters = Counters()
-        self._lock = threading.Lock()  # guards _inflight, _closing and the pool handle
+        self._lock = threading.Lock()  # guards _inflight, _failed, _closing and the pool handle
         self._inflight: dict[str, cf.Future] = {}
+        self._failed: dict[str, tuple[float, float, compiler.CompileFailed]] = {}  # key -> (expiry, when, error)
+        self._keys: dict[str, tuple[str, dict]] = {}  # canonical spec JSON -> (key, spec)
         self._queue: queue.PriorityQueue[_Job] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._closing = False
@@ -116,8 +143,8 @@ class Scheduler:
         """
         if self._closing:
             raise ShuttingDown("the kernel service is shutting down")
-        key = cache_key(spec)
-        entry = self.store.lookup(key)
+        key, expect = self._key_of(spec)
+        entry = self.store.lookup(key, expect)
         if entry is not None:
             self.counters.add(hits=1)
             return _done(entry), Outcome.HIT
@@ -128,8 +155,14 @@ class Scheduler:
             if future is not None:
                 self.counters.add(misses=1, joined=1)
                 return future, Outcome.JOINED
+            failed = self._failed.get(key)
+            if failed is not None and failed[0] > time.monotonic():
+                self.counters.add(failures_cached=1)
+                expiry, when, exc = failed
+                note = f"\n(remembered failure from {time.monotonic() - when:.0f}s ago; the compile is retried in {expiry - time.monotonic():.0f}s)"
+                return _failed(compiler.CompileFailed(f"{exc}{note}")), Outcome.COMPILED
             # A compile may have published between our lookup and the lock.
-            entry = self.store.lookup(key)
+            entry = self.store.lookup(key, expect)
             if entry is not None:
                 self.counters.add(hits=1)
                 return _done(entry), Outcome.HIT
@@ -140,6 +173,17 @@ class Scheduler:
             self._queue.put(_Job(priority, next(self._seq), key, spec, future))
         self.counters.add(misses=1)
         return future, Outcome.COMPILED
+
+    def _key_of(self, spec: CanonicalSpec) -> tuple[str, dict]:
+        """The key, and the spec the entry must record (a key collision or a planted entry is
+        corrupt); remembered per spec, since hits repeat the same few."""
+        text = spec.to_json()
+        known = self._keys.get(text)
+        if known is None:
+            if len(self._keys) >= 4096:
+                self._keys.clear()
+            known = self._keys[text] = (cache_key(spec), json.loads(text))
+        return known
 
     # ----- the drivers
     def _drive(self) -> None:
@@ -155,10 +199,14 @@ class Scheduler:
             if self._closing:
                 raise ShuttingDown("the kernel service shut down before this kernel was compiled")
             staging = self.store.new_staging(job.key)
-            result = self._submit(compiler.build, job.spec.to_json(), str(staging)).result()
+            try:
+                result = self._submit(compiler.build, job.spec.to_json(), str(staging)).result()
+            except OSError as exc:  # the worker could not write the staging dir (disk full)
+                raise StoreError(exc.errno, f"cannot write the built kernel into {staging}: {exc.strerror or exc}") from exc
             entry = self.store.publish(job.key, staging, result["library"], result["meta"])
             self.counters.add(compiles=1, compile_seconds=result["meta"]["compile_seconds"])
             outcome: Entry | BaseException = entry
+            self.enforce_budget(protect=job.key)
         except BrokenProcessPool:
             if self._closing:
                 outcome = ShuttingDown("the kernel service shut down while compiling this kernel")
@@ -177,13 +225,26 @@ class Scheduler:
             if not isinstance(outcome, ShuttingDown):
                 self.counters.add(failures=1)
                 log.warning("compile of %s failed: %s", job.spec.to_json(), str(outcome)[:500])
-        # Leave the in-flight table before answering: a later request then finds the entry on disk.
+        # Leave the in-flight table before answering: a later request then finds the entry on
+        # disk, or the remembered failure (a cache write error is not remembered: it may clear).
         with self._lock:
             self._inflight.pop(job.key, None)
+            if isinstance(outcome, compiler.CompileFailed) and self.failure_ttl > 0:
+                now = time.monotonic()
+                self._failed = {k: v for k, v in self._failed.items() if v[0] > now}
+                self._failed[job.key] = (now + self.failure_ttl, now, outcome)
         if isinstance(outcome, BaseException):
             job.future.set_exception(outcome)
         else:
             job.future.set_result(outcome)
+
+    def enforce_budget(self, protect: str | None = None) -> None:
+        """Evicts down to the budget (after each publish, and once at start-up)."""
+        b = self.budget
+        try:
+            self.store.evict(b.max_bytes, b.max_entries, b.min_age, protect)
+        except OSError as exc:  # the budget is housekeeping: it never fails a request
+            log.warning("eviction pass failed: %s", exc)
 
     def _submit(self, fn, *args) -> cf.Future:
         with self._lock:
@@ -219,6 +280,12 @@ class Scheduler:
 def _done(entry: Entry) -> cf.Future:
     future = cf.Future()
     future.set_result(entry)
+    return future
+
+
+def _failed(exc: BaseException) -> cf.Future:
+    future = cf.Future()
+    future.set_exception(exc)
     return future
 
 

@@ -3,7 +3,10 @@
 Start-up: take the cache's and the socket's instance locks (a second live
 daemon is refused with the holder's pid; a socket file left by a killed daemon
 is removed, since its lock died with it), sweep dead writers' staging
-directories, start the compile workers, then listen.
+directories, enforce the cache budget, start the compile workers, then
+listen: on the Unix socket (0600, or 0660 with --mode 0750), and on TCP only
+when asked (loopback unless --allow-remote), always with so_reuseport=0 so a
+second process can never bind the same port and steal requests.
 Shutdown (SIGTERM/SIGINT): health goes NOT_SERVING, new RPCs are refused,
 running ones get `grace` seconds, then the workers are stopped. Entries are
 only ever published whole, so no partial entry is left behind.
@@ -29,7 +32,7 @@ from .compiler import load_kernel_modules
 from .config import ServiceConfig
 from .cpus import usable_cpus
 from .paths import socket_address
-from .scheduler import Scheduler
+from .scheduler import Budget, Scheduler
 from .servicer import KernelServicer
 from .store import Store
 
@@ -61,6 +64,17 @@ def _read_pid(path: Path) -> str | None:
         return None
 
 
+def _socket_dir(path: Path, mode: int) -> None:
+    """Creates the socket's directory with `mode`; an existing one is only checked: it may be shared (/tmp)."""
+    try:
+        path.mkdir(mode=mode, parents=True)
+        os.chmod(path, mode)
+    except FileExistsError:
+        st = path.stat()
+        if st.st_mode & 0o022 and not st.st_mode & 0o1000:
+            log.warning("socket directory %s is writable by others (mode %04o): they could replace the socket", path, st.st_mode & 0o7777)
+
+
 class Daemon:
     def __init__(self, config: ServiceConfig):
         self.config = config
@@ -71,8 +85,8 @@ class Daemon:
 
     def start(self) -> None:
         cfg = self.config
-        cfg.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        cfg.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cfg.cache_dir.mkdir(mode=cfg.mode, parents=True, exist_ok=True)
+        _socket_dir(cfg.socket.parent, cfg.mode)
         self._locks.append(_instance_lock(cfg.cache_dir / "daemon.lock", f"cache dir {cfg.cache_dir}"))
         try:
             self._locks.append(_instance_lock(cfg.socket.with_name(cfg.socket.name + ".lock"), f"socket {cfg.socket}"))
@@ -84,11 +98,13 @@ class Daemon:
             cfg.socket.unlink()
 
         load_kernel_modules(cfg.kernel_modules)
-        store = Store(cfg.cache_dir)
+        store = Store(cfg.cache_dir, cfg.mode)
         swept = store.clean_staging()
         if swept:
             log.info("removed %d staging directories left by dead writers", swept)
-        self.scheduler = Scheduler(store, cfg.workers, cfg.queue_limit, cfg.kernel_modules)
+        budget = Budget(cfg.max_bytes, cfg.max_entries, cfg.evict_min_age)
+        self.scheduler = Scheduler(store, cfg.workers, cfg.queue_limit, cfg.kernel_modules, cfg.failure_ttl, budget)
+        self.scheduler.enforce_budget()  # the budget may have shrunk since the last run
         if cfg.warm_up:
             self.scheduler.warm_up()
 
@@ -101,15 +117,23 @@ class Daemon:
                 ("grpc.max_send_message_length", MAX_MESSAGE),
             ],
         )
-        self.servicer = KernelServicer(self.scheduler, cfg.target, usable_cpus(), address, inductor.ensure(cfg.cache_dir))
+        listening = f"{address} tcp:{cfg.tcp}" if cfg.tcp else address
+        self.servicer = KernelServicer(self.scheduler, cfg.target, usable_cpus(), listening, inductor.ensure(cfg.cache_dir))
         pb_grpc.add_KernelServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(address)
+        if cfg.tcp:  # only on request, loopback unless --allow-remote (checked in config)
+            try:
+                bound = self.server.add_insecure_port(cfg.tcp)
+            except RuntimeError:
+                bound = 0
+            if not bound:
+                raise OSError(f"cannot listen on tcp {cfg.tcp} (in use, or not an address of this host)")
         self.server.start()
-        os.chmod(cfg.socket, 0o600)
+        os.chmod(cfg.socket, 0o660 if cfg.mode & 0o070 else 0o600)  # connecting needs write permission
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("kernel-service listening on %s, cache %s, %d workers", address, cfg.cache_dir, cfg.workers)
+        log.info("kernel-service listening on %s, cache %s, %d workers", listening, cfg.cache_dir, cfg.workers)
 
     def stop(self, grace: float | None = None) -> None:
         if self._stopped.is_set():

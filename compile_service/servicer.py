@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import logging
 import threading
 import time
@@ -26,12 +25,32 @@ log = logging.getLogger(__name__)
 
 MAX_ERROR_TEXT = 12_000
 MAX_BATCH = 4096
+# Far above any real signature, far below what could cost memory or time: checked
+# before anything else, so hostile input never reaches validation messages or keys.
+MAX_PARAMS = 64
+MAX_NAME = 64  # kind, target and parameter names
+MAX_STRING = 256  # string parameter values
+VALID_MEMO = 4096  # validated specs remembered (a plain dict, cleared when full)
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 40 else f"{text[:40]!r}... ({len(text)} characters)"
 
 
 def spec_from_proto(spec: pb.KernelSpec, default_target: str) -> kernels.CanonicalSpec:
+    if len(spec.kind) > MAX_NAME:
+        raise InvalidSpec("kind", f"at most {MAX_NAME} characters, got {_short(spec.kind)}")
+    if len(spec.target) > MAX_NAME:
+        raise InvalidSpec("target", f"at most {MAX_NAME} characters, got {_short(spec.target)}")
+    if len(spec.params) > MAX_PARAMS:
+        raise InvalidSpec("params", f"at most {MAX_PARAMS} parameters, got {len(spec.params)}")
     params = {}
     for name, value in spec.params.items():
+        if len(name) > MAX_NAME:
+            raise InvalidSpec("params", f"parameter names have at most {MAX_NAME} characters, got {_short(name)}")
         which = value.WhichOneof("value")
+        if which == "string_value" and len(value.string_value) > MAX_STRING:
+            raise InvalidSpec(name, f"string values have at most {MAX_STRING} characters, got {len(value.string_value)}")
         if which is None:
             raise InvalidSpec(name, "parameter sent with no value")
         params[name] = None if which == "null_value" else getattr(value, which)
@@ -45,8 +64,8 @@ def response(entry: Entry, outcome: Outcome) -> pb.GetKernelResponse:
         library=entry.library,
         library_sha256=entry.library_sha256,
         library_size=entry.library_size,
-        abi_json=json.dumps(entry.abi, sort_keys=True),
-        canonical_spec=json.dumps(entry.meta["spec"], sort_keys=True, separators=(",", ":")),
+        abi_json=entry.abi_json,
+        canonical_spec=entry.spec_json,
     )
     return pb.GetKernelResponse(
         artifact=artifact,
@@ -66,7 +85,7 @@ def _clip(text: str) -> str:
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a domain error maps to (see the proto's Errors lists)."""
     if isinstance(exc, InvalidSpec):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        return grpc.StatusCode.INVALID_ARGUMENT, _clip(str(exc))
     if isinstance(exc, CompileFailed):
         return grpc.StatusCode.FAILED_PRECONDITION, _clip(str(exc))
     if isinstance(exc, QueueFull):
@@ -74,7 +93,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ShuttingDown):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, StoreError):
-        return grpc.StatusCode.INTERNAL, f"kernel cache write failed: {exc.strerror or exc}"
+        return grpc.StatusCode.INTERNAL, f"kernel cache write failed: {exc.strerror or exc}"  # e.g. "No space left on device"
     if isinstance(exc, cf.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while the kernel was compiling; it keeps compiling"
     log.exception("unexpected error", exc_info=exc)
@@ -91,14 +110,24 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         self.started = time.time()
         self.invalid = 0
         self._invalid_lock = threading.Lock()
+        self._valid: dict[bytes, kernels.CanonicalSpec] = {}
 
     def _validate(self, spec: pb.KernelSpec) -> kernels.CanonicalSpec:
+        # Hits repeat the same few specs: remember the valid ones by their wire bytes.
+        wire = spec.SerializeToString(deterministic=True)
+        canonical = self._valid.get(wire)
+        if canonical is not None:
+            return canonical
         try:
-            return spec_from_proto(spec, self.default_target)
+            canonical = spec_from_proto(spec, self.default_target)
         except InvalidSpec:
             with self._invalid_lock:
                 self.invalid += 1
             raise
+        if len(self._valid) >= VALID_MEMO:
+            self._valid.clear()
+        self._valid[wire] = canonical
+        return canonical
 
     def GetKernel(self, request, context):
         try:
@@ -150,6 +179,7 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                 hits=c.hits,
                 misses=c.misses,
                 failures=c.failures,
+                failures_cached=c.failures_cached,
                 joined=c.joined,
                 compile_seconds=c.compile_seconds,
                 in_flight=self.scheduler.in_flight,
@@ -157,6 +187,7 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                 entries=entries,
                 bytes=size,
                 corrupt=self.scheduler.store.corrupt_found,
+                evictions=self.scheduler.store.evicted,
                 invalid=self.invalid,
                 cpu_quota=self.cpu_quota,
                 cache_dir=str(self.scheduler.store.root),

@@ -154,15 +154,22 @@ def test_daemon_validates_what_clients_send(shared_daemon):
         c.get_kernel("gemm", target="cuda -arch=sm_90", M=8, N=8, K=8, dtype="float32")
 
 
-def test_compile_failure_is_reported_and_not_cached(make_daemon):
-    d = make_daemon("--kernel-module", "tests.failing_kind")
+def test_compile_failure_is_reported_remembered_then_retried(make_daemon):
+    d = make_daemon("--kernel-module", "tests.failing_kind", "--failure-ttl", "3")
     c = d.client()
     with pytest.raises(client.CompileError, match="Buffer X is 1-dimensional"):
         c.get_kernel("broken", target="c", N=4)
-    with pytest.raises(client.CompileError):
-        c.get_kernel("broken", target="c", N=4)
+    t0 = time.monotonic()
+    for _ in range(3):  # answered from memory: one compile for every caller
+        with pytest.raises(client.CompileError, match=r"(?s)Buffer X is 1-dimensional.*remembered failure"):
+            c.get_kernel("broken", target="c", N=4)
     stats = c.stats()
-    assert stats["failures"] == 2 and stats["compiles"] == 0 and stats["entries"] == 0
+    assert (stats["failures"], stats["failures_cached"], stats["compiles"], stats["entries"]) == (1, 3, 0, 0)
+    time.sleep(max(0.0, 3.2 - (time.monotonic() - t0)))
+    with pytest.raises(client.CompileError) as err:  # the TTL passed: compiled again
+        c.get_kernel("broken", target="c", N=4)
+    assert "remembered" not in str(err.value)
+    assert c.stats()["failures"] == 2
 
 
 def test_truncated_library_is_rebuilt(make_daemon):
@@ -298,3 +305,58 @@ def test_config_sizes_pool_to_cpus_and_rejects_bad_workers(tmp_path):
     assert cfg.socket == Path(f"/tmp/kernel-service-{os.getuid()}/kernel-service.sock")
     with pytest.raises(ValueError, match="workers"):
         ServiceConfig.resolve(workers=0, env=env)
+
+
+def test_cache_budget_evicts_least_recently_used_but_not_recent_ones(make_daemon):
+    specs = [dict(M=None, N=n, dtype="float32", target="c") for n in (8, 16, 24)]
+    d = make_daemon("--max-entries", "2", "--evict-min-age", "0")
+    c = d.client()
+    for spec in specs[:2]:
+        c.get_kernel("rmsnorm", **spec)
+    assert d.client().get_kernel("rmsnorm", **specs[0]).outcome == "hit"  # specs[1] is now the LRU
+    c.get_kernel("rmsnorm", **specs[2])
+    stats = c.stats()
+    assert (stats["evictions"], stats["entries"], stats["corrupt"]) == (1, 2, 0)
+    fresh = d.client()
+    assert fresh.get_kernel("rmsnorm", **specs[0]).outcome == "hit"
+    assert fresh.get_kernel("rmsnorm", **specs[1]).outcome == "compiled"
+    d.stop()
+
+    # A restart with the default min-age keeps everything handed out in the last minutes.
+    d2 = make_daemon("--max-entries", "1", cache_dir=d.cache_dir)
+    assert d2.client().get_kernel("rmsnorm", **specs[2]).outcome in ("hit", "compiled")
+    stats = d2.client().stats()
+    assert stats["evictions"] == 0 and stats["entries"] >= 2
+
+
+def _mode(path) -> int:
+    return os.stat(path).st_mode & 0o7777
+
+
+def test_owner_only_by_default(shared_daemon):
+    assert _mode(shared_daemon.cache_dir) == _mode(shared_daemon.socket.parent) == 0o700
+    assert _mode(shared_daemon.socket) == 0o600
+
+
+def test_group_shared_mode_and_loopback_tcp(make_daemon):
+    import socket as sockets
+
+    with sockets.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = make_daemon("--mode", "0750", "--tcp", f"127.0.0.1:{port}")
+    assert _mode(d.cache_dir) == 0o750 and _mode(d.socket) == 0o660  # the group may read and connect
+    c = client.connect(f"127.0.0.1:{port}")
+    k = c.get_kernel("rmsnorm", M=None, N=40, dtype="float32", target="c")
+    x, w = torch.randn(3, 40), torch.randn(40)
+    torch.testing.assert_close(k(x, w), rmsnorm_ref(x, w), rtol=1e-4, atol=1e-4)
+    assert _mode(k.path.parent) == 0o750 and {_mode(f) for f in k.path.parent.iterdir()} == {0o640}
+    assert c.stats()["address"].endswith(f"tcp:127.0.0.1:{port}")
+
+    # so_reuseport=0: a second daemon cannot bind the same port and take a share of the requests.
+    rival = make_daemon("--tcp", f"127.0.0.1:{port}", start=False)
+    rival.start(wait=False)
+    assert rival.proc.wait(120) == 1 and "cannot listen on tcp" in rival.log()
+    remote = make_daemon("--tcp", f"0.0.0.0:{port + 1}", start=False)
+    remote.start(wait=False)
+    assert remote.proc.wait(60) == 2 and "--allow-remote" in remote.log()

@@ -72,12 +72,19 @@ class KernelServiceServicer:
         Errors:
         INVALID_ARGUMENT: the spec is malformed (unknown kind, missing, extra or
         ill-typed parameter, absurd size, dtype unsupported on the target,
-        unknown target). Nothing is compiled or cached. The message starts
-        with the offending field's name, then a colon.
+        unknown target, more than 64 parameters, a name over 64 or a string
+        value over 256 characters). Nothing is compiled or cached. The
+        message starts with the offending field's name, then a colon.
         FAILED_PRECONDITION: the kernel failed to compile; the message holds
-        the compiler's output. Nothing is cached.
-        RESOURCE_EXHAUSTED: the compile queue is full; try again later.
-        INTERNAL: the cache could not be written (disk full, permissions).
+        the compiler's output. Nothing is cached. The failure is remembered:
+        requests for the same spec get it again, without a compile, for the
+        daemon's --failure-ttl seconds (default 60), then it is retried.
+        RESOURCE_EXHAUSTED: the compile queue is full (more distinct kernels
+        compiling or waiting than the daemon's --queue-limit); the message
+        says so. Try again later.
+        INTERNAL: the cache could not be written; the message carries the OS
+        error (e.g. "No space left on device"). Nothing is published and the
+        daemon goes on serving other kernels.
         UNAVAILABLE: the daemon is shutting down; retry against its successor.
         DEADLINE_EXCEEDED: the caller's deadline passed first. The compile goes
         on, and a later request is served from its result.
@@ -89,9 +96,11 @@ class KernelServiceServicer:
     def Prefetch(self, request, context):
         """Makes many kernels ready (compiling the cold ones in parallel) and
         streams one event per kernel as each finishes, in completion order.
-        The whole batch is validated before any work: one bad spec fails the
-        call with INVALID_ARGUMENT and nothing is compiled. A kernel that fails
-        to compile is reported in its own event; the stream goes on.
+        The whole batch is validated before any work: one bad spec (or more than
+        4096 specs) fails the call with INVALID_ARGUMENT and nothing is compiled.
+        A kernel that fails to compile, or whose entry cannot be written, is
+        reported in its own event (FAILED_PRECONDITION, INTERNAL); the stream
+        goes on.
 
         Errors: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE,
         DEADLINE_EXCEEDED, as for GetKernel.

@@ -1,0 +1,218 @@
+"""GetKernel under load: many client threads hammering a daemon with cache hits.
+
+    python benchmark/hit_load.py                      # 32 threads, 50,000 hits, then the eviction run
+    python benchmark/hit_load.py --requests 100000 --json out.json
+
+Starts a daemon on a fresh cache (target "c"), builds a working set of small
+CPU kernels, then runs two phases over the Unix socket, each with `--threads`
+client threads (one channel each) issuing `--requests` GetKernel calls in total:
+
+  hits   every request is a cache hit; reports throughput, p50/p99 latency, errors.
+  evict  the daemon restarted on the same cache with --max-entries smaller than
+         the working set and --evict-min-age 0: most requests go to a hot set,
+         a few to cold kernels, which were evicted and compile again, evicting
+         others meanwhile. Latency here includes those compiles.
+
+Every answer is checked to be the kernel asked for (its canonical spec); every
+`--check-every`-th answer's library is also read and verified like a loader
+does (owner, mode, size, sha256). An entry evicted between the answer and the
+check is counted apart ("gone"), not as wrong: with a min-age of 0 nothing
+protects it, which is what --evict-min-age is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+import kernels  # noqa: E402
+from client.api import spec_to_proto  # noqa: E402
+from client.errors import CorruptArtifact  # noqa: E402
+from client.loader import read_verified  # noqa: E402
+from compile_service.launch import wait_serving  # noqa: E402
+from compile_service.paths import socket_address  # noqa: E402
+from proto.kernelservice.v1 import kernel_service_pb2 as pb  # noqa: E402
+from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc  # noqa: E402
+
+KINDS = ("rmsnorm", "softmax", "swiglu")
+
+
+def working_set(n: int, base: int) -> list[kernels.CanonicalSpec]:
+    return [kernels.canonicalize(KINDS[i % 3], {"M": None, "N": base + 8 * i, "dtype": "float32"}, "c") for i in range(n)]
+
+
+class Daemon:
+    def __init__(self, cache: Path, socket: Path, *extra: str):
+        self.log = open(cache.parent / f"daemon-{int(time.time() * 1000)}.log", "w")
+        args = ["serve", "--socket", str(socket), "--cache-dir", str(cache), "--target", "c", "--workers", "2", *extra]
+        self.proc = subprocess.Popen([sys.executable, "-m", "compile_service.cli", *args], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        wait_serving(socket_address(socket), 120, self.proc)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+        self.log.close()
+
+
+def run_phase(address: str, specs, pick, threads: int, requests: int, check_every: int) -> dict:
+    """`pick(rng)` chooses the index of the spec each request asks for."""
+    requests_by_spec = [pb.GetKernelRequest(spec=spec_to_proto(s)) for s in specs]
+    expected = [json.loads(s.to_json()) for s in specs]
+    per_thread = [requests // threads + (i < requests % threads) for i in range(threads)]
+    latencies: list[list[float]] = [[] for _ in range(threads)]
+    tally = {"errors": 0, "wrong": 0, "checked": 0, "gone": 0}
+    errors: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(threads + 1)
+
+    def worker(t: int) -> None:
+        rng = random.Random(t)
+        channel = grpc.insecure_channel(address)
+        stub = pb_grpc.KernelServiceStub(channel)
+        stub.GetServiceInfo(pb.GetServiceInfoRequest(), timeout=30)  # connect before timing
+        mine = latencies[t]
+        local = {"errors": 0, "wrong": 0, "checked": 0, "gone": 0}
+        start.wait()
+        for n in range(per_thread[t]):
+            i = pick(rng)
+            t0 = time.perf_counter()
+            try:
+                reply = stub.GetKernel(requests_by_spec[i], timeout=120)
+            except grpc.RpcError as err:
+                local["errors"] += 1
+                with lock:
+                    errors.append(f"{err.code().name}: {err.details()}")
+                continue
+            mine.append(time.perf_counter() - t0)
+            a = reply.artifact
+            if json.loads(a.canonical_spec) != expected[i]:
+                local["wrong"] += 1
+            elif n % check_every == 0:
+                try:
+                    read_verified(Path(a.entry_dir) / a.library, a.library_sha256, a.library_size)
+                    local["checked"] += 1
+                except CorruptArtifact as exc:
+                    gone = not (Path(a.entry_dir) / a.library).exists()
+                    local["gone" if gone else "wrong"] += 1
+                    if not gone:
+                        with lock:
+                            errors.append(f"wrong artifact: {exc}")
+        channel.close()
+        with lock:
+            for k, v in local.items():
+                tally[k] += v
+
+    pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for th in pool:
+        th.join()
+    wall = time.perf_counter() - t0
+    lat = sorted(x for part in latencies for x in part)
+
+    def pct(q: float) -> float:
+        return lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3 if lat else float("nan")
+
+    return {
+        "requests": requests,
+        "threads": threads,
+        "seconds": round(wall, 3),
+        "throughput_rps": round(requests / wall, 1),
+        "p50_ms": round(pct(0.50), 3),
+        "p99_ms": round(pct(0.99), 3),
+        "max_ms": round(lat[-1] * 1e3, 3) if lat else None,
+        **tally,
+        "error_samples": errors[:5],
+    }
+
+
+def stats(address: str) -> dict:
+    with grpc.insecure_channel(address) as channel:
+        s = pb_grpc.KernelServiceStub(channel).GetStats(pb.GetStatsRequest(), timeout=30)
+    return {name: getattr(s, name, 0) for name in ("hits", "misses", "compiles", "evictions", "entries", "corrupt", "failures")}
+
+
+def delta(before: dict, after: dict) -> dict:
+    """Counters over the phase; `entries` as it stands at the end."""
+    return {k: v if k == "entries" else v - before[k] for k, v in after.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=50_000, help="GetKernel calls per phase (default 50000)")
+    parser.add_argument("--kernels", type=int, default=8, help="working set of the hit phase (default 8)")
+    parser.add_argument("--hot", type=int, default=6, help="eviction phase: hot kernels (default 6)")
+    parser.add_argument("--cold", type=int, default=6, help="eviction phase: cold kernels, asked rarely (default 6)")
+    parser.add_argument("--max-entries", type=int, default=8, help="eviction phase budget, below hot + cold (default 8)")
+    parser.add_argument("--cold-fraction", type=float, default=0.002, help="eviction phase: share of requests for cold kernels (default 0.002)")
+    parser.add_argument("--check-every", type=int, default=50, help="verify the library of every Nth answer per thread (default 50)")
+    parser.add_argument("--no-evict", action="store_true", help="skip the eviction phase")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args()
+    if args.max_entries >= args.hot + args.cold:
+        parser.error("--max-entries must be smaller than --hot + --cold for eviction to happen")
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="hit-load-") as tmp:
+        cache, socket = Path(tmp) / "cache", Path(tmp) / "ks.sock"
+        address = socket_address(socket)
+
+        daemon = Daemon(cache, socket)
+        try:
+            specs = working_set(args.kernels, 16)
+            with grpc.insecure_channel(address) as channel:  # build the working set
+                list(pb_grpc.KernelServiceStub(channel).Prefetch(pb.PrefetchRequest(specs=[spec_to_proto(s) for s in specs]), timeout=600))
+            before = stats(address)
+            results["hits"] = run_phase(address, specs, lambda rng: rng.randrange(len(specs)), args.threads, args.requests, args.check_every)
+            results["hits"]["daemon"] = delta(before, stats(address))
+        finally:
+            daemon.stop()
+
+        if not args.no_evict:
+            hot, cold = working_set(args.hot, 16), working_set(args.cold, 16 + 8 * args.hot + 512)
+            budget = ["--max-entries", str(args.max_entries), "--evict-min-age", "0"]
+            daemon = Daemon(cache, socket, *budget)  # evicts the hit phase's leftovers at start
+            try:
+                both = hot + cold
+                with grpc.insecure_channel(address) as channel:
+                    list(pb_grpc.KernelServiceStub(channel).Prefetch(pb.PrefetchRequest(specs=[spec_to_proto(s) for s in hot]), timeout=600))
+                before = stats(address)
+
+                def pick(rng):
+                    return len(hot) + rng.randrange(len(cold)) if rng.random() < args.cold_fraction else rng.randrange(len(hot))
+
+                results["evict"] = run_phase(address, both, pick, args.threads, args.requests, args.check_every)
+                results["evict"]["daemon"] = delta(before, stats(address))
+                results["evict"]["budget"] = {"max_entries": args.max_entries, "evict_min_age": 0, "working_set": len(both)}
+            finally:
+                daemon.stop()
+
+    cols = ("requests", "threads", "seconds", "throughput_rps", "p50_ms", "p99_ms", "max_ms", "errors", "wrong", "checked", "gone")
+    print(f"{'phase':<6} " + " ".join(f"{c:>14}" for c in cols) + "   daemon")
+    for phase, r in results.items():
+        d = r["daemon"]
+        print(f"{phase:<6} " + " ".join(f"{r[c]!s:>14}" for c in cols) + f"   compiles={d['compiles']} evictions={d['evictions']} hits={d['hits']} entries={d['entries']}")
+        for sample in r["error_samples"]:
+            print(f"       error: {sample}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 1 if any(r["errors"] or r["wrong"] for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The store on its own (no daemon, no TileLang): verify, the LRU budget,
+permissions, and the loader's refusals. Entries here hold a fake library."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from client.errors import CorruptArtifact
+from client.loader import read_verified
+from compile_service.config import parse_size, tcp_address
+from compile_service.store import Store
+
+ROOT = Path(__file__).resolve().parent.parent
+ABI = {"loader": "c", "symbol": "call", "device": "cpu", "params": [], "outputs": [0], "dynamic": []}
+
+
+def put(store: Store, i: int, size: int = 1000) -> str:
+    key = f"{i:064x}"
+    staging = store.new_staging(key)
+    (staging / "kernel.so").write_bytes(os.urandom(size))
+    store.publish(key, staging, "kernel.so", {"spec": {"kind": "fake", "i": i}, "abi": ABI})
+    return key
+
+
+def age(store: Store, key: str, seconds_ago: float) -> None:
+    """Pretend the entry was last handed out `seconds_ago` (on disk; a fresh Store reads that)."""
+    t = time.time() - seconds_ago
+    os.utime(store.entry_path(key), (t, t))
+
+
+def test_verify_reports_read_only_and_repairs_only_damage(tmp_path):
+    store = Store(tmp_path / "cache")
+    good, truncated, missing = (put(store, i) for i in range(3))
+    lib = store.entry_path(truncated) / "kernel.so"
+    lib.write_bytes(lib.read_bytes()[:10])
+    (store.entry_path(missing) / "entry.json").unlink()
+    (store.entries_dir / "zz").write_text("stray")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    (store.staging_dir / f"{dead}.{good}.abc").mkdir()  # its writer is gone
+    (store.staging_dir / f"{os.getppid()}.{good}.def").mkdir()  # its writer (pytest's parent) lives
+
+    def cli(*extra):
+        out = subprocess.run([sys.executable, "-m", "compile_service.cli", "verify", "--cache-dir", str(store.root), *extra], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        return out.returncode, out.stdout
+
+    rc, out = cli()
+    assert rc == 1
+    assert re.search(rf"DAMAGED +entry: .*{truncated}: corrupt: kernel.so has 10 bytes", out)
+    assert re.search(rf"DAMAGED +entry: .*{missing}: incomplete: entry.json is missing", out)
+    assert "DAMAGED   stray" in out and f"DAMAGED staging: {store.staging_dir}/{dead}." in out
+    assert "1 entries ok, 4 damaged, 4 left unrepaired, 1 staging dirs in use" in out
+    assert store.entry_path(truncated).exists() and len(list(store.staging_dir.iterdir())) == 2  # read-only
+
+    rc, out = cli("--repair")
+    assert rc == 0 and out.count("removed") == 4, out
+    assert sorted(store.keys()) == [good] and [p.name.split(".")[0] for p in store.staging_dir.iterdir()] == [str(os.getppid())]
+    assert cli()[0] == 0
+    assert store.lookup(good) is not None
+
+
+def test_evicts_least_recently_used_never_recent_ones(tmp_path):
+    store = Store(tmp_path / "cache")
+    keys = [put(store, i) for i in range(5)]
+    for n, key in enumerate(keys):
+        age(store, key, 1000 - n * 100)  # keys[0] oldest
+    store = Store(store.root)  # a restarted daemon: only the mtimes say what was used when
+    assert store.lookup(keys[0]) is not None  # a hit makes keys[0] the most recent
+    assert store.evict(None, 3, min_age=0) == 2
+    assert sorted(store.keys()) == sorted([keys[0], keys[3], keys[4]])
+    assert store.evicted == 2 and not list(store.staging_dir.iterdir())  # renamed away, then deleted
+
+    # Handed out within min_age: kept even over budget.
+    assert store.lookup(keys[3]) and store.lookup(keys[4])
+    assert store.evict(None, 1, min_age=300) == 0 and len(store.keys()) == 3
+    # The byte budget: each entry is its library plus entry.json and manifest.
+    assert store.evict(parse_size("1K"), None, min_age=0, protect=keys[0]) == 2
+    assert store.keys() == [keys[0]]
+    assert store.lookup(keys[3]) is None and store.corrupt_found == 0
+
+
+def test_eviction_runs_alongside_hits_and_publishes(tmp_path):
+    store = Store(tmp_path / "cache")
+    keys = [put(store, i) for i in range(20)]
+    stop, errors = threading.Event(), []
+
+    def hits():
+        while not stop.is_set():
+            for key in keys:
+                try:
+                    entry = store.lookup(key, {"kind": "fake", "i": int(key, 16)})
+                    assert entry is None or entry.meta["spec"]["i"] == int(key, 16)
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(exc)
+
+    readers = [threading.Thread(target=hits) for _ in range(3)]
+    for t in readers:
+        t.start()
+    for i in range(20, 60):
+        put(store, i)
+        store.evict(None, 10, min_age=0)
+    stop.set()
+    for t in readers:
+        t.join()
+    assert errors == [] and store.corrupt_found == 0
+    assert len(store.keys()) == 10 and store.evicted == 50
+
+
+def test_owner_only_by_default_group_readable_when_asked(tmp_path):
+    store = Store(tmp_path / "private")
+    key = put(store, 1)
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+    assert mode(store.root) == mode(store.entry_path(key)) == 0o700
+    assert mode(store.entry_path(key) / "kernel.so") == 0o600
+
+    shared = Store(tmp_path / "shared", mode=0o750)
+    key = put(shared, 1)
+    entry = shared.lookup(key)
+    assert mode(shared.root) == mode(entry.path) == mode(entry.path.parent) == 0o750
+    assert {mode(f) for f in entry.path.iterdir()} == {0o640}  # group-readable, never group-writable
+    assert read_verified(entry.path / entry.library, entry.library_sha256, entry.library_size)
+    with pytest.raises(ValueError, match="not allowed"):
+        Store(tmp_path / "bad", mode=0o770)
+
+
+def test_loader_refuses_symlinks_foreign_owners_and_writable_files(tmp_path):
+    store = Store(tmp_path / "cache")
+    entry = store.lookup(put(store, 1))
+    lib = entry.path / entry.library
+    args = (entry.library_sha256, entry.library_size)
+    assert read_verified(lib, *args)
+
+    os.chmod(lib, 0o620)
+    with pytest.raises(CorruptArtifact, match="writable by group or others"):
+        read_verified(lib, *args)
+    os.chmod(lib, 0o600)
+    if os.geteuid() == 0:
+        os.chown(lib, 12345, -1)
+        with pytest.raises(CorruptArtifact, match="owned by uid 12345"):
+            read_verified(lib, *args)
+        os.chown(lib, 0, -1)
+    real = tmp_path / "elsewhere.so"
+    real.write_bytes(lib.read_bytes())
+    lib.unlink()
+    lib.symlink_to(real)
+    with pytest.raises(CorruptArtifact, match="symlinks are refused"):
+        read_verified(lib, *args)
+    assert store.lookup(entry.key) is None and store.corrupt_found == 1  # the daemon refuses it too
+
+
+def test_nothing_read_back_is_unpickled():
+    """Cache files and wire messages are JSON and protobuf only."""
+    for package in ("compile_service", "client", "kernels", "proto"):
+        for path in (ROOT / package).rglob("*.py"):
+            text = path.read_text()
+            assert not re.search(r"\b(pickle|cPickle|dill|marshal|shelve)\b", text), f"{path} mentions an unpickler"
+
+
+def test_sizes_and_tcp_addresses():
+    assert parse_size("10G") == 10 << 30 and parse_size("512M") == 512 << 20 and parse_size("1.5KiB") == 1536 and parse_size("77") == 77
+    with pytest.raises(ValueError, match="size"):
+        parse_size("ten gigs")
+    assert tcp_address("7000") == "127.0.0.1:7000" and tcp_address("localhost:7000") == "localhost:7000" and tcp_address("[::1]:7") == "[::1]:7"
+    for remote in ("0.0.0.0:7000", "10.1.2.3:7000", "example.com:7000", "[::]:7000"):
+        with pytest.raises(ValueError, match="allow-remote"):
+            tcp_address(remote)
+    assert tcp_address("0.0.0.0:7000", allow_remote=True) == "0.0.0.0:7000"
+    with pytest.raises(ValueError, match="port"):
+        tcp_address("127.0.0.1:99999")
+    assert json.loads(json.dumps(ABI)) == ABI
