@@ -1,0 +1,743 @@
+"""Cold-build throughput, stampede and warm start: TileLang alone vs the kernel service.
+
+    python benchmark/compile_speed.py [--target sm_90a|auto|c] [--scale 3] [--salt 0]
+        [--workers N] [--processes 4] [--modes service,tilelang,...] [--quick]
+        [--json out.json] [--plot out.png] [--work-dir DIR]
+
+Every mode builds the same zoo (benchmark/zoo.py: 42 kernels per scale unit)
+on a fresh cache directory:
+
+  baseline            pre-fix TileLang: min(32, cpu+4) threads calling
+                      tilelang.compile, one process-wide lock around every
+                      cache save
+  tilelang            tilelang.par_compile as shipped in 0.1.15
+  service             a fresh daemon; the zoo prefetched through the client
+  service_under_load  the same, while 8 client threads hammer the daemon with
+                      GetKernel of an already-built kernel
+  stampede_tilelang   P agent processes start together, each par_compiles the
+                      whole zoo into one shared TILELANG_CACHE_DIR
+  stampede_service    the same P processes ask one fresh daemon instead
+  warm_tilelang       a fresh process gets every kernel from a warm TileLang
+                      disk cache (import tilelang, trace, tilelang.compile)
+  warm_service        a fresh process gets every kernel from a warm daemon
+                      (import client, get_kernel)
+
+Note on CUDA targets: zoo kernels that differ only in M share their device
+code (M only sizes the grid), and TileLang 0.1.15 keys a CUDA binary cache by
+device source, so TileLang runs nvcc once per distinct source (30 for the
+126-kernel zoo); the daemon's workers turn TileLang's caches off and run nvcc
+for every kernel. `nvcc_runs` in the results shows TileLang's count.
+
+TileLang modes and agents run in child processes of this script (`_child`
+role), so every one pays its own imports and starts with empty in-memory
+caches, like a real agent. The parent never imports TileLang.
+
+Cold walls exclude the import of TileLang (baseline, tilelang) and the start
+of the daemon (a sidecar is up before agents come); both are reported apart.
+Stampede walls include everything, from spawning the agents to the last one
+holding every kernel. Warm times are measured inside the fresh process, from
+its start (the parent's clock just before spawning it) and from after its
+imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+import zoo  # noqa: E402  (benchmark/zoo.py, next to this file)
+
+COLD_MODES = ("baseline", "tilelang", "service")
+MODES = ("baseline", "tilelang", "service", "stampede_tilelang", "stampede_service", "warm_tilelang", "warm_service", "service_under_load")
+LOAD_THREADS = 8
+
+
+# ----------------------------------------------------------------------------
+# Child roles: each runs in a fresh process, prints "@" per kernel done and a
+# final JSON line {"result": ...} on stdout; anything else goes to its log.
+
+
+def _tilelang_setup():
+    """Imports TileLang quietly and counts disk-cache misses (= compiles) and hits."""
+    import logging
+
+    import tilelang
+    from tilelang.cache.kernel_cache import KernelCache
+
+    logging.getLogger("tilelang").setLevel(logging.WARNING)
+    counts = {"compiled": 0, "loaded": 0}
+    lock = threading.Lock()
+    load, cached = KernelCache._load_kernel_from_disk, KernelCache.cached
+
+    # TileLang compiles exactly when its disk lookup misses.
+    def counting_load(self, *args, **kwargs):
+        kernel = load(self, *args, **kwargs)
+        with lock:
+            counts["compiled" if kernel is None else "loaded"] += 1
+        return kernel
+
+    # Every tilelang.compile (par_compile's too) goes through cached(): one progress tick each.
+    def ticking_cached(self, *args, **kwargs):
+        kernel = cached(self, *args, **kwargs)
+        _tick()
+        return kernel
+
+    KernelCache._load_kernel_from_disk = counting_load
+    KernelCache.cached = ticking_cached
+    return tilelang, KernelCache, counts
+
+
+def _trace(spec):
+    """The PrimFunc and TileLang target of a zoo spec: what an agent using TileLang directly must do."""
+    import kernels
+
+    canon = kernels.canonicalize(spec["kind"], zoo.params_of(spec), spec["target"])
+    return kernels.get_kind(spec["kind"]).build(dict(canon.params), canon.target), canon.target.tilelang_target()
+
+
+def _tick():
+    print("@", flush=True)
+
+
+def child_tilelang_cold(specs, variant):
+    """baseline / tilelang / one stampede_tilelang agent."""
+    t_start = time.perf_counter()
+    tilelang, KernelCache, counts = _tilelang_setup()
+    import_s = time.perf_counter() - t_start
+    start = time.perf_counter()
+    traced = [_trace(s) for s in specs]
+    if variant == "baseline":
+        import concurrent.futures as cf
+
+        # The pre-fix cache: every save serialized behind one process-wide lock.
+        save, save_lock = KernelCache._save_kernel_to_disk, threading.Lock()
+
+        def locked_save(self, *args, **kwargs):
+            with save_lock:
+                return save(self, *args, **kwargs)
+
+        KernelCache._save_kernel_to_disk = locked_save
+        workers = min(32, (os.cpu_count() or 1) + 4)  # the stdlib default it used
+        with cf.ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(tilelang.compile, func, target=target) for func, target in traced]
+            for f in futures:
+                f.result()
+    else:
+        from tilelang.utils.device import get_available_cpu_count  # what par_compile sizes its pool by
+
+        workers = min(len(specs), get_available_cpu_count())
+        # par_compile takes one target for all funcs; group by target (one group in practice).
+        by_target = {}
+        for func, target in traced:
+            by_target.setdefault(json.dumps(target, sort_keys=True), []).append(func)
+        for target, funcs in by_target.items():
+            tilelang.par_compile(funcs, target=json.loads(target))
+    return {"wall_s": time.perf_counter() - start, "import_s": import_s, "workers": workers, "kernels": len(specs), **counts}
+
+
+def child_tilelang_warm(specs, t0):
+    t_import = time.perf_counter()
+    tilelang, _, counts = _tilelang_setup()
+    import kernels  # noqa: F401
+    after_import = time.time()
+    import_s = time.perf_counter() - t_import
+    first = None
+    got = 0
+    for spec in specs:
+        func, target = _trace(spec)
+        kernel = tilelang.compile(func, target=target)
+        got += callable(kernel)
+        first = first or time.time()
+    done = time.time()
+    return _warm_result(t0, after_import, first, done, import_s, got, counts["compiled"])
+
+
+def child_service_agent(specs, socket, t0, one_by_one):
+    """One stampede_service agent (prefetch the whole zoo) or the warm_service process (get_kernel each)."""
+    t_import = time.perf_counter()
+    import client
+
+    after_import = time.time()
+    import_s = time.perf_counter() - t_import
+    c = client.connect(socket)
+    first = None
+    got = 0
+    if one_by_one:
+        for spec in specs:
+            kernel = c.get_kernel(spec["kind"], target=spec["target"], **zoo.params_of(spec))
+            got += callable(kernel)
+            first = first or time.time()
+            _tick()
+    else:
+        def progress(done, total, event):
+            nonlocal first
+            first = first or time.time()
+            _tick()
+
+        results = c.prefetch(specs, progress=progress)
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:
+            raise RuntimeError(f"{len(errors)} kernels failed; first: {errors[0]}")
+        got = sum(callable(r) for r in results)
+    done = time.time()
+    outcomes = {}
+    for kernel in c._memo.values():  # the client memoizes what it loaded; outcome says how it was served
+        outcomes[kernel.outcome] = outcomes.get(kernel.outcome, 0) + 1
+    return {**_warm_result(t0, after_import, first, done, import_s, got, outcomes.get("compiled", 0)), "outcomes": outcomes}
+
+
+def _warm_result(t0, after_import, first, done, import_s, got, compiled):
+    return {
+        "wall_s": done - t0,
+        "first_s": first - t0,
+        "all_s": done - t0,
+        "import_s": import_s,
+        "first_after_import_s": first - after_import,
+        "all_after_import_s": done - after_import,
+        "kernels": got,
+        "compiled": compiled,
+    }
+
+
+def child_hammer(spec, socket, threads):
+    """GetKernel of one built kernel in a loop on `threads` threads, raw RPCs (the client's
+    memo would answer repeats without asking the daemon), until stdin closes."""
+    import grpc
+
+    import client.api as api
+    import kernels
+    from proto.kernelservice.v1 import kernel_service_pb2 as pb
+    from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+
+    request = pb.GetKernelRequest(spec=api.spec_to_proto(kernels.canonicalize(spec["kind"], zoo.params_of(spec), spec["target"])))
+    stop = threading.Event()
+    counts = [0] * threads
+    errors = []
+
+    def loop(i):
+        with grpc.insecure_channel(f"unix:{socket}") as channel:
+            stub = pb_grpc.KernelServiceStub(channel)
+            while not stop.is_set():
+                try:
+                    stub.GetKernel(request, timeout=60)
+                    counts[i] += 1
+                except grpc.RpcError as exc:
+                    errors.append(str(exc.code()))
+                    stop.set()
+
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    start = time.perf_counter()
+    for t in workers:
+        t.start()
+    while sum(counts) < threads and not stop.is_set():
+        time.sleep(0.01)
+    print("ready", flush=True)
+    sys.stdin.read()  # the parent closes our stdin when its measurement is over
+    stop.set()
+    for t in workers:
+        t.join()
+    wall = time.perf_counter() - start
+    return {"requests": sum(counts), "requests_per_s": sum(counts) / wall, "errors": errors[:3]}
+
+
+def child_main(argv):
+    p = argparse.ArgumentParser(prog="compile_speed.py _child")
+    p.add_argument("role", choices=("tilelang_cold", "tilelang_warm", "service_agent", "hammer"))
+    p.add_argument("--specs", required=True)
+    p.add_argument("--variant", default="tilelang")
+    p.add_argument("--socket")
+    p.add_argument("--t0", type=float, default=None)
+    p.add_argument("--one-by-one", action="store_true")
+    p.add_argument("--threads", type=int, default=LOAD_THREADS)
+    a = p.parse_args(argv)
+    specs = json.loads(Path(a.specs).read_text())
+    t0 = a.t0 or time.time()
+    if a.role == "tilelang_cold":
+        result = child_tilelang_cold(specs, a.variant)
+    elif a.role == "tilelang_warm":
+        result = child_tilelang_warm(specs, t0)
+    elif a.role == "service_agent":
+        result = child_service_agent(specs, a.socket, t0, a.one_by_one)
+    else:
+        result = child_hammer(specs[0], a.socket, a.threads)
+    print(json.dumps({"result": result}), flush=True)
+
+
+# ----------------------------------------------------------------------------
+# The parent: progress, children, daemons.
+
+
+class Progress:
+    """One line per mode on stderr: tqdm when installed, else plain lines every ~10%."""
+
+    def __init__(self, name: str, total: int):
+        self.name, self.total, self.n, self.lock = name, total, 0, threading.Lock()
+        self.start = time.perf_counter()
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=f"{name:>18}", unit="kernel", file=sys.stderr, leave=True, dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+            print(f"[{name}] 0/{total}", file=sys.stderr, flush=True)
+
+    def update(self, n: int = 1):
+        with self.lock:
+            self.n += n
+            if self.bar is not None:
+                self.bar.update(n)
+            elif self.n == self.total or self.n * 10 // self.total != (self.n - n) * 10 // self.total:
+                print(f"[{self.name}] {self.n}/{self.total} ({time.perf_counter() - self.start:.1f}s)", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Child:
+    """This script in `_child` mode, in a fresh process; stderr goes to a log file."""
+
+    def __init__(self, run: Run, role: str, specs: list, env: dict | None = None, stdin=None, progress: Progress | None = None, **flags):
+        self.log = run.work / f"{role}-{next(run.seq)}.log"
+        spec_file = self.log.with_suffix(".specs.json")
+        spec_file.write_text(json.dumps(specs))
+        args = [sys.executable, str(Path(__file__).resolve()), "_child", role, "--specs", str(spec_file)]
+        for name, value in flags.items():
+            if value is True:
+                args.append(f"--{name.replace('_', '-')}")
+            elif value not in (None, False):
+                args += [f"--{name.replace('_', '-')}", str(value)]
+        self.progress, self.result, self.ready = progress, None, threading.Event()
+        self._log_file = open(self.log, "w")
+        self.proc = subprocess.Popen(
+            args, cwd=ROOT, env={**os.environ, **(env or {})}, stdin=stdin, stdout=subprocess.PIPE, stderr=self._log_file, text=True
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith("@"):
+                if self.progress:
+                    self.progress.update()
+            elif line.startswith("ready"):
+                self.ready.set()
+            elif line.startswith('{"result"'):
+                self.result = json.loads(line)["result"]
+
+    def wait(self) -> dict:
+        rc = self.proc.wait()
+        self._reader.join()
+        self._log_file.close()
+        if rc != 0 or self.result is None:
+            tail = self.log.read_text()[-3000:]
+            raise RuntimeError(f"child {self.log.stem} exited with status {rc}; the end of {self.log}:\n{tail}")
+        return self.result
+
+
+class Daemon:
+    """A fresh `kernel-service serve` on its own socket; started before timing (a sidecar is up before agents)."""
+
+    def __init__(self, run: Run, cache_dir: Path):
+        # Unix socket paths are limited to ~107 bytes; keep it short.
+        self.socket = Path(tempfile.mkdtemp(prefix="ks-bench-", dir="/tmp")) / "ks.sock"
+        self.log = run.work / f"daemon-{next(run.seq)}.log"
+        args = ["serve", "--socket", str(self.socket), "--cache-dir", str(cache_dir), "--target", run.target]
+        if run.workers:
+            args += ["--workers", str(run.workers)]
+        start = time.perf_counter()
+        self._log_file = open(self.log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "compile_service.cli", "--log-level", "WARNING", *args], cwd=ROOT, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_serving(300)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"the daemon did not start; its log {self.log}:\n{self.log.read_text()[-3000:]}") from None
+        self.startup_s = time.perf_counter() - start
+        import client
+
+        self.client = client.connect(self.socket)
+
+    def _wait_serving(self, timeout: float) -> None:
+        """Until the daemon's gRPC health service says SERVING (it does once its workers are up)."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(f"unix:{self.socket}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                with contextlib.suppress(grpc.RpcError):
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                time.sleep(0.1)
+        raise RuntimeError(f"no healthy daemon after {timeout:.0f}s (exit status {self.proc.poll()})")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_file.close()
+        shutil.rmtree(self.socket.parent, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class Run:
+    """What every mode shares: the zoo, the flags, a work directory, and the warm caches left by cold modes."""
+
+    def __init__(self, args, specs: list):
+        self.specs, self.target, self.workers, self.processes = specs, specs[0]["target"], args.workers, args.processes
+        self.work = Path(args.work_dir or tempfile.mkdtemp(prefix="compile-speed-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.seq = iter(range(1, 1 << 30))
+        self.warm = {}  # "tilelang" / "service" -> a cache dir holding the whole zoo
+
+    def fresh_dir(self, name: str) -> Path:
+        path = self.work / f"{name}-{next(self.seq)}"
+        path.mkdir()
+        return path
+
+
+def _check_built(name: str, results: list) -> int:
+    errors = [r for r in results if isinstance(r, Exception)]
+    if errors:
+        raise RuntimeError(f"{name}: {len(errors)} of {len(results)} kernels failed; first: {errors[0]}")
+    return len(results)
+
+
+# ----------------------------------------------------------------------------
+# The modes: each returns {wall_s, compiles, kernels, ...}.
+
+
+def _nvcc_runs(tilelang_cache: Path) -> int:
+    """Device binaries in TileLang's CUDA binary cache (keyed by device source): how many
+    times nvcc really ran. Zoo kernels that differ only in M share device code (M sizes
+    the grid), so TileLang runs nvcc fewer times than it compiles kernels."""
+    return sum(1 for p in tilelang_cache.glob("*/cuda-binaries/*") if not p.parts[-3].startswith(".") and not p.name.startswith("."))
+
+
+def _tilelang_cold(run: Run, name: str, variant: str) -> dict:
+    cache = run.fresh_dir(name)
+    progress = Progress(name, len(run.specs))
+    try:
+        r = Child(run, "tilelang_cold", run.specs, env={"TILELANG_CACHE_DIR": str(cache)}, progress=progress, variant=variant).wait()
+    finally:
+        progress.close()
+    run.warm.setdefault("tilelang", cache)
+    return {"wall_s": r["wall_s"], "compiles": r["compiled"], "kernels": r["kernels"], "workers": r["workers"], "import_s": r["import_s"], "nvcc_runs": _nvcc_runs(cache)}
+
+
+def mode_baseline(run: Run) -> dict:
+    return _tilelang_cold(run, "baseline", "baseline")
+
+
+def mode_tilelang(run: Run) -> dict:
+    return _tilelang_cold(run, "tilelang", "tilelang")
+
+
+def _service_cold(run: Run, name: str, daemon: Daemon) -> dict:
+    """Prefetches the zoo from `daemon` (whose cache holds none of it) and times it."""
+    progress = Progress(name, len(run.specs))
+    seconds = []
+
+    def on_event(done, total, event):
+        seconds.append(event["kernel"]["compile_seconds"])
+        progress.update()
+
+    before = daemon.client.stats()
+    start = time.perf_counter()
+    try:
+        results = daemon.client.prefetch(run.specs, progress=on_event, load=False)
+    finally:
+        progress.close()
+    wall = time.perf_counter() - start
+    after = daemon.client.stats()
+    workers = after["workers"]
+    return {
+        "wall_s": wall,
+        "compiles": after["compiles"] - before["compiles"],
+        "kernels": _check_built(name, results),
+        "workers": workers,
+        "startup_s": daemon.startup_s,
+        "compile_seconds_sum": sum(seconds),
+        # 1.0 means every worker compiled all the time; start-up, queueing and request handling lower it.
+        "parallel_efficiency": sum(seconds) / (workers * wall),
+    }
+
+
+def mode_service(run: Run) -> dict:
+    cache = run.fresh_dir("service")
+    with Daemon(run, cache) as daemon:
+        result = _service_cold(run, "service", daemon)
+    run.warm.setdefault("service", cache)
+    return result
+
+
+def mode_service_under_load(run: Run) -> dict:
+    with Daemon(run, run.fresh_dir("service_under_load")) as daemon:
+        # The hot kernel: a zoo shape with rows no zoo kernel has (zoo rows start at 256).
+        hot = {**run.specs[0], ("seq_len" if run.specs[0]["kind"] == "attention" else "M"): 128}
+        daemon.client.get_kernel(hot["kind"], target=hot["target"], **zoo.params_of(hot))
+        hammer = Child(run, "hammer", [hot], stdin=subprocess.PIPE, socket=daemon.socket, threads=LOAD_THREADS)
+        try:
+            if not hammer.ready.wait(120):
+                raise RuntimeError(f"the hammer never got a hit; see {hammer.log}")
+            result = _service_cold(run, "service_under_load", daemon)
+        finally:
+            hammer.proc.stdin.close()
+            load = hammer.wait()
+    if load["errors"]:
+        raise RuntimeError(f"hit requests failed during the cold build: {load['errors']}")
+    return {**result, "load_threads": LOAD_THREADS, "hit_requests": load["requests"], "hit_requests_per_s": load["requests_per_s"]}
+
+
+def _stampede(run: Run, name: str, make_agent) -> dict:
+    """P agents spawned together; wall from the first spawn to the last agent holding every kernel."""
+    progress = Progress(f"{name} x{run.processes}", run.processes * len(run.specs))
+    start = time.perf_counter()
+    agents = []
+    try:
+        agents = [make_agent(progress) for _ in range(run.processes)]
+        results = [a.wait() for a in agents]
+    finally:
+        progress.close()
+        for a in agents:  # after a failure, leave no agent behind
+            if a.proc.poll() is None:
+                a.proc.kill()
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "kernels": min(r["kernels"] for r in results), "per_process": results}
+
+
+def mode_stampede_tilelang(run: Run) -> dict:
+    cache = run.fresh_dir("stampede_tilelang")
+    env = {"TILELANG_CACHE_DIR": str(cache)}
+    r = _stampede(run, "stampede_tilelang", lambda progress: Child(run, "tilelang_cold", run.specs, env=env, progress=progress, variant="tilelang"))
+    r["nvcc_runs"] = _nvcc_runs(cache)  # at least; a binary two agents built at once is kept once
+    r["per_process"] = [{"compiled": p["compiled"], "loaded": p["loaded"], "wall_s": p["wall_s"], "import_s": p["import_s"]} for p in r["per_process"]]
+    return {**r, "compiles": sum(p["compiled"] for p in r["per_process"])}
+
+
+def mode_stampede_service(run: Run) -> dict:
+    with Daemon(run, run.fresh_dir("stampede_service")) as daemon:
+        r = _stampede(run, "stampede_service", lambda progress: Child(run, "service_agent", run.specs, progress=progress, socket=daemon.socket))
+        stats = daemon.client.stats()
+    r["per_process"] = [{"outcomes": p["outcomes"], "wall_s": p["all_s"], "import_s": p["import_s"]} for p in r["per_process"]]
+    return {**r, "compiles": stats["compiles"], "joined": stats["joined"], "startup_s": daemon.startup_s}
+
+
+def _warm(run: Run, name: str, role: str, **flags) -> dict:
+    progress = Progress(name, len(run.specs))
+    try:
+        r = Child(run, role, run.specs, progress=progress, t0=repr(time.time()), **flags).wait()
+    finally:
+        progress.close()
+    return {**r, "compiles": r.pop("compiled")}
+
+
+def mode_warm_tilelang(run: Run) -> dict:
+    if "tilelang" not in run.warm:  # no cold TileLang mode ran: fill a cache first, untimed
+        mode_tilelang(run)
+    return _warm(run, "warm_tilelang", "tilelang_warm", env={"TILELANG_CACHE_DIR": str(run.warm["tilelang"])})
+
+
+def mode_warm_service(run: Run) -> dict:
+    if "service" not in run.warm:
+        mode_service(run)
+    with Daemon(run, run.warm["service"]) as daemon:
+        return {**_warm(run, "warm_service", "service_agent", socket=daemon.socket, one_by_one=True), "startup_s": daemon.startup_s}
+
+
+# ----------------------------------------------------------------------------
+# Report.
+
+
+def goals(modes: dict) -> dict:
+    """The targets this benchmark exists to check, as measured (None: a needed mode did not run)."""
+    def get(mode, field):
+        return modes.get(mode, {}).get(field)
+
+    out = {}
+    if get("service", "wall_s") and get("tilelang", "wall_s"):
+        ratio = get("tilelang", "wall_s") / get("service", "wall_s")
+        out["service_vs_tilelang_speedup"] = {"value": ratio, "goal": ">= 1.0", "met": ratio >= 1.0}
+    if get("service", "parallel_efficiency") is not None:
+        eff = get("service", "parallel_efficiency")
+        out["service_parallel_efficiency"] = {"value": eff, "goal": ">= 0.9", "met": eff >= 0.9}
+    if get("stampede_service", "wall_s"):
+        s = modes["stampede_service"]
+        out["stampede_service_compiles_once"] = {"value": s["compiles"], "goal": f"== {s['kernels']}", "met": s["compiles"] == s["kernels"]}
+        if get("service", "wall_s"):
+            ratio = s["wall_s"] / get("service", "wall_s")
+            out["stampede_service_vs_one_cold_build"] = {"value": ratio, "goal": "<= 1.15", "met": ratio <= 1.15}
+    if get("service", "wall_s") and get("service_under_load", "wall_s"):
+        ratio = get("service", "wall_s") / get("service_under_load", "wall_s")  # throughput under load / idle
+        out["service_throughput_under_load"] = {"value": ratio, "goal": ">= 0.9", "met": ratio >= 0.9}
+    return out
+
+
+def run_is_cpu(report: dict) -> bool:
+    return report["target"] == "c"
+
+
+def table(report: dict) -> str:
+    modes = report["modes"]
+    rows = [("mode", "wall s", "kernels", "compiles", "kernels/s", "notes")]
+    for name, m in modes.items():
+        if "error" in m:
+            rows.append((name, "FAILED", "-", "-", "-", m["error"].strip().splitlines()[-1][:120]))
+            continue
+        notes = []
+        if "workers" in m:
+            notes.append(f"{m['workers']} workers")
+        if "parallel_efficiency" in m:
+            notes.append(f"efficiency {m['parallel_efficiency']:.2f}")
+        if "import_s" in m and name in ("baseline", "tilelang"):
+            notes.append(f"+{m['import_s']:.1f}s import")
+        if "startup_s" in m:
+            notes.append(f"daemon up in {m['startup_s']:.1f}s")
+        if "first_s" in m:
+            notes.append(f"first {m['first_s']:.2f}s ({m['first_after_import_s']:.2f}s after import), all after import {m['all_after_import_s']:.2f}s")
+        if "nvcc_runs" in m and not run_is_cpu(report):
+            notes.append(f"nvcc ran {m['nvcc_runs']}x (binary cache)")
+        if "hit_requests_per_s" in m:
+            notes.append(f"{m['hit_requests_per_s']:.0f} hits/s served")
+        if "per_process" in m and name == "stampede_tilelang":
+            notes.append("compiled per process " + "/".join(str(p["compiled"]) for p in m["per_process"]))
+        if "loadavg_1m" in m:
+            notes.append("load {:.1f}->{:.1f}".format(*m["loadavg_1m"]))
+        if name.startswith("stampede") and "wall_s" in modes.get("service", {}):
+            notes.append(f"{m['wall_s'] / modes['service']['wall_s']:.2f}x service")
+        rows.append((name, f"{m['wall_s']:.2f}", str(m["kernels"]), str(m["compiles"]), f"{m['kernels'] / m['wall_s']:.2f}", "; ".join(notes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r[:5], widths))) + "  " + r[5] for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    head = f"zoo: {report['kernels']} kernels, target {report['target']}, cpu quota {report['cpu_quota']}, {report['processes']} agent processes"
+    tail = [f"goal {g}: {v['value']:.3g} (want {v['goal']}) {'MET' if v['met'] else 'MISSED'}" for g, v in report["goals"].items()]
+    return "\n".join([head, *lines, *tail])
+
+
+def plot(report: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed (pip install '.[bench]'); no plot written", file=sys.stderr)
+        return
+    modes = {name: m for name, m in report["modes"].items() if "error" not in m}
+    names = list(modes)[::-1]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.5))
+    colors = ["tab:blue" if "service" in n else "tab:gray" for n in names]
+    bars = ax.barh(names, [modes[n]["wall_s"] for n in names], color=colors)
+    for bar, n in zip(bars, names):
+        m = modes[n]
+        ax.annotate(f" {m['wall_s']:.1f}s, {m['compiles']} compiles", (bar.get_width(), bar.get_y() + bar.get_height() / 2), va="center", fontsize=8)
+    ax.set_xlabel("wall seconds (lower is better)")
+    ax.set_title(f"{report['kernels']} kernels, target {report['target']}, {report['cpu_quota']} CPUs")
+    ax.margins(x=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_child"]:
+        child_main(argv[1:])
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", help="sm_90a cross-compiles CUDA kernels on a CPU-only host; auto = this host's GPU (else c); c = CPU kernels (default sm_90a; c with --quick)")
+    p.add_argument("--scale", type=int, default=3, help=f"zoo scale units of {zoo.UNIT} kernels (default 3 = {3 * zoo.UNIT})")
+    p.add_argument("--salt", type=int, default=0, help="shifts every M so this run shares no kernel with runs of other salts")
+    p.add_argument("--workers", type=int, help="daemon compile workers (default: the daemon's own, the CPU quota)")
+    p.add_argument("--processes", type=int, help="agent processes in the stampede modes (default 4; 2 with --quick)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--quick", action="store_true", help="a 6-kernel zoo on target c (unless --target is given), 2 agents: a smoke test for CI")
+    p.add_argument("--json", help="write the results as JSON here")
+    p.add_argument("--plot", help="write a PNG bar chart here (needs matplotlib)")
+    p.add_argument("--work-dir", help="where caches and logs go (default: a new temp dir, removed unless --keep)")
+    p.add_argument("--keep", action="store_true", help="keep the work dir (caches and child logs)")
+    args = p.parse_args(argv)
+    # --quick is a smoke test for CI on small machines: a 6-kernel CPU zoo, two agents.
+    if args.target is None:
+        args.target = "c" if args.quick else "sm_90a"
+    if args.processes is None:
+        args.processes = 2 if args.quick else 4
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        p.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    if args.scale < 1 or args.processes < 1 or (args.workers is not None and args.workers < 1):
+        p.error("--scale, --processes and --workers must be at least 1")
+
+    from compile_service.cpus import usable_cpus
+
+    specs = zoo.build_zoo(args.target, args.scale, args.salt, args.quick)
+    run = Run(args, specs)
+    print(f"compile_speed: {len(specs)} kernels, target {run.target}, modes {', '.join(modes)}; work dir {run.work}", file=sys.stderr)
+    results, failed = {}, []
+    try:
+        for name in sorted(modes, key=MODES.index):  # cold modes first: warm modes reuse their caches
+            load_before = os.getloadavg()[0]
+            try:
+                results[name] = globals()[f"mode_{name}"](run)
+                # Other work on the host skews every number; the load average shows whether there was any.
+                results[name]["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+            except Exception as exc:  # one broken mode should not throw away the others' minutes
+                print(f"mode {name} failed: {exc}", file=sys.stderr)
+                failed.append(name)
+                results[name] = {"error": str(exc)[-2000:]}
+    finally:
+        if not (args.keep or args.work_dir):
+            shutil.rmtree(run.work, ignore_errors=True)
+    report = {
+        "target": run.target,
+        "scale": args.scale,
+        "salt": args.salt,
+        "quick": args.quick,
+        "kernels": len(specs),
+        "processes": args.processes,
+        "cpu_quota": usable_cpus(),
+        "cpu_count": os.cpu_count(),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "modes": results,
+    }
+    report["goals"] = goals(results)
+    print(table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
+    if failed:
+        print(f"failed modes: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

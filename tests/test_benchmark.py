@@ -1,0 +1,96 @@
+"""benchmark/compile_speed.py: the zoo's shape, and a --quick run's JSON schema and invariants.
+
+Timings are never asserted: they depend on the machine. What must hold on any
+machine: every mode built every kernel, cold modes compiled each kernel once,
+warm modes compiled nothing, and the daemon compiled each kernel once however
+many agents asked.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmark" / "compile_speed.py"
+MODES = ("baseline", "tilelang", "service", "stampede_tilelang", "stampede_service", "warm_tilelang", "warm_service", "service_under_load")
+
+sys.path.insert(0, str(ROOT / "benchmark"))
+import zoo  # noqa: E402
+
+
+def _key(spec: dict) -> str:
+    return json.dumps(spec, sort_keys=True)
+
+
+@pytest.mark.parametrize("target", ["c", "sm_90a"])
+def test_zoo_is_the_published_one(target):
+    specs = zoo.build_zoo(target, scale=3)
+    assert len(specs) == 126
+    assert len({_key(s) for s in specs}) == 126  # every kernel distinct
+    unit = specs[:42]
+    counts = {kind: sum(s["kind"] == kind for s in unit) for kind in ("gemm", "attention", "rmsnorm", "swiglu", "softmax")}
+    assert counts == {"gemm": 24, "attention": 6, "rmsnorm": 4, "swiglu": 4, "softmax": 4}
+    rows = [s.get("M", s.get("seq_len")) for s in specs]
+    assert rows == [256 + 128 * k for k in range(126)]
+    # qkv N = hidden + 2 * kv_heads * head_dim, from the real configs
+    assert {(s["N"], s["K"]) for s in unit if s["kind"] == "gemm"} == {
+        (3072, 2048), (5632, 2048), (4608, 3584), (18944, 3584), (6144, 4096), (14336, 4096), (7168, 5120), (13824, 5120)
+    }
+    if target == "c":
+        assert {s["dtype"] for s in specs} == {"float32"}
+
+
+def test_salt_shares_no_kernel_with_other_salts():
+    seen = [{_key(s) for s in zoo.build_zoo("c", scale=2, salt=salt)} for salt in range(3)]
+    assert not (seen[0] & seen[1]) and not (seen[1] & seen[2]) and not (seen[0] & seen[2])
+
+
+def test_unknown_mode_is_refused():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--modes", "service,nope"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "nope" in out.stderr
+
+
+def test_quick_run_builds_every_kernel_in_every_mode(tmp_path):
+    out_json = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--json", str(out_json), "--work-dir", str(tmp_path / "work")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "stampede_service" in proc.stdout  # the table
+    report = json.loads(out_json.read_text())
+
+    n = report["kernels"]
+    assert n == 6 and report["target"] == "c" and report["quick"] is True
+    assert isinstance(report["cpu_quota"], int) and report["cpu_quota"] >= 1
+    assert set(report["modes"]) == set(MODES)
+    for name, mode in report["modes"].items():
+        assert "error" not in mode, f"{name} failed: {mode.get('error')}"
+        assert isinstance(mode["wall_s"], float) and mode["wall_s"] > 0, name
+        assert isinstance(mode["compiles"], int), name
+        assert mode["kernels"] == n, f"{name} built {mode['kernels']} of {n} kernels"
+
+    modes = report["modes"]
+    for name in ("baseline", "tilelang", "service", "service_under_load"):  # each on a fresh cache
+        assert modes[name]["compiles"] == n, name
+    for name in ("warm_tilelang", "warm_service"):
+        assert modes[name]["compiles"] == 0, name
+    # The point of the service: one compile per kernel however many agents ask.
+    assert modes["stampede_service"]["compiles"] == n
+    # TileLang alone: at least once per kernel, at most once per kernel per agent.
+    assert n <= modes["stampede_tilelang"]["compiles"] <= n * report["processes"]
+    assert len(modes["stampede_tilelang"]["per_process"]) == report["processes"]
+    assert all(p["compiled"] + p["loaded"] == n for p in modes["stampede_tilelang"]["per_process"])
+
+    eff = modes["service"]["parallel_efficiency"]
+    assert isinstance(eff, float) and eff > 0
+    assert modes["service"]["workers"] >= 1
+    for name in ("first_s", "all_s", "first_after_import_s", "all_after_import_s"):
+        assert modes["warm_service"][name] >= 0 and modes["warm_tilelang"][name] >= 0
+    assert modes["service_under_load"]["hit_requests"] > 0
+    assert set(report["goals"]) >= {"service_parallel_efficiency", "stampede_service_compiles_once", "service_throughput_under_load"}
