@@ -18,7 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .keys import toolchain
+from .keys import nvcc_version, toolchain
 
 LIBRARY = "kernel.so"
 
@@ -35,15 +35,30 @@ def load_kernel_modules(modules: tuple[str, ...]) -> None:
         importlib.import_module(name)
 
 
-def worker_init(kernel_modules: tuple[str, ...] = ()) -> None:
-    """Per worker process: pay TileLang's import once, and turn its own cache off (we own the cache)."""
+def device_binary_dir(cache_root: Path) -> Path:
+    """Where TileLang's device-binary cache lives under our cache root, one per nvcc release:
+    TileLang keys binaries by device source, arch and flags, but not by compiler version."""
+    return Path(cache_root) / "device-binaries" / f"nvcc-{nvcc_version()}"
+
+
+def worker_init(kernel_modules: tuple[str, ...] = (), device_binaries: str | None = None) -> None:
+    """Per worker process: pay TileLang's import once, and point its device-binary cache at ours.
+
+    Kernels that differ only in host-side values (a grid size, a static M that is a
+    multiple of the tile) share their device code: TileLang's binary cache (keyed
+    by the device source's hash, immutable, verified on load, published by rename)
+    then saves the nvcc run. Its whole-kernel cache stays unused: build() calls
+    JITKernel directly, and the daemon's store owns the entries.
+    """
     import logging
 
     load_kernel_modules(kernel_modules)
 
-    import tilelang
+    import tilelang  # noqa: F401
+    from tilelang.env import env
 
-    tilelang.disable_cache()
+    if device_binaries:
+        env.TILELANG_CACHE_DIR = device_binaries  # a forced value: os.environ is left alone
     # TileLang logs every compile at INFO; the daemon reports compiles itself.
     logging.getLogger("tilelang").setLevel(logging.WARNING)
 
@@ -111,7 +126,7 @@ def build(spec_json: str, staging: str) -> dict:
         # No out_idx: the caller allocates outputs, which keeps one plain ABI
         # for both loaders (TileLang's tvm_ffi path would otherwise switch to
         # callee-allocated outputs).
-        kernel = tilelang.compile(func, target=target.tilelang_target())
+        kernel = tilelang.JITKernel(func, target=target.tilelang_target(), execution_backend="auto")
     except CompileFailed:
         raise
     except Exception as exc:  # TileLang raises many types; the caller needs the text, not the class

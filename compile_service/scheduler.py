@@ -122,7 +122,7 @@ class Scheduler:
             self.workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=compiler.worker_init,
-            initargs=(self.kernel_modules,),
+            initargs=(self.kernel_modules, str(compiler.device_binary_dir(self.store.root))),
         )
 
     def warm_up(self) -> None:

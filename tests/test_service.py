@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -360,3 +361,14 @@ def test_group_shared_mode_and_loopback_tcp(make_daemon):
     remote = make_daemon("--tcp", f"0.0.0.0:{port + 1}", start=False)
     remote.start(wait=False)
     assert remote.proc.wait(60) == 2 and "--allow-remote" in remote.log()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="cross-compiling CUDA kernels needs nvcc")
+def test_kernels_that_differ_only_on_the_host_share_one_device_binary(make_daemon):
+    d = make_daemon()
+    c = d.client()
+    # Static M values that are multiples of the tile change only the grid, not the device code.
+    specs = [{"kind": "gemm", "M": m, "N": 256, "K": 128, "dtype": "float16", "trans_b": True, "target": "sm_90a"} for m in (256, 512)]
+    assert c.prefetch(specs, load=False) == ["compiled", "compiled"]
+    binaries = list(d.cache_dir.glob("device-binaries/nvcc-*/*/cuda-binaries/*"))
+    assert len(binaries) == 1 and c.stats()["entries"] == 2
