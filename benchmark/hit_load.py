@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,8 +40,7 @@ import kernels  # noqa: E402
 from client.api import spec_to_proto  # noqa: E402
 from client.errors import CorruptArtifact  # noqa: E402
 from client.loader import read_verified  # noqa: E402
-from compile_service.launch import wait_serving  # noqa: E402
-from compile_service.paths import socket_address  # noqa: E402
+from compile_service.launch import DaemonProcess  # noqa: E402
 from proto.kernelservice.v1 import kernel_service_pb2 as pb  # noqa: E402
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -51,19 +49,6 @@ KINDS = ("rmsnorm", "softmax", "swiglu")
 
 def working_set(n: int, base: int) -> list[kernels.CanonicalSpec]:
     return [kernels.canonicalize(KINDS[i % 3], {"M": None, "N": base + 8 * i, "dtype": "float32"}, "c") for i in range(n)]
-
-
-class Daemon:
-    def __init__(self, cache: Path, socket: Path, *extra: str):
-        self.log = open(cache.parent / f"daemon-{int(time.time() * 1000)}.log", "w")
-        args = ["serve", "--socket", str(socket), "--cache-dir", str(cache), "--target", "c", "--workers", "2", *extra]
-        self.proc = subprocess.Popen([sys.executable, "-m", "compile_service.cli", *args], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-        wait_serving(socket_address(socket), 120, self.proc)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
-        self.log.close()
 
 
 def run_phase(address: str, specs, pick, threads: int, requests: int, check_every: int) -> dict:
@@ -170,9 +155,9 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="hit-load-") as tmp:
         cache, socket = Path(tmp) / "cache", Path(tmp) / "ks.sock"
-        address = socket_address(socket)
+        address = f"unix:{socket}"
 
-        daemon = Daemon(cache, socket)
+        daemon = DaemonProcess(cache, "--target", "c", socket=socket, workers=2).start()
         try:
             specs = working_set(args.kernels, 16)
             with grpc.insecure_channel(address) as channel:  # build the working set
@@ -186,7 +171,7 @@ def main() -> int:
         if not args.no_evict:
             hot, cold = working_set(args.hot, 16), working_set(args.cold, 16 + 8 * args.hot + 512)
             budget = ["--max-entries", str(args.max_entries), "--evict-min-age", "0"]
-            daemon = Daemon(cache, socket, *budget)  # evicts the hit phase's leftovers at start
+            daemon = DaemonProcess(cache, "--target", "c", *budget, socket=socket, workers=2).start()  # evicts the hit phase's leftovers at start
             try:
                 both = hot + cold
                 with grpc.insecure_channel(address) as channel:

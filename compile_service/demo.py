@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .launch import DaemonProcess, is_serving, wait_serving  # noqa: F401  (wait_serving: re-exported for older callers)
+from .launch import DaemonProcess, is_serving
 from .paths import default_cache_dir, default_socket
 
 CPU_SET = [
