@@ -20,7 +20,7 @@ from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 
 from . import loader
 from .inductor import InductorCache, use_shared_inductor_cache
-from .errors import CompileError, CorruptArtifact, InvalidSpec, ServiceError, ServiceUnavailable
+from .errors import CompileError, InvalidSpec, ServiceError, ServiceUnavailable
 
 GET_TIMEOUT = 600.0  # a cold kernel can wait behind a queue of compiles
 STATS_TIMEOUT = 10.0
@@ -238,4 +238,4 @@ def use_shared_inductor_cache_default() -> InductorCache:
     return default_client().use_shared_inductor_cache()
 
 
-__all__ = ["Client", "connect", "get_kernel", "prefetch", "stats", "CorruptArtifact"]
+__all__ = ["Client", "connect", "default_client", "get_kernel", "prefetch", "stats", "use_shared_inductor_cache_default"]
