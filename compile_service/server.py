@@ -79,7 +79,8 @@ RPC_NICE = 10
 
 
 def _yield_to_compiles() -> None:
-    """Runs in each RPC thread: lowers its scheduling priority (Linux nice is per thread).
+    """Lowers the calling thread's scheduling priority (Linux nice is per thread, and
+    threads inherit it from the thread that creates them).
 
     When the CPUs are saturated, compile workers (nice 0) then get about ten times
     an RPC thread's share, so a flood of cache hits cannot slow a cold build down;
@@ -124,6 +125,9 @@ class Daemon:
         self.scheduler.enforce_budget()  # the budget may have shrunk since the last run
         if cfg.warm_up:
             self.scheduler.warm_up()
+        # From here on this thread only starts gRPC: lowering its priority now makes
+        # every thread gRPC creates inherit it (the workers were spawned at nice 0).
+        _yield_to_compiles()
 
         address = socket_address(cfg.socket)
         self.server = grpc.server(
