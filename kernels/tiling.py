@@ -12,6 +12,8 @@ _SMEM_KIB = {90: 220, 100: 220, 103: 220, 80: 160, 87: 160, 75: 64}
 
 def smem_limit(target):
     return _SMEM_KIB.get(target.compute_capability, 96) * 1024
+
+
 # Row kernels (softmax, rmsnorm) hold one row in one block's registers.
 MAX_ROW_CUDA = 16384
 MAX_PER_THREAD = 64
