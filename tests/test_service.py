@@ -372,3 +372,18 @@ def test_kernels_that_differ_only_on_the_host_share_one_device_binary(make_daemo
     assert c.prefetch(specs, load=False) == ["compiled", "compiled"]
     binaries = list(d.cache_dir.glob("device-binaries/nvcc-*/*/cuda-binaries/*"))
     assert len(binaries) == 1 and c.stats()["entries"] == 2
+
+
+def _nice(stat_path: Path) -> int:
+    # /proc/.../stat: "pid (comm) state ..."; nice is the 19th field, the 17th after the comm.
+    return int(stat_path.read_text().rsplit(")", 1)[1].split()[16])
+
+
+def test_request_threads_yield_to_compile_workers(make_daemon):
+    d = make_daemon()
+    d.client().stats()  # an RPC thread now exists
+    threads = {int(t.name): _nice(t / "stat") for t in Path(f"/proc/{d.proc.pid}/task").iterdir()}
+    children = [int(p) for p in Path(f"/proc/{d.proc.pid}/task/{d.proc.pid}/children").read_text().split()]
+    children += [int(p) for t in threads for p in Path(f"/proc/{d.proc.pid}/task/{t}/children").read_text().split()]
+    assert children and all(_nice(Path(f"/proc/{c}/stat")) == 0 for c in children)  # compile workers
+    assert sum(nice == 10 for nice in threads.values()) >= len(threads) // 2  # gRPC's and the RPC pool's threads
