@@ -19,6 +19,7 @@ Two loaders, chosen by the entry's ABI:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -26,6 +27,7 @@ import importlib.util
 import itertools
 import json
 import os
+import shutil
 import stat
 import tempfile
 import threading
@@ -81,7 +83,9 @@ def read_verified(path: Path, sha256: str, size: int) -> bytes:
 
 @functools.cache
 def _private_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix=f"kernel-service-load-{os.getpid()}-"))
+    path = Path(tempfile.mkdtemp(prefix=f"kernel-service-load-{os.getpid()}-"))
+    atexit.register(shutil.rmtree, path, True)  # each loaded copy is unlinked at once; this removes the directory
+    return path
 
 
 _names = itertools.count()
