@@ -5,12 +5,16 @@ PYTHON ?= python3
 VENV := .venv
 # The CPU build of torch (it lies on disk on our machines); set TORCH_SPEC=torch for a CUDA host.
 TORCH_SPEC ?= torch==2.13.0
+# NVRTC from the same CUDA release as the toolkit whose headers it compiles against (nvcc on PATH);
+# without a toolkit it is left out and CUDA kernels compile through nvcc (or not at all).
+CUDA_RELEASE := $(shell nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
+NVRTC_SPEC ?= $(if $(CUDA_RELEASE),"nvidia-cuda-nvrtc==$(CUDA_RELEASE).*" "cuda-bindings==$(CUDA_RELEASE).*")
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(VENV)/bin/python -m pip install -q -e ".[test]"
+	$(VENV)/bin/python -m pip install -q -e ".[test]" $(NVRTC_SPEC)
 	touch $@
 
 setup: $(VENV)/.installed

@@ -188,7 +188,7 @@ class Client:
         return results
 
     def service_info(self) -> dict:
-        """Where the daemon keeps things: cache_dir, inductor_dir, version, toolchain, default_target."""
+        """Where the daemon keeps things and how it builds: cache_dir, inductor_dir, version, toolchain, default_target, cuda_compiler."""
         reply = self._call(self._stub.GetServiceInfo, pb.GetServiceInfoRequest(), STATS_TIMEOUT, "service info")
         return {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
 

@@ -15,7 +15,7 @@ from filelock import FileLock
 
 import kernels
 from compile_service import compiler
-from compile_service.keys import cache_key
+from compile_service.keys import cache_key, choose_cuda_compiler
 from compile_service.paths import default_cache_dir
 from compile_service.store import Store
 
@@ -34,20 +34,25 @@ def _store(root: str) -> Store:
 
 
 @functools.cache
-def _init_compiler() -> None:
-    compiler.worker_init()
+def _cuda_compiler() -> str:
+    return choose_cuda_compiler(os.environ.get("KERNEL_SERVICE_CUDA_COMPILER") or "auto")
+
+
+@functools.cache
+def _init_compiler(cache_root: str) -> None:
+    compiler.worker_init((), cache_root, _cuda_compiler())
 
 
 def build_locally(spec: kernels.CanonicalSpec, cache_dir: str | os.PathLike | None = None) -> loader.Kernel:
     store = _store(str(Path(cache_dir) if cache_dir else default_cache_dir()))
-    key = cache_key(spec)
+    key = cache_key(spec, _cuda_compiler())
     locks = store.root / "locks"
     locks.mkdir(mode=0o700, exist_ok=True)
     outcome = "hit"
     with FileLock(str(locks / f"{key}.lock")):
         entry = store.lookup(key)
         if entry is None:
-            _init_compiler()
+            _init_compiler(str(store.root))
             staging = store.new_staging(key)
             try:
                 result = compiler.build(spec.to_json(), str(staging))

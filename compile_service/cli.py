@@ -28,6 +28,7 @@ def _serve(args) -> int:
             mode=int(args.mode, 8) if args.mode is not None else None,
             tcp=args.tcp,
             allow_remote=args.allow_remote,
+            cuda_compiler=args.cuda_compiler,
         )
     except ValueError as exc:
         print(f"kernel-service: {exc}", file=sys.stderr)
@@ -85,9 +86,9 @@ def _stats(args) -> int:
     for name in ("compiles", "hits", "misses", "joined", "failures", "failures_cached", "invalid", "corrupt", "evictions", "in_flight", "workers", "cpu_quota", "entries"):
         print(f"{name:>16}: {stats[name]}")
     print(f"{'bytes':>16}: {stats['bytes']} ({_human_bytes(int(stats['bytes']))})")
-    print(f"{'compile_seconds':>16}: {stats['compile_seconds']:.2f}")
+    print(f"{'compile_seconds':>16}: {stats['compile_seconds']:.2f} (device code: {stats['device_compile_seconds']:.2f})")
     print(f"{'inductor':>16}: {stats['inductor_dir']} ({stats['inductor_entries']} files, {_human_bytes(int(stats['inductor_bytes']))})")
-    for name in ("cache_dir", "address", "version", "toolchain"):
+    for name in ("cache_dir", "address", "version", "toolchain", "cuda_compiler"):
         print(f"{name:>16}: {stats[name]}")
     print(f"{'uptime':>16}: {stats['uptime_seconds']:.0f} s")
     return 0
@@ -119,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--mode", choices=("0700", "0750"), help="cache and socket directory mode: 0700 owner only (default), 0750 group may read and connect, never write")
     serve.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP (host defaults to 127.0.0.1; loopback only unless --allow-remote)")
     serve.add_argument("--allow-remote", action="store_true", help="allow --tcp on a non-loopback address (no authentication: trusted networks only)")
+    serve.add_argument(
+        "--cuda-compiler",
+        choices=("auto", "nvrtc", "nvcc"),
+        help="how CUDA device code is compiled: nvrtc in process (fast), nvcc as a subprocess; auto (default, or $KERNEL_SERVICE_CUDA_COMPILER) takes NVRTC where it can run",
+    )
     serve.set_defaults(run=_serve)
 
     verify = sub.add_parser("verify", help="check every cache entry against its manifest; exit 1 on damage left unrepaired")

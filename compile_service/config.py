@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cpus import usable_cpus
+from .keys import choose_cuda_compiler
 from .paths import default_cache_dir, default_socket
 
 
@@ -28,6 +29,7 @@ class ServiceConfig:
     evict_min_age: float = 300.0  # never evict an entry handed out this many seconds ago or less
     mode: int = 0o700  # cache and socket directories: 0o700 owner only, 0o750 group may read
     tcp: str | None = None  # "host:port" to listen on besides the Unix socket (None: no TCP)
+    cuda_compiler: str = "nvcc"  # "nvrtc" or "nvcc": how CUDA device code is compiled (resolved from "auto")
 
     @classmethod
     def resolve(
@@ -49,6 +51,7 @@ class ServiceConfig:
         if rest.get("tcp") is not None:
             rest["tcp"] = tcp_address(rest["tcp"], rest.pop("allow_remote", False))
         rest.pop("allow_remote", None)
+        rest["cuda_compiler"] = choose_cuda_compiler(rest.get("cuda_compiler") or env.get("KERNEL_SERVICE_CUDA_COMPILER") or "auto")
         return cls(
             socket=Path(socket) if socket else default_socket(env),
             cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(env),

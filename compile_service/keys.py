@@ -19,7 +19,9 @@ from importlib import metadata
 import kernels
 from kernels.spec import CanonicalSpec
 
-SCHEMA = 1
+SCHEMA = 2  # 2: the CUDA compiler (nvcc or NVRTC) is part of the key
+
+NVCC, NVRTC = "nvcc", "nvrtc"
 
 
 @functools.cache
@@ -46,23 +48,49 @@ def tilelang_version() -> str:
 
 
 @functools.cache
-def toolchain(target_kind: str) -> dict:
+def cuda_compiler_id(cuda_compiler: str) -> str:
+    """The device compiler and its release, as recorded in keys, entries and stats: "nvrtc-13.0", "nvcc-13.0.88"."""
+    if cuda_compiler == NVRTC:
+        from . import nvrtc
+
+        return f"nvrtc-{nvrtc.version()}"
+    return f"nvcc-{nvcc_version()}"
+
+
+@functools.cache
+def toolchain(target_kind: str, cuda_compiler: str = NVCC) -> dict:
     """What besides the spec decides the compiled bytes, for one target kind."""
     return {
         "schema": SCHEMA,
         "tilelang": tilelang_version(),
-        "nvcc": nvcc_version() if target_kind == "cuda" else None,
+        "cuda_compiler": cuda_compiler_id(cuda_compiler) if target_kind == "cuda" else None,
         "machine": platform.machine(),
         "kernels": kernels.source_digest()[:16],
     }
 
 
-def describe_toolchain() -> str:
-    tc = toolchain("cuda")
-    return f"schema={tc['schema']} tilelang={tc['tilelang']} nvcc={tc['nvcc']} kernels={tc['kernels']}"
+def describe_toolchain(cuda_compiler: str = NVCC) -> str:
+    tc = toolchain("cuda", cuda_compiler)
+    return f"schema={tc['schema']} tilelang={tc['tilelang']} cuda={tc['cuda_compiler']} kernels={tc['kernels']}"
 
 
-def cache_key(spec: CanonicalSpec) -> str:
+def cache_key(spec: CanonicalSpec, cuda_compiler: str = NVCC) -> str:
     """Hex sha256 of the canonical spec and the toolchain fingerprint."""
-    blob = json.dumps({"spec": spec.to_json(), "toolchain": toolchain(spec.target.kind)}, sort_keys=True)
+    blob = json.dumps({"spec": spec.to_json(), "toolchain": toolchain(spec.target.kind, cuda_compiler)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def choose_cuda_compiler(requested: str = "auto") -> str:
+    """NVCC or NVRTC for "auto" | "nvrtc" | "nvcc": auto takes NVRTC wherever it can run.
+
+    Raises ValueError when NVRTC is asked for by name and cannot run here."""
+    from . import nvrtc
+
+    if requested not in ("auto", NVRTC, NVCC):
+        raise ValueError(f"--cuda-compiler must be auto, nvrtc or nvcc, got {requested!r}")
+    if requested == NVCC:
+        return NVCC
+    reason = nvrtc.unavailable_reason()
+    if reason and requested == NVRTC:
+        raise ValueError(f"--cuda-compiler nvrtc: {reason}")
+    return NVCC if reason else NVRTC

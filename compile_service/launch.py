@@ -54,8 +54,17 @@ class DaemonProcess:
     context manager, or call start() and stop().
     """
 
-    def __init__(self, cache_dir: Path | str, *extra: str, socket: Path | str | None = None, workers: int | None = None, log_path: Path | None = None):
+    def __init__(
+        self,
+        cache_dir: Path | str,
+        *extra: str,
+        socket: Path | str | None = None,
+        workers: int | None = None,
+        log_path: Path | None = None,
+        env: dict | None = None,
+    ):
         self.cache_dir = Path(cache_dir)
+        self.env = env or {}  # variables set for the daemon on top of ours
         # Unix socket paths are limited to ~107 bytes: keep it short, under /tmp.
         self.socket = Path(socket) if socket else Path(tempfile.mkdtemp(prefix="ks-", dir="/tmp")) / "ks.sock"
         self.log_path = log_path or self.cache_dir.parent / f"daemon-{self.cache_dir.name}-{os.urandom(3).hex()}.log"
@@ -66,7 +75,12 @@ class DaemonProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "compile_service.cli", *self.args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                [sys.executable, "-m", "compile_service.cli", *self.args],
+                cwd=ROOT,
+                env={**os.environ, **self.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         if wait:
             wait_serving(socket_address(self.socket), timeout, self.proc)

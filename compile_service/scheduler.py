@@ -30,7 +30,7 @@ from enum import IntEnum
 from kernels.spec import CanonicalSpec
 
 from . import compiler
-from .keys import cache_key
+from .keys import NVCC, cache_key
 from .store import Entry, Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class Counters:
     failures_cached: int = 0  # requests answered with a remembered compile failure
     joined: int = 0
     compile_seconds: float = 0.0
+    device_compile_seconds: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **deltas) -> None:
@@ -96,6 +97,8 @@ class Scheduler:
         kernel_modules: tuple[str, ...] = (),
         failure_ttl: float = 60.0,
         budget: Budget = Budget(),
+        cuda_compiler: str = NVCC,
+        warm_target: str | None = None,
     ):
         self.store = store
         self.workers = workers
@@ -103,6 +106,8 @@ class Scheduler:
         self.kernel_modules = kernel_modules
         self.failure_ttl = failure_ttl
         self.budget = budget
+        self.cuda_compiler = cuda_compiler
+        self.warm_target = warm_target  # CUDA arch whose NVRTC headers each worker parses at start
         self.counters = Counters()
         self._lock = threading.Lock()  # guards _inflight, _failed, _closing and the pool handle
         self._inflight: dict[str, cf.Future] = {}
@@ -122,11 +127,12 @@ class Scheduler:
             self.workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=compiler.worker_init,
-            initargs=(self.kernel_modules, str(compiler.device_binary_dir(self.store.root))),
+            initargs=(self.kernel_modules, str(self.store.root), self.cuda_compiler, self.warm_target),
         )
 
     def warm_up(self) -> None:
-        """Starts every worker now (each pays TileLang's import once), not on the first cold request."""
+        """Starts every worker now, not on the first cold request: each pays TileLang's import
+        once and, with NVRTC and a CUDA default target, parses the zoo's headers once."""
         futures = [self._pool.submit(time.sleep, 0.05) for _ in range(self.workers)]
         cf.wait(futures)
 
@@ -182,7 +188,7 @@ class Scheduler:
         if known is None:
             if len(self._keys) >= 4096:
                 self._keys.clear()
-            known = self._keys[text] = (cache_key(spec), json.loads(text))
+            known = self._keys[text] = (cache_key(spec, self.cuda_compiler), json.loads(text))
         return known
 
     # ----- the drivers
@@ -204,7 +210,8 @@ class Scheduler:
             except OSError as exc:  # the worker could not write the staging dir (disk full)
                 raise StoreError(exc.errno, f"cannot write the built kernel into {staging}: {exc.strerror or exc}") from exc
             entry = self.store.publish(job.key, staging, result["library"], result["meta"])
-            self.counters.add(compiles=1, compile_seconds=result["meta"]["compile_seconds"])
+            meta = result["meta"]
+            self.counters.add(compiles=1, compile_seconds=meta["compile_seconds"], device_compile_seconds=meta["phases"]["device"])
             outcome: Entry | BaseException = entry
             self.enforce_budget(protect=job.key)
         except BrokenProcessPool:

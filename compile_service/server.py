@@ -25,12 +25,14 @@ import grpc
 from filelock import FileLock, Timeout
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+import kernels
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 
 from . import inductor
 from .compiler import load_kernel_modules
 from .config import ServiceConfig
 from .cpus import usable_cpus
+from .keys import NVRTC
 from .paths import socket_address
 from .scheduler import Budget, Scheduler
 from .servicer import KernelServicer
@@ -93,6 +95,18 @@ def _yield_to_compiles() -> None:
         pass
 
 
+def _warm_target(cfg: ServiceConfig) -> str | None:
+    """The CUDA arch whose headers NVRTC workers parse at start: the default target's, when
+    that is CUDA (a GPU host, or a daemon told to build for one). CPU-only hosts skip it."""
+    if cfg.cuda_compiler != NVRTC or not cfg.warm_up:
+        return None
+    try:
+        target = kernels.parse_target(cfg.target)
+    except kernels.InvalidSpec:
+        return None
+    return None if target.is_cpu else target.arch
+
+
 class Daemon:
     def __init__(self, config: ServiceConfig):
         self.config = config
@@ -121,7 +135,9 @@ class Daemon:
         if swept:
             log.info("removed %d staging directories left by dead writers", swept)
         budget = Budget(cfg.max_bytes, cfg.max_entries, cfg.evict_min_age)
-        self.scheduler = Scheduler(store, cfg.workers, cfg.queue_limit, cfg.kernel_modules, cfg.failure_ttl, budget)
+        self.scheduler = Scheduler(
+            store, cfg.workers, cfg.queue_limit, cfg.kernel_modules, cfg.failure_ttl, budget, cfg.cuda_compiler, _warm_target(cfg)
+        )
         self.scheduler.enforce_budget()  # the budget may have shrunk since the last run
         if cfg.warm_up:
             self.scheduler.warm_up()

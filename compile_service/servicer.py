@@ -17,7 +17,7 @@ from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 
 from . import __version__, inductor
 from .compiler import CompileFailed
-from .keys import describe_toolchain
+from .keys import cuda_compiler_id, describe_toolchain
 from .scheduler import BACKGROUND, URGENT, Outcome, QueueFull, Scheduler, ShuttingDown
 from .store import Entry, StoreError
 
@@ -149,7 +149,8 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                 except InvalidSpec as exc:
                     raise InvalidSpec(f"specs[{i}].{exc.field}", str(exc).split(": ", 1)[-1]) from None
             pending = {}
-            for i, spec in enumerate(specs):
+            # Longest compiles first (the kinds' cost hints): the batch then ends with short ones filling the workers.
+            for i, spec in sorted(enumerate(specs), key=lambda item: -kernels.get_kind(item[1].kind).compile_cost):
                 future, outcome = self.scheduler.request(spec, BACKGROUND)
                 pending[future] = pending.get(future, []) + [(i, outcome)]
         except Exception as exc:  # noqa: BLE001
@@ -194,7 +195,9 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                 address=self.address,
                 uptime_seconds=time.time() - self.started,
                 version=__version__,
-                toolchain=describe_toolchain(),
+                toolchain=describe_toolchain(self.scheduler.cuda_compiler),
+                cuda_compiler=cuda_compiler_id(self.scheduler.cuda_compiler),
+                device_compile_seconds=c.device_compile_seconds,
                 inductor_dir=str(self.inductor_dir),
                 inductor_entries=inductor_entries,
                 inductor_bytes=inductor_bytes,
@@ -205,6 +208,7 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
             cache_dir=str(self.scheduler.store.root),
             inductor_dir=str(self.inductor_dir),
             version=__version__,
-            toolchain=describe_toolchain(),
+            toolchain=describe_toolchain(self.scheduler.cuda_compiler),
             default_target=self.default_target,
+            cuda_compiler=cuda_compiler_id(self.scheduler.cuda_compiler),
         )

@@ -17,6 +17,8 @@ DEFAULT_TILES = ((128, 128, 2), (128, 64, 2), (128, 64, 1), (64, 64, 2), (64, 64
 @register
 class Attention(KernelKind):
     name = "attention"
+    warm_up = ({"batch": 1, "heads": 8, "kv_heads": 8, "seq_len": 256, "head_dim": 128, "causal": True, "dtype": "float16"},)
+    compile_cost = 3.0
     doc = "O[b,s,h,d] = softmax(Q K^T / sqrt(d)) V with Q,O [batch,seq_len,heads,head_dim], K,V [batch,seq_len,kv_heads,head_dim]."
     params = (
         dim("batch", "None makes it a runtime size", dynamic=True),

@@ -25,6 +25,7 @@ def activation(T, x, act):
 @register
 class Gemm(KernelKind):
     name = "gemm"
+    warm_up = ({"M": 256, "N": 256, "K": 256, "dtype": "float16", "trans_b": True},)
     doc = "C[M,N] = act(A[M,K] @ B + bias[N]), with B as [K,N] or, when trans_b, [N,K]."
     params = (
         dim("M", "rows of A and C; None makes it a runtime size", dynamic=True),

@@ -11,6 +11,8 @@ from .tiling import check_row, padded
 @register
 class RMSNorm(KernelKind):
     name = "rmsnorm"
+    warm_up = ({"M": 256, "N": 1024, "dtype": "float16"},)
+    compile_cost = 0.5
     doc = "Y[M,N] = X * rsqrt(mean(X^2, row) + eps) * W[N]."
     params = (
         dim("M", "rows; None makes it a runtime size", dynamic=True),

@@ -12,6 +12,8 @@ LOG2E = 1.4426950408889634
 @register
 class Softmax(KernelKind):
     name = "softmax"
+    warm_up = ({"M": 256, "N": 1024, "dtype": "float16"},)
+    compile_cost = 0.5
     doc = "Y[M,N] = softmax(X[M,N]) along each row."
     params = (
         dim("M", "rows; None makes it a runtime size", dynamic=True),

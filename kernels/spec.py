@@ -173,6 +173,12 @@ class KernelKind:
     params: ClassVar[tuple[Param, ...]]
     # Which PrimFunc parameters are outputs, in order (negative counts from the end).
     outputs: ClassVar[tuple[int, ...]] = (-1,)
+    # Small CUDA param sets a compile worker lowers at start: NVRTC then parses the
+    # headers their generated source includes once, before any request needs them.
+    warm_up: ClassVar[tuple[dict, ...]] = ()
+    # Compile time relative to a GEMM's: a batch starts its longest compiles first,
+    # so that none is left running alone at the end while other workers idle.
+    compile_cost: ClassVar[float] = 1.0
 
     def canonicalize(self, raw: dict, target: Target) -> CanonicalSpec:
         known = {p.name for p in self.params}

@@ -16,6 +16,8 @@ def _silu_mul(T, g, u):
 @register
 class SwiGLU(KernelKind):
     name = "swiglu"
+    warm_up = ({"M": 256, "N": 1024, "dtype": "float16"},)
+    compile_cost = 0.5
     doc = "out[M,N] = silu(gate[M,N]) * up[M,N]."
     params = (
         dim("M", "rows; None makes it a runtime size", dynamic=True),

@@ -1,0 +1,260 @@
+"""CUDA device code to a cubin inside the compile worker, through NVRTC.
+
+TileLang turns a kernel into CUDA source and hands it to the callback
+`tilelang_callback_cuda_compile`, which runs nvcc: a driver process that starts
+cudafe++, cicc and ptxas, each parsing TileLang's and CUTLASS's headers again.
+`install()` replaces that one callback with an in-process NVRTC call and keeps
+everything else, so the host library, its ABI and the client's loader are the
+same on both paths. (TileLang's own NVRTC backend also swaps the host side for
+a Python launcher, and refuses to run where no GPU is visible; an explicit
+`--gpu-architecture` is all NVRTC needs, so this path cross-compiles too.)
+
+What makes it fast is NVRTC's automatic precompiled headers (`-pch`, NVRTC 12.8
+and later): the first compile of a given #include prelude parses the headers
+and keeps the result in this process; every later compile with the same
+prelude reuses it. TileLang emits a handful of distinct preludes (one per
+family of kernels), so a worker pays the header parse once per family: an
+sm_90a GEMM's device code takes 1.4 s the first time and 0.25 s after.
+A PCH is tied to the address of NVRTC's heap in the process that made it, so
+it cannot be shared between workers; `warm()` builds them at worker start.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Diagnostics TileLang's headers trigger under NVRTC that say nothing about the kernel:
+# 1444 deprecated longlong4, 20012 host/device annotations ignored on defaulted members.
+_QUIET = ("-diag-suppress=1444,20012",)
+_PCH_USED = re.compile(r'using precompiled header file')
+_PCH_MADE = re.compile(r'creating precompiled header file')
+
+
+class NvrtcError(RuntimeError):
+    """NVRTC rejected the source; the message carries NVRTC's log."""
+
+
+@functools.cache
+def version() -> str | None:
+    """NVRTC's release as "13.0", or None when NVRTC cannot be loaded here."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        return None
+    try:
+        result, major, minor = nvrtc.nvrtcVersion()
+    except Exception:  # the bindings are there but libnvrtc is not
+        return None
+    return f"{major}.{minor}" if result == nvrtc.nvrtcResult.NVRTC_SUCCESS else None
+
+
+@functools.cache
+def cuda_include_dirs() -> tuple[str, ...]:
+    """The CUDA runtime headers TileLang's templates include (vector_types.h, cuda_fp16.h),
+    plus CCCL's directory on CUDA 13; empty when none is found.
+
+    $CUDA_HOME (or $CUDA_PATH), when set, is the only place looked at; otherwise the
+    toolkit of the `nvcc` on PATH, then /usr/local/cuda and /usr/local/cuda-*.
+    """
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        roots = [home]
+    else:
+        nvcc = shutil.which("nvcc")
+        roots = [str(Path(nvcc).resolve().parent.parent)] if nvcc else []
+        roots += ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
+    for root in roots:
+        for inc in (os.path.join(root, "include"), *glob.glob(os.path.join(root, "targets", "*-linux", "include"))):
+            if os.path.exists(os.path.join(inc, "vector_types.h")):
+                cccl = os.path.join(inc, "cccl")
+                return (inc, cccl) if os.path.isdir(cccl) else (inc,)
+    return ()
+
+
+def unavailable_reason() -> str | None:
+    """Why this machine cannot compile through NVRTC, or None when it can."""
+    if version() is None:
+        return "NVRTC is not installed (pip install cuda-bindings nvidia-cuda-nvrtc)"
+    if tuple(int(x) for x in version().split(".")) < (12, 8):
+        return f"NVRTC {version()} has no automatic precompiled headers (needs 12.8 or later)"
+    if not cuda_include_dirs():
+        return "no CUDA headers (vector_types.h) found; set CUDA_HOME"
+    return None
+
+
+def prelude(code: str) -> str:
+    """The leading preprocessor block of a source: what a precompiled header covers."""
+    lines = []
+    for line in code.splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith(("#", "//")):
+            break
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+class Compiler:
+    """One process's NVRTC: fixed options, and the PCHs it has built so far."""
+
+    def __init__(self, pch_dir: str | None = None):
+        import tilelang
+        from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
+
+        reason = unavailable_reason()
+        if reason:
+            raise NvrtcError(reason)
+        self.major = int(version().split(".")[0])
+        templates = TILELANG_TEMPLATE_PATH or os.path.join(os.path.dirname(tilelang.__file__), "src")
+        self.options = [
+            "-std=c++20",
+            f"-I{templates}",
+            f"-I{CUTLASS_INCLUDE_DIR}",
+            *(f"-I{d}" for d in cuda_include_dirs()),
+            f"-D__CUDACC_VER_MAJOR__={self.major}",
+            "-default-device",  # TileLang's headers leave device helpers unannotated; nvcc infers what NVRTC needs told
+            "-lineinfo",  # as TileLang's nvcc path: profilers map SASS back to the source
+            "-pch",
+            "--pch-messages=true",
+            *_QUIET,
+        ]
+        if pch_dir:
+            self.options.append(f"--pch-dir={pch_dir}")
+        self.compiles = 0
+        self.pch_used = 0
+
+    def compile(self, code: str, arch: str, extra: list[str] = ()) -> bytes:
+        """A cubin for `arch` ("sm_90a") from TileLang's CUDA source."""
+        from cuda.bindings import nvrtc
+
+        # NVRTC has no system headers: TileLang's shim stands in for <cstdint> and friends.
+        source = "#include <tl_templates/cuda/nvrtc_std.h>\n"
+        if "cudaGridDependencySynchronize" in code or "cudaTriggerProgrammaticLaunchCompletion" in code:
+            source += '#include "cuda_device_runtime_api.h"\n'
+        source += code
+        options = [*self.options, f"--gpu-architecture={arch}", *extra]
+        result, program = nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], [])
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise NvrtcError(f"nvrtcCreateProgram: {result}")
+        try:
+            status = nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options])[0]
+            _, size = nvrtc.nvrtcGetProgramLogSize(program)
+            buf = b" " * size
+            nvrtc.nvrtcGetProgramLog(program, buf)
+            text = buf.rstrip(b"\0").decode(errors="replace")
+            if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+                errors = [line for line in text.splitlines() if "error" in line]
+                raise NvrtcError(f"NVRTC failed ({status.name}) for {arch}:\n" + "\n".join(errors[:20] or text.splitlines()[-20:]))
+            _, size = nvrtc.nvrtcGetCUBINSize(program)
+            cubin = b" " * size
+            nvrtc.nvrtcGetCUBIN(program, cubin)
+        finally:
+            nvrtc.nvrtcDestroyProgram(program)
+        self.compiles += 1
+        self.pch_used += bool(_PCH_USED.search(text))
+        return cubin
+
+    def warm(self, sources: list[str], arch: str) -> int:
+        """Builds the PCH of each distinct prelude in `sources` now; returns how many.
+
+        A prelude followed by one empty kernel is enough: NVRTC stops the header
+        at the first line that is not a directive and saves what it parsed.
+        """
+        seen = set()
+        for code in sources:
+            head = prelude(code)
+            if head in seen:
+                continue
+            seen.add(head)
+            start = time.perf_counter()
+            try:
+                self.compile(head + 'extern "C" __global__ void kernel_service_warm_up() {}\n', arch)
+            except NvrtcError as exc:  # a prelude that no longer compiles only costs its PCH
+                log.warning("PCH warm-up failed for one prelude: %s", exc)
+                continue
+            log.debug("PCH for prelude %s built in %.2f s", hashlib.sha256(head.encode()).hexdigest()[:12], time.perf_counter() - start)
+        return len(seen)
+
+
+def private_pch_dir() -> str:
+    """A directory for this process's PCH files (hundreds of MB each), with any left by dead workers removed.
+
+    NVRTC deletes its files when the process exits normally; one killed (-9) leaves them behind.
+    """
+    root = Path(tempfile.gettempdir()) / f"kernel-service-nvrtc-pch-{os.getuid()}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    for stale in root.iterdir():
+        if stale.name.isdigit() and not _alive(int(stale.name)):
+            shutil.rmtree(stale, ignore_errors=True)
+    mine = root / str(os.getpid())
+    mine.mkdir(mode=0o700, exist_ok=True)
+    return str(mine)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def device_options(pass_config) -> list[str]:
+    """The per-kernel flags TileLang's nvcc callback derives from the pass config, in NVRTC's spelling."""
+    import shlex
+
+    from tilelang.transform import PassConfigKey
+
+    cfg = pass_config or {}
+    options = []
+    if cfg.get(PassConfigKey.TL_ENABLE_FAST_MATH, False):
+        options.append("--use_fast_math")
+    level = cfg.get(PassConfigKey.TL_PTXAS_REGISTER_USAGE_LEVEL, None)
+    if level is not None:
+        options.append(f"--ptxas-options=--register-usage-level={int(level)}")
+    extra = cfg.get(PassConfigKey.TL_DEVICE_COMPILE_FLAGS, None)
+    if extra:
+        for flag in [extra] if isinstance(extra, str) else extra:
+            options += shlex.split(flag) if isinstance(flag, str) else [str(flag)]
+    return options
+
+
+def callback(compiler: Compiler):
+    """A drop-in for TileLang's `tilelang_callback_cuda_compile` that compiles with `compiler`.
+
+    Binaries go through TileLang's device-binary cache (keyed by source, arch and
+    options), so device code that several kernels share compiles once.
+    """
+    from tilelang.cache.cuda_binary_cache import CUDABinaryCache
+    from tilelang.contrib import nvcc
+    from tilelang.cuda import backend
+
+    def compile_cuda(code, target, pass_config=None):
+        arch, codes = nvcc.get_target_arch_and_code(target)
+        codes = nvcc.get_target_code_list(codes)
+        if len(codes) > 1:  # a fatbin for several architectures: NVRTC makes one cubin at a time
+            return backend.tilelang_callback_cuda_compile(code, target, pass_config)
+        sm = codes[0] if codes else f"sm_{arch}"
+        extra = device_options(pass_config)
+        key = CUDABinaryCache.make_key(
+            code=code, target_kind="cuda", target_arch=arch, target_code=[sm], compile_format="cubin", options=["nvrtc", *extra]
+        )
+        binary = CUDABinaryCache.load(key, "cubin")
+        if binary is None:
+            binary = compiler.compile(code, sm, extra)
+            CUDABinaryCache.save(key, "cubin", binary)
+        return bytearray(binary)
+
+    return compile_cuda

@@ -1,0 +1,121 @@
+"""The two CUDA device compilers, nvcc and NVRTC: both build the zoo, the choice is
+part of the key and reported, and (on a GPU) their kernels compute the same thing.
+
+On a CPU-only machine both paths cross-compile sm_90a; the GPU test runs where
+torch sees a GPU (the H200 host) and is skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from compile_service import nvrtc
+from compile_service.keys import NVCC, NVRTC, choose_cuda_compiler
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmark"))
+import zoo  # noqa: E402
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="cross-compiling CUDA kernels needs nvcc")
+COMPILERS = [pytest.param(NVCC, marks=needs_nvcc), pytest.param(NVRTC, marks=pytest.mark.skipif(nvrtc.unavailable_reason() is not None, reason=str(nvrtc.unavailable_reason())))]
+
+
+def _gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _library_blob(path: Path) -> bytes:
+    """The device-module blob TVM's loader reads from the exported library, read with dlopen."""
+    from client import loader
+
+    loader._tvm_runtime()  # the TVM symbols the library links against
+    lib = ctypes.CDLL(str(path))
+    size = ctypes.c_uint64.in_dll(lib, "__tvm_ffi__library_bin").value
+    return bytes((ctypes.c_char * (size + 8)).in_dll(lib, "__tvm_ffi__library_bin"))[8:]
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_every_kind_cross_compiles(make_daemon, compiler):
+    d = make_daemon("--cuda-compiler", compiler)
+    c = d.client()
+    specs = zoo.build_zoo("sm_90a", quick=True)  # one kernel of each kind, two GEMM tilings
+    assert c.prefetch(specs, load=False) == ["compiled"] * len(specs)
+    # The client loads what either path built (running it needs a GPU; loading does not).
+    kernels = [c.get_kernel(s["kind"], target=s["target"], **zoo.params_of(s)) for s in specs]
+    assert [k.outcome for k in kernels] == ["hit"] * len(specs) and all(k.abi["loader"] == "tvm_ffi" for k in kernels)
+    stats = c.stats()
+    assert stats["cuda_compiler"].startswith(f"{compiler}-") and stats["cuda_compiler"] in stats["toolchain"]
+    assert c.service_info()["cuda_compiler"] == stats["cuda_compiler"]
+    assert 0 < stats["device_compile_seconds"] <= stats["compile_seconds"]
+    for entry_dir in d.cache_dir.glob("entries/*/*"):
+        meta = json.loads((entry_dir / "entry.json").read_text())
+        assert meta["toolchain"]["cuda_compiler"] == stats["cuda_compiler"]
+        blob = _library_blob(entry_dir / "kernel.so")  # embedded through .incbin: the cubin must be in it
+        assert b"\x7fELF" in blob and b"main_kernel" in blob
+    # Each distinct device source was compiled once, by this path, into its own directory.
+    assert list(d.cache_dir.glob("device-binaries/*")) == [d.cache_dir / "device-binaries" / stats["cuda_compiler"]]
+
+
+@needs_nvcc
+@pytest.mark.skipif(nvrtc.unavailable_reason() is not None, reason=str(nvrtc.unavailable_reason()))
+def test_the_compiler_is_part_of_the_key(make_daemon, tmp_path):
+    spec = {"kind": "rmsnorm", "M": 256, "N": 1024, "dtype": "float16", "target": "sm_90a"}
+    cache = tmp_path / "shared-cache"
+    for compiler, outcome in ((NVCC, "compiled"), (NVRTC, "compiled"), (NVCC, "hit")):  # one cache, two keys
+        d = make_daemon("--cuda-compiler", compiler, cache_dir=cache)
+        assert d.client().prefetch([spec], load=False) == [outcome]
+        d.stop()
+    assert len(list(cache.glob("entries/*/*"))) == 2
+
+
+def test_choosing_a_compiler(monkeypatch):
+    assert choose_cuda_compiler("nvcc") == NVCC
+    assert choose_cuda_compiler("auto") == (NVRTC if nvrtc.unavailable_reason() is None else NVCC)
+    with pytest.raises(ValueError, match="auto, nvrtc or nvcc"):
+        choose_cuda_compiler("clang")
+    monkeypatch.setattr(nvrtc, "unavailable_reason", lambda: "NVRTC is not installed")
+    assert choose_cuda_compiler("auto") == NVCC
+    with pytest.raises(ValueError, match="--cuda-compiler nvrtc: NVRTC is not installed"):
+        choose_cuda_compiler("nvrtc")
+
+
+def test_asking_for_nvrtc_where_it_cannot_run_stops_the_daemon(make_daemon, tmp_path):
+    d = make_daemon("--cuda-compiler", "nvrtc", start=False)
+    d.env["CUDA_HOME"] = str(tmp_path / "no-cuda")  # the only place looked at for headers when set
+    d.start(wait=False)
+    if nvrtc.version() is None:
+        assert d.proc.wait(60) == 2 and "NVRTC is not installed" in d.log()
+    else:
+        assert d.proc.wait(60) == 2 and "no CUDA headers" in d.log()
+
+
+@pytest.mark.skipif(not _gpu(), reason="running CUDA kernels needs a GPU")
+@pytest.mark.skipif(nvrtc.unavailable_reason() is not None, reason=str(nvrtc.unavailable_reason()))
+def test_nvrtc_kernels_compute_what_nvcc_kernels_compute(make_daemon):
+    import torch
+
+    from kernels.reference import make_inputs, reference, tolerance
+
+    specs = zoo.build_zoo("auto", quick=True)
+    built = {}
+    for compiler in (NVCC, NVRTC):
+        c = make_daemon("--cuda-compiler", compiler).client()
+        built[compiler] = [c.get_kernel(s["kind"], target=s["target"], **zoo.params_of(s)) for s in specs]
+    for spec, a, b in zip(specs, built[NVCC], built[NVRTC]):
+        p = a.spec["params"]
+        ins = make_inputs(spec["kind"], p, "cuda")
+        want = reference(spec["kind"], p, ins)
+        got_nvcc, got_nvrtc = a(*[t.clone() for t in ins]), b(*[t.clone() for t in ins])
+        torch.testing.assert_close(got_nvrtc.float(), want.float(), **tolerance(p["dtype"]))
+        torch.testing.assert_close(got_nvrtc, got_nvcc, rtol=0, atol=0)  # the same device code, the same bits
