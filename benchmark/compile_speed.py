@@ -40,7 +40,10 @@ caches, like a real agent. The parent never imports TileLang.
 Cold walls exclude the import of TileLang (baseline, tilelang) and the start
 of the daemon (a sidecar is up before agents come); both are reported apart.
 Stampede walls include everything, from spawning the agents to the last one
-holding every kernel. Warm times are measured inside the fresh process, from
+holding every kernel; stampede_service also reports `build_wall_s`, from the
+first agent's request to the last agent holding every kernel, which the goal
+compares with one cold build (the agents' own start, importing torch and
+making a CUDA context, is not the daemon's work). Warm times are measured inside the fresh process, from
 its start (the parent's clock just before spawning it) and from after its
 imports.
 """
@@ -213,7 +216,8 @@ def child_service_agent(specs, socket, t0, one_by_one):
     outcomes = {}
     for kernel in c._memo.values():  # the client memoizes what it loaded; outcome says how it was served
         outcomes[kernel.outcome] = outcomes.get(kernel.outcome, 0) + 1
-    return {**_warm_result(t0, after_import, first, done, import_s, got, outcomes.get("compiled", 0)), "outcomes": outcomes}
+    result = _warm_result(t0, after_import, first, done, import_s, got, outcomes.get("compiled", 0))
+    return {**result, "outcomes": outcomes, "asked_at": after_import, "done_at": done}
 
 
 def _warm_result(t0, after_import, first, done, import_s, got, compiled):
@@ -544,6 +548,9 @@ def mode_stampede_service(run: Run) -> dict:
     with Daemon(run, run.fresh_dir("stampede_service")) as daemon:
         r = _stampede(run, "stampede_service" + run.suffix, lambda progress: Child(run, "service_agent", run.specs, progress=progress, socket=daemon.socket))
         stats = daemon.rpc.stats()
+    # From the first agent's request to the last agent holding every kernel: what the
+    # cold `service` wall measures too (the agents' own start-up, torch and a CUDA context, is not the daemon's).
+    r["build_wall_s"] = max(p["done_at"] for p in r["per_process"]) - min(p["asked_at"] for p in r["per_process"])
     r["per_process"] = [{"outcomes": p["outcomes"], "wall_s": p["all_s"], "import_s": p["import_s"]} for p in r["per_process"]]
     return {**r, "compiles": stats["compiles"], "joined": stats["joined"], "startup_s": daemon.startup_s}
 
@@ -603,7 +610,7 @@ def goals(modes: dict, suffixes=("",)) -> dict:
             st = modes[stampede]
             out[f"{stampede}_compiles_once"] = {"value": st["compiles"], "goal": f"== {st['kernels']}", "met": st["compiles"] == st["kernels"]}
             if get(service, "wall_s"):
-                ratio = st["wall_s"] / get(service, "wall_s")
+                ratio = st["build_wall_s"] / get(service, "wall_s")
                 out[f"{stampede}_vs_one_cold_build"] = {"value": ratio, "goal": "<= 1.15", "met": ratio <= 1.15}
         if get(service, "wall_s") and get("service_under_load" + sx, "wall_s"):
             ratio = get(service, "wall_s") / get("service_under_load" + sx, "wall_s")  # throughput under load / idle
@@ -651,8 +658,10 @@ def table(report: dict) -> str:
         if "loadavg_1m" in m:
             notes.append("load {:.1f}->{:.1f}".format(*m["loadavg_1m"]))
         service = "service" + name[len(name.split(":")[0]):]  # the same backend's cold build
+        if "build_wall_s" in m:
+            notes.append(f"{m['build_wall_s']:.2f}s from the first request")
         if name.startswith("stampede") and "wall_s" in modes.get(service, {}):
-            notes.append(f"{m['wall_s'] / modes[service]['wall_s']:.2f}x {service}")
+            notes.append(f"{m.get('build_wall_s', m['wall_s']) / modes[service]['wall_s']:.2f}x {service}")
         rows.append((name, f"{m['wall_s']:.2f}", str(m["kernels"]), str(m["compiles"]), f"{m['kernels'] / m['wall_s']:.2f}", "; ".join(notes)))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r[:5], widths))) + "  " + r[5] for r in rows]

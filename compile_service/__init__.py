@@ -4,10 +4,11 @@ Modules, in the order a request flows through them:
     servicer   gRPC <-> domain (thin)
     scheduler  single-flight table, priority queue, compile pool
     compiler   the one place that calls TileLang (runs in worker processes)
+    nvrtc      CUDA device code -> cubin in process, with precompiled headers
     store      on-disk entries: staging, atomic publish, integrity checks
     keys       canonical spec + toolchain fingerprint -> key
     server     process lifecycle: socket, health, signals, drain
-    config, paths, cpus, cli
+    config, paths, cpus, inductor, launch, demo, cli
 """
 
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""The compiler adapter: the one place that calls TileLang.
+"""The compiler adapter: the one place that drives TileLang (nvrtc.py, which it
+installs as TileLang's CUDA device compiler, is the only other one touching it).
 
 Runs inside compile worker processes (see scheduler): lowering holds the GIL
 between passes, so compiles in the daemon's own process would stall request
@@ -58,6 +59,7 @@ def worker_init(
     cache_root: str | None = None,
     cuda_compiler: str = NVCC,
     warm_target: str | None = None,
+    log_level: int | None = None,
 ) -> None:
     """Per worker process: pay TileLang's import once, point its device-binary cache at
     ours, and put the chosen CUDA compiler behind TileLang's device-compile callback.
@@ -70,7 +72,10 @@ def worker_init(
 
     `warm_target` ("sm_90a"): with NVRTC, build the precompiled headers of every
     kind's `warm_up` examples now, so no request pays for parsing them.
+    `log_level`: log like the daemon (a spawned process starts with no logging set up).
     """
+    if log_level is not None:
+        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[worker %(process)d]: %(message)s")
     load_kernel_modules(kernel_modules)
 
     import tilelang  # noqa: F401
@@ -109,14 +114,43 @@ def worker_init(
 
 
 def _warm_precompiled_headers(nvrtc_compiler, target_text: str) -> None:
-    """Lowers each registered kind's warm-up examples just far enough to see the CUDA
-    source TileLang generates, and has NVRTC parse each distinct header prelude once."""
+    """Has NVRTC parse, once in this worker, each header prelude TileLang generates for the
+    registered kinds' warm-up examples.
+
+    Finding the preludes means lowering the examples (seconds); the first worker
+    does it and leaves them in the device-binary directory, keyed by everything
+    that shapes them, so the other workers and later daemons only read them.
+    """
+    from tilelang.env import env
+
+    import kernels
+
+    from .keys import tilelang_version
+
+    target = kernels.parse_target(target_text)
+    known = Path(env.TILELANG_CACHE_DIR) / f"nvrtc-preludes-{target.arch}-{tilelang_version()}-{kernels.source_digest()[:16]}.json"
+    known.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(known) + ".lock"):
+        try:
+            sources = json.loads(known.read_text())
+        except (OSError, ValueError):
+            log.info("lowering the kinds' warm-up examples to find the headers their CUDA source includes")
+            sources = [nvrtc.prelude(code) for code in _warm_up_sources(target)]
+            staged = known.with_name(f".{known.name}.{os.getpid()}")
+            staged.write_text(json.dumps(sorted(set(sources))))
+            staged.replace(known)
+    start = time.perf_counter()
+    count = nvrtc_compiler.warm(sources, str(target.arch))
+    log.info("NVRTC precompiled headers for %d preludes built in %.1f s", count, time.perf_counter() - start)
+
+
+def _warm_up_sources(target) -> list[str]:
+    """The CUDA source of every registered kind's warm-up examples, lowered but not compiled."""
     import tilelang
     import tvm_ffi
 
     import kernels
 
-    target = kernels.parse_target(target_text)
     sources = []
 
     def capture(code, target, pass_config=None):
@@ -131,9 +165,7 @@ def _warm_precompiled_headers(nvrtc_compiler, target_text: str) -> None:
                 tilelang.JITKernel(kind.build(dict(spec.params), target), target=target.tilelang_target(), execution_backend="auto")
             except Exception as exc:  # a bad example only costs its warm-up
                 log.warning("warm-up example of %s skipped: %s: %s", kind.name, type(exc).__name__, exc)
-    start = time.perf_counter()
-    count = nvrtc_compiler.warm(sources, str(target.arch))
-    log.info("NVRTC precompiled headers for %d preludes built in %.1f s", count, time.perf_counter() - start)
+    return sources
 
 
 def _shape(dims) -> list:

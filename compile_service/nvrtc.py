@@ -25,12 +25,16 @@ import functools
 import glob
 import hashlib
 import logging
+import multiprocessing.util
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
+
+from .store import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -187,28 +191,31 @@ class Compiler:
 
 
 def private_pch_dir() -> str:
-    """A directory for this process's PCH files (hundreds of MB each), with any left by dead workers removed.
+    """A directory for this process's PCH files (hundreds of MB), with any left by dead workers removed.
 
-    NVRTC deletes its files when the process exits normally; one killed (-9) leaves them behind.
+    Removed when the process exits; a worker killed with -9 leaves its directory
+    behind for the next one to sweep. The shared parent must be a real directory of
+    ours (another user could have made the name first, in /tmp); if not, a private
+    temporary directory serves instead.
     """
     root = Path(tempfile.gettempdir()) / f"kernel-service-nvrtc-pch-{os.getuid()}"
-    root.mkdir(mode=0o700, exist_ok=True)
-    for stale in root.iterdir():
-        if stale.name.isdigit() and not _alive(int(stale.name)):
-            shutil.rmtree(stale, ignore_errors=True)
-    mine = root / str(os.getpid())
-    mine.mkdir(mode=0o700, exist_ok=True)
-    return str(mine)
-
-
-def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        root.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(root)
+        ours = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+    except OSError:
+        ours = False
+    if ours:
+        for stale in root.iterdir():
+            if stale.name.isdigit() and not pid_alive(int(stale.name)):
+                shutil.rmtree(stale, ignore_errors=True)
+        mine = root / str(os.getpid())
+        mine.mkdir(mode=0o700, exist_ok=True)
+    else:
+        mine = Path(tempfile.mkdtemp(prefix="kernel-service-nvrtc-pch-"))
+    # At exit, in a pool worker too (multiprocessing ends its children with os._exit, skipping atexit).
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(str(mine),), kwargs={"ignore_errors": True}, exitpriority=0)
+    return str(mine)
 
 
 def device_options(pass_config) -> list[str]:

@@ -127,7 +127,7 @@ class Scheduler:
             self.workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=compiler.worker_init,
-            initargs=(self.kernel_modules, str(self.store.root), self.cuda_compiler, self.warm_target),
+            initargs=(self.kernel_modules, str(self.store.root), self.cuda_compiler, self.warm_target, logging.getLogger().getEffectiveLevel()),
         )
 
     def warm_up(self) -> None:

@@ -482,7 +482,7 @@ class Store:
 
 def _writer_alive(name: str) -> bool:
     owner = name.split(".", 1)[0]  # every staging name starts with its writer's pid
-    return owner.isdigit() and (int(owner) == os.getpid() or _alive(int(owner)))
+    return owner.isdigit() and (int(owner) == os.getpid() or pid_alive(int(owner)))
 
 
 def _signature(path: Path, names: tuple) -> tuple:
@@ -503,7 +503,8 @@ def _check_meta(meta) -> None:
             raise ValueError(f"entry.json's abi.{name} is missing or not a {kind.__name__}")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

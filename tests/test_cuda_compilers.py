@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,24 @@ def test_asking_for_nvrtc_where_it_cannot_run_stops_the_daemon(make_daemon, tmp_
         assert d.proc.wait(60) == 2 and "NVRTC is not installed" in d.log()
     else:
         assert d.proc.wait(60) == 2 and "no CUDA headers" in d.log()
+
+
+@pytest.mark.skipif(nvrtc.unavailable_reason() is not None, reason=str(nvrtc.unavailable_reason()))
+def test_nvrtc_workers_parse_the_zoo_headers_at_start(make_daemon, tmp_path):
+    cache = tmp_path / "cache"
+    first = make_daemon("--target", "sm_90a", "--cuda-compiler", "nvrtc", cache_dir=cache, workers=1)  # CUDA default: warm-up on
+    preludes = list(cache.glob("device-binaries/nvrtc-*/nvrtc-preludes-sm_90a-*.json"))
+    assert len(preludes) == 1 and len(json.loads(preludes[0].read_text())) >= 4  # GEMM, attention, elementwise, softmax
+    assert "lowering the kinds' warm-up examples" in first.log() and "precompiled headers for" in first.log()
+    # Each worker keeps its PCH files (hundreds of MB) in a private directory, removed when it exits.
+    pch_root = Path(tempfile.gettempdir()) / f"kernel-service-nvrtc-pch-{os.getuid()}"
+    children = [p for t in Path(f"/proc/{first.proc.pid}/task").iterdir() for p in (t / "children").read_text().split()]
+    workers = [w for w in children if (pch_root / w).is_dir()]  # not the resource tracker
+    assert len(workers) == 1 and any((pch_root / workers[0]).iterdir())
+    first.stop()
+    assert not (pch_root / workers[0]).exists()
+    again = make_daemon("--target", "sm_90a", "--cuda-compiler", "nvrtc", cache_dir=cache, workers=1)
+    assert "lowering the kinds' warm-up examples" not in again.log() and "precompiled headers for" in again.log()
 
 
 @pytest.mark.skipif(not _gpu(), reason="running CUDA kernels needs a GPU")
