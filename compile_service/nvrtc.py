@@ -94,7 +94,20 @@ def unavailable_reason() -> str | None:
         return f"NVRTC {version()} has no automatic precompiled headers (needs 12.8 or later)"
     if not cuda_include_dirs():
         return "no CUDA headers (vector_types.h) found; set CUDA_HOME"
+    headers = headers_release()
+    if headers and headers.split(".")[0] != version().split(".")[0]:
+        return f"NVRTC {version()} does not match the CUDA {headers} headers in {cuda_include_dirs()[0]}; install the NVRTC of that release"
     return None
+
+
+def headers_release() -> str | None:
+    """The CUDA release of the headers NVRTC would compile against ("13.0"), from cuda.h."""
+    try:
+        text = Path(cuda_include_dirs()[0], "cuda.h").read_text(errors="replace")
+    except (OSError, IndexError):
+        return None
+    match = re.search(r"#define\s+CUDA_VERSION\s+(\d+)", text)
+    return f"{int(match.group(1)) // 1000}.{int(match.group(1)) % 1000 // 10}" if match else None
 
 
 def prelude(code: str) -> str:

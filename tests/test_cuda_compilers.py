@@ -92,14 +92,23 @@ def test_choosing_a_compiler(monkeypatch):
         choose_cuda_compiler("nvrtc")
 
 
-def test_asking_for_nvrtc_where_it_cannot_run_stops_the_daemon(make_daemon, tmp_path):
+@pytest.mark.parametrize("headers", [None, 12040])
+def test_asking_for_nvrtc_where_it_cannot_run_stops_the_daemon(make_daemon, tmp_path, headers):
+    cuda_home = tmp_path / "cuda"  # $CUDA_HOME is the only place looked at for headers when set
+    if headers:  # headers of another CUDA release than the NVRTC installed
+        (cuda_home / "include").mkdir(parents=True)
+        (cuda_home / "include" / "vector_types.h").write_text("")
+        (cuda_home / "include" / "cuda.h").write_text(f"#define CUDA_VERSION {headers}\n")
     d = make_daemon("--cuda-compiler", "nvrtc", start=False)
-    d.env["CUDA_HOME"] = str(tmp_path / "no-cuda")  # the only place looked at for headers when set
+    d.env["CUDA_HOME"] = str(cuda_home)
     d.start(wait=False)
+    assert d.proc.wait(60) == 2
     if nvrtc.version() is None:
-        assert d.proc.wait(60) == 2 and "NVRTC is not installed" in d.log()
+        assert "NVRTC is not installed" in d.log()
+    elif headers:
+        assert f"NVRTC {nvrtc.version()} does not match the CUDA 12.4 headers" in d.log()
     else:
-        assert d.proc.wait(60) == 2 and "no CUDA headers" in d.log()
+        assert "no CUDA headers" in d.log()
 
 
 @pytest.mark.skipif(nvrtc.unavailable_reason() is not None, reason=str(nvrtc.unavailable_reason()))
