@@ -55,6 +55,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -440,9 +441,7 @@ def mode_tilelang(run: Run) -> dict:
 
 
 def _median(values: list) -> float | None:
-    values = sorted(values)
-    n = len(values)
-    return None if not n else values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+    return statistics.median(values) if values else None
 
 
 def _phases(cache: Path) -> dict:

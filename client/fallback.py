@@ -15,7 +15,8 @@ from filelock import FileLock
 
 import kernels
 from compile_service import compiler
-from compile_service.keys import cache_key, choose_cuda_compiler
+from compile_service.config import choose_cuda_compiler
+from compile_service.keys import cache_key
 from compile_service.paths import default_cache_dir
 from compile_service.store import Store
 
@@ -35,7 +36,7 @@ def _store(root: str) -> Store:
 
 @functools.cache
 def _cuda_compiler() -> str:
-    return choose_cuda_compiler(os.environ.get("KERNEL_SERVICE_CUDA_COMPILER") or "auto")
+    return choose_cuda_compiler()
 
 
 @functools.cache

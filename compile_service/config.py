@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cpus import usable_cpus
-from .keys import choose_cuda_compiler
+from .keys import NVCC, NVRTC
 from .paths import default_cache_dir, default_socket
 
 
@@ -51,7 +51,7 @@ class ServiceConfig:
         if rest.get("tcp") is not None:
             rest["tcp"] = tcp_address(rest["tcp"], rest.pop("allow_remote", False))
         rest.pop("allow_remote", None)
-        rest["cuda_compiler"] = choose_cuda_compiler(rest.get("cuda_compiler") or env.get("KERNEL_SERVICE_CUDA_COMPILER") or "auto")
+        rest["cuda_compiler"] = choose_cuda_compiler(rest.get("cuda_compiler"), env)
         return cls(
             socket=Path(socket) if socket else default_socket(env),
             cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(env),
@@ -85,3 +85,20 @@ def tcp_address(text: str, allow_remote: bool = False) -> str:
     if not loopback and not allow_remote:
         raise ValueError(f"--tcp {text!r}: {host} is not a loopback address; the service has no authentication, pass --allow-remote to expose it anyway")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def choose_cuda_compiler(requested: str | None = None, env=os.environ) -> str:
+    """NVCC or NVRTC for "auto" | "nvrtc" | "nvcc" (None: $KERNEL_SERVICE_CUDA_COMPILER, else
+    auto); auto takes NVRTC wherever it can run. Raises ValueError when NVRTC is asked for by
+    name and cannot run here, saying why."""
+    from . import nvrtc
+
+    requested = requested or env.get("KERNEL_SERVICE_CUDA_COMPILER") or "auto"
+    if requested not in ("auto", NVRTC, NVCC):
+        raise ValueError(f"--cuda-compiler must be auto, nvrtc or nvcc, got {requested!r}")
+    if requested == NVCC:
+        return NVCC
+    reason = nvrtc.unavailable_reason()
+    if reason and requested == NVRTC:
+        raise ValueError(f"--cuda-compiler nvrtc: {reason}")
+    return NVCC if reason else NVRTC

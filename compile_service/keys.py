@@ -79,18 +79,3 @@ def cache_key(spec: CanonicalSpec, cuda_compiler: str = NVCC) -> str:
     blob = json.dumps({"spec": spec.to_json(), "toolchain": toolchain(spec.target.kind, cuda_compiler)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
-
-def choose_cuda_compiler(requested: str = "auto") -> str:
-    """NVCC or NVRTC for "auto" | "nvrtc" | "nvcc": auto takes NVRTC wherever it can run.
-
-    Raises ValueError when NVRTC is asked for by name and cannot run here."""
-    from . import nvrtc
-
-    if requested not in ("auto", NVRTC, NVCC):
-        raise ValueError(f"--cuda-compiler must be auto, nvrtc or nvcc, got {requested!r}")
-    if requested == NVCC:
-        return NVCC
-    reason = nvrtc.unavailable_reason()
-    if reason and requested == NVRTC:
-        raise ValueError(f"--cuda-compiler nvrtc: {reason}")
-    return NVCC if reason else NVRTC

@@ -3,7 +3,7 @@
 TileLang turns a kernel into CUDA source and hands it to the callback
 `tilelang_callback_cuda_compile`, which runs nvcc: a driver process that starts
 cudafe++, cicc and ptxas, each parsing TileLang's and CUTLASS's headers again.
-`install()` replaces that one callback with an in-process NVRTC call and keeps
+`callback()` makes a drop-in for it that calls NVRTC in process, keeping
 everything else, so the host library, its ABI and the client's loader are the
 same on both paths. (TileLang's own NVRTC backend also swaps the host side for
 a Python launcher, and refuses to run where no GPU is visible; an explicit
@@ -41,8 +41,6 @@ log = logging.getLogger(__name__)
 # Diagnostics TileLang's headers trigger under NVRTC that say nothing about the kernel:
 # 1444 deprecated longlong4, 20012 host/device annotations ignored on defaulted members.
 _QUIET = ("-diag-suppress=1444,20012",)
-_PCH_USED = re.compile(r'using precompiled header file')
-_PCH_MADE = re.compile(r'creating precompiled header file')
 
 
 class NvrtcError(RuntimeError):
@@ -131,24 +129,21 @@ class Compiler:
         reason = unavailable_reason()
         if reason:
             raise NvrtcError(reason)
-        self.major = int(version().split(".")[0])
         templates = TILELANG_TEMPLATE_PATH or os.path.join(os.path.dirname(tilelang.__file__), "src")
         self.options = [
             "-std=c++20",
             f"-I{templates}",
             f"-I{CUTLASS_INCLUDE_DIR}",
             *(f"-I{d}" for d in cuda_include_dirs()),
-            f"-D__CUDACC_VER_MAJOR__={self.major}",
+            f"-D__CUDACC_VER_MAJOR__={version().split('.')[0]}",
             "-default-device",  # TileLang's headers leave device helpers unannotated; nvcc infers what NVRTC needs told
             "-lineinfo",  # as TileLang's nvcc path: profilers map SASS back to the source
             "-pch",
-            "--pch-messages=true",
             *_QUIET,
         ]
         if pch_dir:
             self.options.append(f"--pch-dir={pch_dir}")
-        self.compiles = 0
-        self.pch_used = 0
+        self.compiles = 0  # programs compiled (the device-binary cache answers the rest)
 
     def compile(self, code: str, arch: str, extra: list[str] = ()) -> bytes:
         """A cubin for `arch` ("sm_90a") from TileLang's CUDA source."""
@@ -178,7 +173,6 @@ class Compiler:
         finally:
             nvrtc.nvrtcDestroyProgram(program)
         self.compiles += 1
-        self.pch_used += bool(_PCH_USED.search(text))
         return cubin
 
     def warm(self, sources: list[str], arch: str) -> int:

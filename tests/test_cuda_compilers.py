@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from compile_service import nvrtc
-from compile_service.keys import NVCC, NVRTC, choose_cuda_compiler
+from compile_service.config import choose_cuda_compiler
+from compile_service.keys import NVCC, NVRTC
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmark"))
@@ -81,9 +82,20 @@ def test_the_compiler_is_part_of_the_key(make_daemon, tmp_path):
     assert len(list(cache.glob("entries/*/*"))) == 2
 
 
+@pytest.mark.skipif(nvrtc.unavailable_reason() is not None, reason=str(nvrtc.unavailable_reason()))
+def test_workers_meeting_the_same_device_code_compile_it_once(make_daemon):
+    d = make_daemon("--cuda-compiler", "nvrtc")  # two workers, both busy at once
+    # Static M values that are multiples of the tile change only the grid, not the device code.
+    specs = [{"kind": "gemm", "M": m, "N": 256, "K": 128, "dtype": "float16", "trans_b": True, "target": "sm_90a"} for m in (256, 512)]
+    assert d.client().prefetch(specs, load=False) == ["compiled", "compiled"]
+    metas = [json.loads(p.read_text()) for p in d.cache_dir.glob("entries/*/*/entry.json")]
+    assert sorted(m["device_compiled"] for m in metas) == [False, True]  # one compiled, the other waited and reused
+
+
 def test_choosing_a_compiler(monkeypatch):
     assert choose_cuda_compiler("nvcc") == NVCC
     assert choose_cuda_compiler("auto") == (NVRTC if nvrtc.unavailable_reason() is None else NVCC)
+    assert choose_cuda_compiler(None, {"KERNEL_SERVICE_CUDA_COMPILER": "nvcc"}) == NVCC  # the flag's absence defers to the environment
     with pytest.raises(ValueError, match="auto, nvrtc or nvcc"):
         choose_cuda_compiler("clang")
     monkeypatch.setattr(nvrtc, "unavailable_reason", lambda: "NVRTC is not installed")

@@ -390,3 +390,15 @@ def test_request_threads_yield_to_compile_workers(make_daemon):
     children += [int(p) for t in threads for p in Path(f"/proc/{d.proc.pid}/task/{t}/children").read_text().split()]
     assert children and all(_nice(Path(f"/proc/{c}/stat")) == 0 for c in children)  # compile workers
     assert sum(nice == 10 for nice in threads.values()) >= len(threads) // 2  # gRPC's and the RPC pool's threads
+
+
+def test_a_batch_compiles_its_longest_kernels_first(make_daemon):
+    c = make_daemon(workers=1).client()  # one worker: kernels finish in the order they were queued
+    specs = [
+        {"kind": "rmsnorm", "M": 8, "N": 64, "dtype": "float32", "target": "c"},
+        {"kind": "gemm", "M": 16, "N": 16, "K": 16, "dtype": "float32", "target": "c"},
+        {"kind": "attention", "batch": 1, "heads": 2, "kv_heads": 1, "seq_len": 16, "head_dim": 16, "dtype": "float32", "target": "c"},
+    ]
+    order = []
+    assert c.prefetch(specs, load=False, progress=lambda done, total, event: order.append(event["index"])) == ["compiled"] * 3
+    assert order == [2, 1, 0]  # attention (cost 3), gemm (1), rmsnorm (0.5)
