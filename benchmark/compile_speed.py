@@ -30,8 +30,14 @@ TileLang's default.
 Note on CUDA targets: zoo kernels that differ only in M share their device
 code (M only sizes the grid). TileLang 0.1.15 and the daemon's workers both
 keep device binaries keyed by device source, so the device compiler runs once
-per distinct source (30 for the 126-kernel zoo); `device_compiles` in the
-results counts those runs.
+per distinct source; `device_compiles` in the results counts those runs. The
+daemon goes further: on sm_90+ it serves every static M and N of one GEMM (K,
+tiling), and every seq_len of one causal attention config, from the build that
+leaves them to run time, so it lowers each once (54 builds and 90 copies,
+counted as `derived`, for the 126-kernel zoo). So `compile_s_per_kernel` is
+the builds' seconds over the zoo's kernels, `median_build_s` the median of the
+builds it ran, `median_compile_s` the median over the zoo's kernels (copies
+take milliseconds).
 
 TileLang modes and agents run in child processes of this script (`_child`
 role), so every one pays its own imports and starts with empty in-memory
@@ -392,11 +398,26 @@ class Run:
         self.seq = iter(range(1, 1 << 30))
         self.warm = {}  # "tilelang" / "service" / "service:nvrtc" -> a cache dir holding the whole zoo
         self.backend, self.suffix = "auto", ""  # the service modes' CUDA compiler, and ":name" when several run
+        self.builds = _builds_needed(specs)  # (builds, copies) the daemon makes for the zoo
 
     def fresh_dir(self, name: str) -> Path:
         path = self.work / f"{name}-{next(self.seq)}"
         path.mkdir()
         return path
+
+
+def _builds_needed(specs: list) -> tuple[int, int]:
+    """How many builds the daemon runs for `specs`, and how many copies of a shared build it
+    publishes: specs served by one shared build (KernelKind.shared_build) count it once."""
+    import kernels
+
+    builds, copies = set(), 0
+    for s in specs:
+        spec = kernels.canonicalize(s["kind"], zoo.params_of(s), s["target"])
+        shared = kernels.get_kind(spec.kind).shared_build(spec)
+        builds.add((shared[0] if shared else spec).to_json())
+        copies += shared is not None
+    return len(builds), copies
 
 
 def _check_built(name: str, results: list) -> int:
@@ -444,16 +465,22 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _phases(cache: Path) -> dict:
-    """Summed compile phases (trace, lower, device, link) over the cache's entries, and per-kind medians."""
+def _builds(cache: Path) -> dict:
+    """Over the builds the daemon ran (its entries less the copies of a shared build): the
+    median seconds, overall and per kind, and the summed phases (trace, lower, device, link)."""
     metas = [json.loads(p.read_text()) for p in cache.glob("entries/*/*/entry.json")]
+    builds = [m for m in metas if "shared_build" not in m]
     sums = {}
-    for m in metas:
+    for m in builds:
         for phase, seconds in m.get("phases", {}).items():
             sums[phase] = sums.get(phase, 0.0) + seconds
-    kinds = sorted({m["spec"]["kind"] for m in metas})
-    medians = {k: _median([m["compile_seconds"] for m in metas if m["spec"]["kind"] == k]) for k in kinds}
-    return {"phase_seconds_sum": sums, "median_compile_s_by_kind": medians}
+    kinds = sorted({m["spec"]["kind"] for m in builds})
+    return {
+        "build_seconds_sum": sum(m["compile_seconds"] for m in builds),
+        "median_build_s": _median([m["compile_seconds"] for m in builds]),
+        "median_build_s_by_kind": {k: _median([m["compile_seconds"] for m in builds if m["spec"]["kind"] == k]) for k in kinds},
+        "phase_seconds_sum": sums,
+    }
 
 
 def _service_cold(run: Run, name: str, daemon: Daemon) -> dict:
@@ -474,20 +501,23 @@ def _service_cold(run: Run, name: str, daemon: Daemon) -> dict:
     wall = time.perf_counter() - start
     after = daemon.rpc.stats()
     workers = after["workers"]
+    builds = _builds(daemon.cache_dir)
     return {
         "wall_s": wall,
         "compiles": after["compiles"] - before["compiles"],
+        "derived": after["derived"] - before["derived"],
         "kernels": _check_built(name, results),
         "workers": workers,
         "startup_s": daemon.startup_s,
         "cuda_compiler": after["cuda_compiler"],
         "compile_seconds_sum": sum(seconds),
-        "median_compile_s": _median([s for s in seconds if s > 0]),
+        "median_compile_s": _median([s for s in seconds if s > 0]),  # per zoo kernel: a copy's milliseconds count
         "device_compile_seconds_sum": after["device_compile_seconds"] - before["device_compile_seconds"],
         "device_compiles": _service_device_compiles(daemon.cache_dir),
-        **_phases(daemon.cache_dir),
+        **builds,
         # 1.0 means every worker compiled all the time; start-up, queueing and request handling lower it.
-        "parallel_efficiency": sum(seconds) / (workers * wall),
+        "parallel_efficiency": builds["build_seconds_sum"] / (workers * wall),
+        "compile_s_per_kernel": builds["build_seconds_sum"] / len(results),
     }
 
 
@@ -551,7 +581,7 @@ def mode_stampede_service(run: Run) -> dict:
     # cold `service` wall measures too (the agents' own start-up, torch and a CUDA context, is not the daemon's).
     r["build_wall_s"] = max(p["done_at"] for p in r["per_process"]) - min(p["asked_at"] for p in r["per_process"])
     r["per_process"] = [{"outcomes": p["outcomes"], "wall_s": p["all_s"], "import_s": p["import_s"]} for p in r["per_process"]]
-    return {**r, "compiles": stats["compiles"], "joined": stats["joined"], "startup_s": daemon.startup_s}
+    return {**r, "compiles": stats["compiles"], "derived": stats["derived"], "builds_needed": run.builds, "joined": stats["joined"], "startup_s": daemon.startup_s}
 
 
 def _warm(run: Run, name: str, role: str, **flags) -> dict:
@@ -581,7 +611,7 @@ def mode_warm_service(run: Run) -> dict:
 
 
 SERVICE_MODES = ("service", "service_under_load", "stampede_service", "warm_service")
-NVRTC_MEDIAN_GOAL_S, NVRTC_WALL_GOAL_S = 0.5, 6.0  # issue 7, for the 126-kernel zoo on the 16-core H200 host
+NVRTC_PER_KERNEL_GOAL_S, NVRTC_WALL_GOAL_S = 0.5, 6.0  # issue 7, for the 126-kernel zoo on the 16-core H200 host
 
 
 def goals(modes: dict, suffixes=("",)) -> dict:
@@ -599,15 +629,19 @@ def goals(modes: dict, suffixes=("",)) -> dict:
         if get(service, "parallel_efficiency") is not None:
             eff = get(service, "parallel_efficiency")
             out[f"{service}_parallel_efficiency"] = {"value": eff, "goal": ">= 0.9", "met": eff >= 0.9}
-        if get(service, "cuda_compiler") and get(service, "cuda_compiler").startswith("nvrtc") and get(service, "median_compile_s") is not None:
-            median, wall = get(service, "median_compile_s"), get(service, "wall_s")
-            out[f"{service}_median_compile_s"] = {"value": median, "goal": f"<= {NVRTC_MEDIAN_GOAL_S}", "met": median <= NVRTC_MEDIAN_GOAL_S}
-            if get(service, "kernels") == 126:
+        if get(service, "cuda_compiler") and get(service, "cuda_compiler").startswith("nvrtc") and get(service, "compile_s_per_kernel") is not None:
+            # Per kernel, the build seconds spread over the kernels they served: a copy of a shared
+            # build (median_compile_s counts its milliseconds) must not make the goal trivial.
+            per_kernel, wall = get(service, "compile_s_per_kernel"), get(service, "wall_s")
+            out[f"{service}_compile_s_per_kernel"] = {"value": per_kernel, "goal": f"<= {NVRTC_PER_KERNEL_GOAL_S}", "met": per_kernel <= NVRTC_PER_KERNEL_GOAL_S}
+            if get(service, "kernels") == 126 and get(service, "workers") >= 16:  # the goal's setting
                 out[f"{service}_cold_wall_s"] = {"value": wall, "goal": f"< {NVRTC_WALL_GOAL_S} (126 kernels, 16 cores)", "met": wall < NVRTC_WALL_GOAL_S}
         stampede = "stampede_service" + sx
         if get(stampede, "wall_s"):
             st = modes[stampede]
-            out[f"{stampede}_compiles_once"] = {"value": st["compiles"], "goal": f"== {st['kernels']}", "met": st["compiles"] == st["kernels"]}
+            builds, copies = st["builds_needed"]
+            once = st["compiles"] == builds and st["derived"] == copies
+            out[f"{stampede}_compiles_once"] = {"value": st["compiles"], "goal": f"== {builds} (and {copies} copies)", "met": once}
             if get(service, "wall_s"):
                 ratio = st["build_wall_s"] / get(service, "wall_s")
                 out[f"{stampede}_vs_one_cold_build"] = {"value": ratio, "goal": "<= 1.15", "met": ratio <= 1.15}
@@ -646,8 +680,10 @@ def table(report: dict) -> str:
             notes.append(f"first {m['first_s']:.2f}s ({m['first_after_import_s']:.2f}s after import), all after import {m['all_after_import_s']:.2f}s")
         if "cuda_compiler" in m and not run_is_cpu(report):
             notes.append(m["cuda_compiler"])
-        if "median_compile_s" in m and m["median_compile_s"] is not None:
-            notes.append(f"median {m['median_compile_s']:.2f}s/kernel")
+        if m.get("derived"):
+            notes.append(f"+{m['derived']} copies of shared builds")
+        if m.get("median_build_s") is not None:
+            notes.append(f"{m['compile_s_per_kernel']:.2f}s/kernel ({m['build_seconds_sum']:.0f}s of builds / {m['kernels']}), median build {m['median_build_s']:.2f}s")
         if "device_compiles" in m and not run_is_cpu(report):
             notes.append(f"device code compiled {m['device_compiles']}x")
         if "hit_requests_per_s" in m:

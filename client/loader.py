@@ -145,7 +145,8 @@ class Kernel:
         import torch
 
         params = self.abi["params"]
-        dims: dict[str, int] = {}
+        fixed = self.abi.get("fixed", {})  # runtime dims of a shared build that this kernel's spec fixes
+        dims: dict[str, int] = dict(fixed)
         device = None
         for slot, t in zip(self._inputs, inputs):
             p = params[slot]
@@ -157,6 +158,8 @@ class Kernel:
                 raise ValueError(f"{self.kind}: input {p['name']} must have {len(p['shape'])} dims {p['shape']}, got shape {tuple(t.shape)}")
             for axis, (want, got) in enumerate(zip(p["shape"], t.shape)):
                 if isinstance(want, str):
+                    if want in fixed and got != fixed[want]:
+                        raise ValueError(f"{self.kind}: this kernel was asked for with {want}={fixed[want]}, but {p['name']} has {want}={got} (axis {axis})")
                     if dims.setdefault(want, got) != got:
                         raise ValueError(f"{self.kind}: dim {want} is {dims[want]} elsewhere but {got} in {p['name']} (axis {axis})")
                 elif want != got:

@@ -83,7 +83,7 @@ def _stats(args) -> int:
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
-    for name in ("compiles", "hits", "misses", "joined", "failures", "failures_cached", "invalid", "corrupt", "evictions", "in_flight", "workers", "cpu_quota", "entries"):
+    for name in ("compiles", "derived", "hits", "misses", "joined", "failures", "failures_cached", "invalid", "corrupt", "evictions", "in_flight", "workers", "cpu_quota", "entries"):
         print(f"{name:>16}: {stats[name]}")
     print(f"{'bytes':>16}: {stats['bytes']} ({_human_bytes(int(stats['bytes']))})")
     print(f"{'compile_seconds':>16}: {stats['compile_seconds']:.2f} (device code: {stats['device_compile_seconds']:.2f})")

@@ -30,6 +30,7 @@ from .keys import NVCC, NVRTC, cuda_compiler_id, toolchain
 log = logging.getLogger(__name__)
 
 LIBRARY = "kernel.so"
+SOURCES = ("kernel.c", "kernel.cu")  # the generated source, CPU or CUDA, kept for humans
 
 
 class CompileFailed(Exception):
@@ -65,11 +66,13 @@ def worker_init(
     """Per worker process: pay TileLang's import once, point its device-binary cache at
     ours, and put the chosen CUDA compiler behind TileLang's device-compile callback.
 
-    Kernels that differ only in host-side values (a grid size, a static M that is a
-    multiple of the tile) share their device code: TileLang's binary cache (keyed
-    by the device source's hash, immutable, verified on load, published by rename)
-    then saves the device compile. Its whole-kernel cache stays unused: build()
-    calls JITKernel directly, and the daemon's store owns the entries.
+    Kernels that differ only in host-side values (a grid size: an RMSNorm's static M)
+    share their device code: TileLang's binary cache (keyed by the device source's
+    hash, immutable, verified on load, published by rename) then saves the device
+    compile. (Where a kind declares such dims, the scheduler goes further and serves
+    every value from one runtime-size build: see KernelKind.shared_build.) TileLang's
+    whole-kernel cache stays unused: build() calls JITKernel directly, and the
+    daemon's store owns the entries.
 
     `warm_target` ("sm_90a"): with NVRTC, build the precompiled headers of every
     kind's `warm_up` examples now, so no request pays for parsing them.
@@ -251,7 +254,7 @@ def build(spec_json: str, staging: str) -> dict:
         exported = time.perf_counter()
         source = kernel.get_kernel_source()
         if source:
-            (out / ("kernel.c" if target.is_cpu else "kernel.cu")).write_text(source)
+            (out / SOURCES[0 if target.is_cpu else 1]).write_text(source)
     except OSError:
         raise
     except Exception as exc:

@@ -7,6 +7,10 @@
 - The pool: `workers` driver threads, each feeding one compile at a time to a
   pool of as many worker processes (spawned, TileLang imported once each).
   Publishing to the store happens on the driver thread, outside any lock.
+- Shared builds: a spec that fixes dims only the host code uses (its kind's
+  `host_side_dims`) is not compiled; it waits for the build that leaves them
+  to run time (requested like any other) and is published as a copy of it,
+  its sizes recorded in the ABI for the loader (counted as `derived`).
 - Failures are remembered: a key whose compile failed answers with that
   failure for `failure_ttl` seconds instead of compiling again for every caller.
 - The budget: after each publish the driver evicts least recently used entries
@@ -21,12 +25,15 @@ import json
 import logging
 import multiprocessing
 import queue
+import shutil
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from enum import IntEnum
+from pathlib import Path
 
+from kernels import get_kind
 from kernels.spec import CanonicalSpec
 
 from . import compiler
@@ -60,6 +67,7 @@ class Counters:
     failures: int = 0
     failures_cached: int = 0  # requests answered with a remembered compile failure
     joined: int = 0
+    derived: int = 0  # entries published as a copy of a shared build (no compile of their own)
     compile_seconds: float = 0.0
     device_compile_seconds: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -142,43 +150,63 @@ class Scheduler:
         with self._lock:
             return len(self._inflight)
 
-    def request(self, spec: CanonicalSpec, priority: int = URGENT) -> tuple[cf.Future, Outcome]:
+    def request(self, spec: CanonicalSpec, priority: int = URGENT, counted: bool = True) -> tuple[cf.Future, Outcome]:
         """A future of the kernel's Entry, and how it is being satisfied.
 
         Raises ShuttingDown or QueueFull. The future raises CompileFailed or StoreError.
+        `counted`: False for the service's own requests (a shared build), kept out of the stats.
         """
+        tally = self.counters.add if counted else _ignore
         if self._closing:
             raise ShuttingDown("the kernel service is shutting down")
         key, expect = self._key_of(spec)
         entry = self.store.lookup(key, expect)
         if entry is not None:
-            self.counters.add(hits=1)
+            tally(hits=1)
             return _done(entry), Outcome.HIT
+        shared = get_kind(spec.kind).shared_build(spec)  # the build that serves this spec, if not its own
         with self._lock:
             if self._closing:
                 raise ShuttingDown("the kernel service is shutting down")
             future = self._inflight.get(key)
             if future is not None:
-                self.counters.add(misses=1, joined=1)
+                tally(misses=1, joined=1)
                 return future, Outcome.JOINED
             failed = self._failed.get(key)
             if failed is not None and failed[0] > time.monotonic():
-                self.counters.add(failures_cached=1)
+                tally(failures_cached=1)
                 expiry, when, exc = failed
                 note = f"\n(remembered failure from {time.monotonic() - when:.0f}s ago; the compile is retried in {expiry - time.monotonic():.0f}s)"
                 return _failed(compiler.CompileFailed(f"{exc}{note}")), Outcome.COMPILED
             # A compile may have published between our lookup and the lock.
             entry = self.store.lookup(key, expect)
             if entry is not None:
-                self.counters.add(hits=1)
+                tally(hits=1)
                 return _done(entry), Outcome.HIT
             if len(self._inflight) >= self.queue_limit:
                 raise QueueFull(f"{len(self._inflight)} compiles are already queued (limit {self.queue_limit}); retry later")
             future = cf.Future()
             self._inflight[key] = future
-            self._queue.put(_Job(priority, next(self._seq), key, spec, future))
-        self.counters.add(misses=1)
+            if shared is None:
+                self._queue.put(_Job(priority, next(self._seq), key, spec, future))
+        tally(misses=1)
+        if shared is not None:
+            self._serve_from_shared_build(key, spec, shared, priority, future)
         return future, Outcome.COMPILED
+
+    def _serve_from_shared_build(self, key: str, spec: CanonicalSpec, shared: tuple[CanonicalSpec, dict], priority: int, future: cf.Future) -> None:
+        """`spec` is published as a copy of the build that leaves its host-side dims to run
+        time, once that is built (or found): no lowering, no device compile of its own."""
+        build_spec, fixed = shared
+        try:
+            base, _ = self.request(build_spec, priority, counted=False)
+        except (ShuttingDown, QueueFull) as exc:  # refused like the request itself; joiners learn why
+            with self._lock:
+                self._inflight.pop(key, None)
+            future.set_exception(exc)
+            raise
+        # Runs on the thread that finishes `base` (a driver), or here when it is already done.
+        base.add_done_callback(lambda done: self._settle(key, spec, future, lambda staging: _derive(done.result(), spec, fixed, staging), derived=True))
 
     def _key_of(self, spec: CanonicalSpec) -> tuple[str, dict]:
         """The key, and the spec the entry must record (a key collision or a planted entry is
@@ -200,20 +228,31 @@ class Scheduler:
             self._run(job)
 
     def _run(self, job: _Job) -> None:
-        staging = None
-        try:
-            if self._closing:
-                raise ShuttingDown("the kernel service shut down before this kernel was compiled")
-            staging = self.store.new_staging(job.key)
+        def build(staging: Path) -> tuple[str, dict]:
             try:
                 result = self._submit(compiler.build, job.spec.to_json(), str(staging)).result()
             except OSError as exc:  # the worker could not write the staging dir (disk full)
                 raise StoreError(exc.errno, f"cannot write the built kernel into {staging}: {exc.strerror or exc}") from exc
-            entry = self.store.publish(job.key, staging, result["library"], result["meta"])
-            meta = result["meta"]
-            self.counters.add(compiles=1, compile_seconds=meta["compile_seconds"], device_compile_seconds=meta["phases"]["device"])
-            outcome: Entry | BaseException = entry
-            self.enforce_budget(protect=job.key)
+            return result["library"], result["meta"]
+
+        self._settle(job.key, job.spec, job.future, build)
+
+    def _settle(self, key: str, spec: CanonicalSpec, future: cf.Future, produce, derived: bool = False) -> None:
+        """Fills a staging dir with `produce(staging) -> (library, meta)`, publishes it as `key`,
+        and settles `future` with the entry or the error; never leaves a waiter hanging.
+        `derived`: `produce` copies a shared build (counted apart from compiles)."""
+        staging = None
+        try:
+            if self._closing:
+                raise ShuttingDown("the kernel service shut down before this kernel was compiled")
+            staging = self.store.new_staging(key)
+            library, meta = produce(staging)
+            outcome: Entry | BaseException = self.store.publish(key, staging, library, meta)
+            if derived:
+                self.counters.add(derived=1)
+            else:
+                self.counters.add(compiles=1, compile_seconds=meta["compile_seconds"], device_compile_seconds=meta["phases"]["device"])
+            self.enforce_budget(protect=key)
         except BrokenProcessPool:
             if self._closing:
                 outcome = ShuttingDown("the kernel service shut down while compiling this kernel")
@@ -223,27 +262,27 @@ class Scheduler:
         except (compiler.CompileFailed, StoreError, ShuttingDown) as exc:
             outcome = exc
         except BaseException as exc:  # never leave waiters hanging
-            log.exception("unexpected error compiling %s", job.key[:16])
+            log.exception("unexpected error compiling %s", key[:16])
             outcome = exc
         finally:
             if staging is not None:
                 self.store.discard_staging(staging)
-        if isinstance(outcome, BaseException):
-            if not isinstance(outcome, ShuttingDown):
+        if isinstance(outcome, BaseException) and not isinstance(outcome, ShuttingDown):
+            if not derived:
                 self.counters.add(failures=1)
-                log.warning("compile of %s failed: %s", job.spec.to_json(), str(outcome)[:500])
+            log.warning("compile of %s failed: %s", spec.to_json(), str(outcome)[:500])
         # Leave the in-flight table before answering: a later request then finds the entry on
         # disk, or the remembered failure (a cache write error is not remembered: it may clear).
         with self._lock:
-            self._inflight.pop(job.key, None)
+            self._inflight.pop(key, None)
             if isinstance(outcome, compiler.CompileFailed) and self.failure_ttl > 0:
                 now = time.monotonic()
                 self._failed = {k: v for k, v in self._failed.items() if v[0] > now}
-                self._failed[job.key] = (now + self.failure_ttl, now, outcome)
+                self._failed[key] = (now + self.failure_ttl, now, outcome)
         if isinstance(outcome, BaseException):
-            job.future.set_exception(outcome)
+            future.set_exception(outcome)
         else:
-            job.future.set_result(outcome)
+            future.set_result(outcome)
 
     def enforce_budget(self, protect: str | None = None) -> None:
         """Evicts down to the budget (after each publish, and once at start-up)."""
@@ -282,6 +321,31 @@ class Scheduler:
             for t in self._drivers:
                 t.join(10)
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _derive(base: Entry, spec: CanonicalSpec, fixed: dict, staging: Path) -> tuple[str, dict]:
+    """An entry for `spec` made of `base`'s files: the same library, with the dims `spec` fixes
+    recorded in the ABI for the loader to enforce."""
+    start = time.perf_counter()
+    try:
+        for name in (base.library, *compiler.SOURCES):
+            if (base.path / name).is_file():
+                shutil.copyfile(base.path / name, staging / name)
+    except OSError as exc:  # a full disk, or the shared build evicted under a zero min-age budget
+        raise StoreError(exc.errno, f"cannot copy the shared build {base.key[:16]} into {staging}: {exc.strerror or exc}") from exc
+    meta = {
+        **{k: v for k, v in base.meta.items() if k not in ("phases", "device_compiled")},
+        "spec": json.loads(spec.to_json()),
+        "abi": {**base.abi, "fixed": fixed},
+        "shared_build": {"key": base.key, "spec": base.meta["spec"], "compile_seconds": base.meta["compile_seconds"]},
+        "created": time.time(),
+    }
+    meta["compile_seconds"] = round(time.perf_counter() - start, 4)
+    return base.library, meta
+
+
+def _ignore(**deltas) -> None:
+    pass
 
 
 def _done(entry: Entry) -> cf.Future:

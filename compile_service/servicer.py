@@ -182,6 +182,7 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                 failures=c.failures,
                 failures_cached=c.failures_cached,
                 joined=c.joined,
+                derived=c.derived,
                 compile_seconds=c.compile_seconds,
                 in_flight=self.scheduler.in_flight,
                 workers=self.scheduler.workers,

@@ -501,6 +501,9 @@ def _check_meta(meta) -> None:
     for name, kind in ABI_FIELDS.items():
         if not isinstance(meta["abi"].get(name), kind):
             raise ValueError(f"entry.json's abi.{name} is missing or not a {kind.__name__}")
+    fixed = meta["abi"].get("fixed", {})
+    if not isinstance(fixed, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in fixed.values()):
+        raise ValueError("entry.json's abi.fixed is not a mapping of dims to ints")
 
 
 def pid_alive(pid: int) -> bool:

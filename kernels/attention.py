@@ -88,6 +88,17 @@ class Attention(KernelKind):
             raise InvalidSpec("num_stages", f"tiles need {smem // 1024} KiB of shared memory, over the {smem_limit(target) // 1024} KiB a block gets on {target}")
         return p
 
+    def host_side_dims(self, p, target):
+        # With TMA (sm_90 and newer) batch and, when causal, seq_len only size the grid and the
+        # descriptors, except where TileLang lowers a static size otherwise: batch 1 (block z
+        # is 0), or so few key blocks that it unrolls the pipeline's barrier phases.
+        if target.is_cpu or target.compute_capability < 90:
+            return ()
+        dims = () if p["batch"] == 1 else ("batch",)
+        if p["causal"] and (p["seq_len"] is None or -(-p["seq_len"] // p["block_N"]) > 2 * p["num_stages"]):
+            dims += ("seq_len",)
+        return dims
+
     @staticmethod
     def _smem(bm, bn, stages, d):
         """Bytes of shared memory: Q and O tiles, plus K and V tiles per stage (16-bit)."""
@@ -184,7 +195,9 @@ class Attention(KernelKind):
                 T.fill(lsum, 0)
                 T.fill(m, -T.infinity(acc_t))
                 # Causal blocks stop at the diagonal: keys past the last query row are all masked.
-                steps = T.min(T.ceildiv(seq, bn), T.ceildiv((bx + 1) * bm, bn)) if causal else T.ceildiv(seq, bn)
+                # No min with seq_len: past it only the last block's rows look, at keys the mask
+                # hides and TMA zero-fills; so seq_len stays out of the device code (host_side_dims).
+                steps = T.ceildiv((bx + 1) * bm, bn) if causal else T.ceildiv(seq, bn)
                 for kb in T.Pipelined(steps, num_stages=p["num_stages"]):
                     T.copy(K[b, kb * bn : (kb + 1) * bn, h // group, :], K_s)
                     # The mask rides in the accumulator's initial value: 0 where visible, -inf where not.

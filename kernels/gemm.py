@@ -29,7 +29,7 @@ class Gemm(KernelKind):
     doc = "C[M,N] = act(A[M,K] @ B + bias[N]), with B as [K,N] or, when trans_b, [N,K]."
     params = (
         dim("M", "rows of A and C; None makes it a runtime size", dynamic=True),
-        dim("N", "columns of C"),
+        dim("N", "columns of C; None makes it a runtime size", dynamic=True),
         dim("K", "reduction length"),
         dtype_param(),
         Param("trans_b", bool, default=False, doc="B is stored [N, K], the layout of linear weights"),
@@ -78,15 +78,27 @@ class Gemm(KernelKind):
             raise InvalidSpec("num_stages", f"tiles need {smem // 1024} KiB of shared memory, over the {smem_limit(target) // 1024} KiB a block gets on {target}")
         # TMA / cp.async move 16-byte-aligned rows: rows of A, B and C have K or N elements.
         align = 16 // size
-        if p["K"] % align or p["N"] % align:
-            raise InvalidSpec("K" if p["K"] % align else "N", f"must be a multiple of {align} for {p['dtype']} on CUDA (16-byte rows)")
+        for name in ("K", "N"):  # a runtime N must be one too: the call's TMA descriptor refuses others
+            if p[name] is not None and p[name] % align:
+                raise InvalidSpec(name, f"must be a multiple of {align} for {p['dtype']} on CUDA (16-byte rows)")
         return p
+
+    def host_side_dims(self, p, target):
+        # With TMA (sm_90 and newer) M and N only size the grid and the tensors' descriptors,
+        # so every value, multiple of the tile or not, runs the same device code; except where
+        # TileLang lowers a static size of a single tile otherwise, and a bias reads N.
+        if target.is_cpu or target.compute_capability < 90:
+            return ()
+        if any(p[d] is not None and p[d] <= p[f"block_{d}"] for d in ("M", "N")):
+            return ()
+        return ("M",) if p["bias"] else ("M", "N")
 
     def build_cpu(self, p):
         import tilelang.language as T
 
         M = p["M"] if p["M"] is not None else T.dynamic("M")
-        N, K, dtype = p["N"], p["K"], p["dtype"]
+        N = p["N"] if p["N"] is not None else T.dynamic("N")
+        K, dtype = p["K"], p["dtype"]
         bm, bn, bk = p["block_M"], p["block_N"], p["block_K"]
         trans_b, act, has_bias = p["trans_b"], p["act"], p["bias"]
         b_shape = (N, K) if trans_b else (K, N)
@@ -126,7 +138,8 @@ class Gemm(KernelKind):
         import tilelang.language as T
 
         M = p["M"] if p["M"] is not None else T.dynamic("M")
-        N, K, dtype = p["N"], p["K"], p["dtype"]
+        N = p["N"] if p["N"] is not None else T.dynamic("N")
+        K, dtype = p["K"], p["dtype"]
         bm, bn, bk = p["block_M"], p["block_N"], p["block_K"]
         trans_b, act, has_bias = p["trans_b"], p["act"], p["bias"]
         b_shape = (N, K) if trans_b else (K, N)

@@ -202,6 +202,23 @@ class KernelKind:
         """Cross-field rules and default tilings; raise InvalidSpec, or return an updated dict."""
         return None
 
+    def host_side_dims(self, p: dict, target: Target) -> tuple[str, ...]:
+        """Dims that reach only the host code on `target` (a grid size, a TMA descriptor), never
+        the device code. tests/test_shared_builds.py lowers both forms to hold kinds to the claim."""
+        return ()
+
+    def shared_build(self, spec: CanonicalSpec) -> tuple[CanonicalSpec, dict] | None:
+        """The build that serves `spec` with the same device code, and the dims `spec` fixes.
+
+        That build leaves the host-side dims to run time, so one lowering and one device
+        binary serve every value; the fixed dims are enforced by the loader. None when
+        `spec` fixes no host-side dim (it is its own build).
+        """
+        fixed = {d: spec.params[d] for d in self.host_side_dims(spec.params, spec.target) if spec.params[d] is not None}
+        if not fixed:
+            return None
+        return self.canonicalize({**spec.params, **dict.fromkeys(fixed)}, spec.target), fixed
+
     def build(self, p: dict, target: Target):
         """The TileLang PrimFunc for canonical params `p` on `target`."""
         return self.build_cpu(p) if target.is_cpu else self.build_cuda(p, target)

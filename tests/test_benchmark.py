@@ -45,6 +45,15 @@ def test_zoo_is_the_published_one(target):
         assert {s["dtype"] for s in specs} == {"float32"}
 
 
+def test_zoo_gemms_are_served_by_shared_builds_on_cuda():
+    import compile_speed
+
+    # One build per GEMM (K, tiling) with M and N left to run time, one per attention config with
+    # seq_len left to run time, one per row kernel: 12 + 6 + 36; CPU kernels never share.
+    assert compile_speed._builds_needed(zoo.build_zoo("sm_90a", scale=3)) == (54, 90)
+    assert compile_speed._builds_needed(zoo.build_zoo("c", scale=3)) == (126, 0)
+
+
 def test_salt_shares_no_kernel_with_other_salts():
     seen = [{_key(s) for s in zoo.build_zoo("c", scale=2, salt=salt)} for salt in range(3)]
     assert not (seen[0] & seen[1]) and not (seen[1] & seen[2]) and not (seen[0] & seen[2])
@@ -81,7 +90,7 @@ def test_quick_run_builds_every_kernel_in_every_mode(tmp_path):
     for name in ("warm_tilelang", "warm_service"):
         assert modes[name]["compiles"] == 0, name
     # The point of the service: one compile per kernel however many agents ask.
-    assert modes["stampede_service"]["compiles"] == n
+    assert modes["stampede_service"]["compiles"] == n and modes["stampede_service"]["derived"] == 0  # CPU kernels never share a build
     # TileLang alone: at least once per kernel, at most once per kernel per agent.
     assert n <= modes["stampede_tilelang"]["compiles"] <= n * report["processes"]
     assert len(modes["stampede_tilelang"]["per_process"]) == report["processes"]

@@ -43,6 +43,13 @@ def test_gemm_dynamic_m_two_sizes_one_kernel(cpu_kernel):
         close(k(a, b), a @ b.T)
 
 
+def test_gemm_dynamic_m_and_n_with_bias(cpu_kernel):
+    k = cpu_kernel("gemm", M=None, N=None, K=24, dtype="float32", bias=True, act="relu")
+    for M, N in ((3, 40), (77, 9)):  # N below one tile and past it
+        a, b, bias = torch.randn(M, 24), torch.randn(24, N), torch.randn(N)
+        close(k(a, b, bias), torch.relu(a @ b + bias))
+
+
 @pytest.mark.parametrize("act", ["none", "gelu", "silu", "relu"])
 def test_gemm_bias_act(cpu_kernel, act):
     k = cpu_kernel("gemm", M=None, N=36, K=20, dtype="float32", bias=True, act=act, trans_b=True)

@@ -31,7 +31,7 @@ def test_all_kinds_registered():
         ("gemm", {**GEMM, "M": 64.0}, "sm_90a", "M", "integer"),
         ("gemm", {**GEMM, "M": True}, "sm_90a", "M", "integer"),
         ("gemm", {**GEMM, "N": 0}, "sm_90a", "N", "at least"),
-        ("gemm", {**GEMM, "N": None}, "sm_90a", "N", "None"),  # only M may be a runtime size
+        ("gemm", {**GEMM, "K": None}, "sm_90a", "K", "None"),  # only M and N may be runtime sizes
         ("gemm", {**GEMM, "K": 1 << 21}, "sm_90a", "K", "at most"),
         ("gemm", {**GEMM, "dtype": "float8"}, "sm_90a", "dtype", "not one of"),
         ("gemm", {**GEMM, "trans_b": "yes"}, "sm_90a", "trans_b", "true or false"),
