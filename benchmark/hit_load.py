@@ -12,6 +12,9 @@ client threads (one channel each) issuing `--requests` GetKernel calls in total:
          the working set and --evict-min-age 0: most requests go to a hot set,
          a few to cold kernels, which were evicted and compile again, evicting
          others meanwhile. Latency here includes those compiles.
+  floor  the same client load against a gRPC server process that answers every
+         GetKernel with one canned reply (a real hit's, recorded first) and does
+         nothing else: what Python gRPC alone costs on this machine, side by side.
 
 Every answer is checked to be the kernel asked for (its canonical spec); every
 `--check-every`-th answer's library is also read and verified like a loader
@@ -24,11 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import random
 import sys
 import tempfile
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,6 +131,31 @@ def run_phase(address: str, specs, pick, threads: int, requests: int, check_ever
     }
 
 
+class CannedServicer(pb_grpc.KernelServiceServicer):
+    """Answers GetKernel with one recorded reply: a servicer with no work of its own."""
+
+    def __init__(self, reply: bytes):
+        self.reply = pb.GetKernelResponse.FromString(reply)
+
+    def GetKernel(self, request, context):
+        return self.reply
+
+    def GetServiceInfo(self, request, context):
+        return pb.ServiceInfo()
+
+
+def serve_canned(socket: str, reply: bytes, ready) -> None:
+    """The floor phase's server process: the daemon's gRPC setup (thread pool size, and nice 10
+    for every thread, which yields the CPU to the load generator as it would to compiles)."""
+    os.nice(10)  # before gRPC starts: its threads inherit it
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+    pb_grpc.add_KernelServiceServicer_to_server(CannedServicer(reply), server)
+    server.add_insecure_port(f"unix:{socket}")
+    server.start()
+    ready.set()
+    server.wait_for_termination()
+
+
 def stats(address: str) -> dict:
     with grpc.insecure_channel(address) as channel:
         s = pb_grpc.KernelServiceStub(channel).GetStats(pb.GetStatsRequest(), timeout=30)
@@ -147,6 +178,7 @@ def main() -> int:
     parser.add_argument("--cold-fraction", type=float, default=0.002, help="eviction phase: share of requests for cold kernels (default 0.002)")
     parser.add_argument("--check-every", type=int, default=50, help="verify the library of every Nth answer per thread (default 50)")
     parser.add_argument("--no-evict", action="store_true", help="skip the eviction phase")
+    parser.add_argument("--no-floor", action="store_true", help="skip the canned-reply gRPC floor phase")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     if args.max_entries >= args.hot + args.cold:
@@ -165,8 +197,25 @@ def main() -> int:
             before = stats(address)
             results["hits"] = run_phase(address, specs, lambda rng: rng.randrange(len(specs)), args.threads, args.requests, args.check_every)
             results["hits"]["daemon"] = delta(before, stats(address))
+            with grpc.insecure_channel(address) as channel:  # the floor's canned reply: a real hit
+                reply = pb_grpc.KernelServiceStub(channel).GetKernel(pb.GetKernelRequest(spec=spec_to_proto(specs[0])), timeout=60)
         finally:
             daemon.stop()
+
+        if not args.no_floor:
+            floor_socket = Path(tmp) / "floor.sock"
+            ctx = multiprocessing.get_context("spawn")
+            ready = ctx.Event()
+            server = ctx.Process(target=serve_canned, args=(str(floor_socket), reply.SerializeToString(), ready), daemon=True)
+            server.start()
+            try:
+                if not ready.wait(60):
+                    raise RuntimeError("the floor server did not start")
+                results["floor"] = run_phase(f"unix:{floor_socket}", specs[:1], lambda rng: 0, args.threads, args.requests, args.check_every)
+                results["floor"]["daemon"] = None
+            finally:
+                server.terminate()
+                server.join(10)
 
         if not args.no_evict:
             hot, cold = working_set(args.hot, 16), working_set(args.cold, 16 + 8 * args.hot + 512)
@@ -191,7 +240,8 @@ def main() -> int:
     print(f"{'phase':<6} " + " ".join(f"{c:>14}" for c in cols) + "   daemon")
     for phase, r in results.items():
         d = r["daemon"]
-        print(f"{phase:<6} " + " ".join(f"{r[c]!s:>14}" for c in cols) + f"   compiles={d['compiles']} evictions={d['evictions']} hits={d['hits']} entries={d['entries']}")
+        counters = f"compiles={d['compiles']} evictions={d['evictions']} hits={d['hits']} entries={d['entries']}" if d else "(no daemon: canned replies)"
+        print(f"{phase:<6} " + " ".join(f"{r[c]!s:>14}" for c in cols) + f"   {counters}")
         for sample in r["error_samples"]:
             print(f"       error: {sample}")
     if args.json:

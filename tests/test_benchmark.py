@@ -103,3 +103,17 @@ def test_quick_run_builds_every_kernel_in_every_mode(tmp_path):
         assert modes["warm_service"][name] >= 0 and modes["warm_tilelang"][name] >= 0
     assert modes["service_under_load"]["hit_requests"] > 0
     assert set(report["goals"]) >= {"service_parallel_efficiency", "stampede_service_compiles_once", "service_throughput_under_load"}
+
+
+def test_hit_load_runs_every_phase_without_errors(tmp_path):
+    out_json = tmp_path / "hits.json"
+    args = ["--requests", "400", "--threads", "4", "--kernels", "2", "--hot", "2", "--cold", "2", "--max-entries", "3", "--cold-fraction", "0.05", "--json", str(out_json)]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmark" / "hit_load.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out_json.read_text())
+    assert set(report) == {"hits", "floor", "evict"}
+    for phase, r in report.items():
+        assert r["requests"] == 400 and r["errors"] == 0 and r["wrong"] == 0, (phase, r)
+        assert r["throughput_rps"] > 0 and r["p50_ms"] <= r["p99_ms"]
+    assert report["hits"]["daemon"]["hits"] == 400 and report["hits"]["daemon"]["compiles"] == 0
+    assert report["evict"]["daemon"]["evictions"] > 0  # cold kernels pushed others out of a 3-entry budget
