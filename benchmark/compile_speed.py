@@ -510,7 +510,6 @@ def _service_cold(run: Run, name: str, daemon: Daemon) -> dict:
         "workers": workers,
         "startup_s": daemon.startup_s,
         "cuda_compiler": after["cuda_compiler"],
-        "compile_seconds_sum": sum(seconds),
         "median_compile_s": _median([s for s in seconds if s > 0]),  # per zoo kernel: a copy's milliseconds count
         "device_compile_seconds_sum": after["device_compile_seconds"] - before["device_compile_seconds"],
         "device_compiles": _service_device_compiles(daemon.cache_dir),

@@ -78,4 +78,3 @@ def cache_key(spec: CanonicalSpec, cuda_compiler: str = NVCC) -> str:
     """Hex sha256 of the canonical spec and the toolchain fingerprint."""
     blob = json.dumps({"spec": spec.to_json(), "toolchain": toolchain(spec.target.kind, cuda_compiler)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
-

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -20,22 +19,13 @@ import pytest
 from compile_service import nvrtc
 from compile_service.config import choose_cuda_compiler
 from compile_service.keys import NVCC, NVRTC
+from tests.marks import needs_gpu, needs_nvcc, needs_nvrtc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmark"))
 import zoo  # noqa: E402
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="cross-compiling CUDA kernels needs nvcc")
-COMPILERS = [pytest.param(NVCC, marks=needs_nvcc), pytest.param(NVRTC, marks=pytest.mark.skipif(nvrtc.unavailable_reason() is not None, reason=str(nvrtc.unavailable_reason())))]
-
-
-def _gpu() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
+COMPILERS = [pytest.param(NVCC, marks=needs_nvcc), pytest.param(NVRTC, marks=needs_nvrtc)]
 
 
 def _library_blob(path: Path) -> bytes:
@@ -71,7 +61,7 @@ def test_every_kind_cross_compiles(make_daemon, compiler):
 
 
 @needs_nvcc
-@pytest.mark.skipif(nvrtc.unavailable_reason() is not None, reason=str(nvrtc.unavailable_reason()))
+@needs_nvrtc
 def test_the_compiler_is_part_of_the_key(make_daemon, tmp_path):
     spec = {"kind": "rmsnorm", "M": 256, "N": 1024, "dtype": "float16", "target": "sm_90a"}
     cache = tmp_path / "shared-cache"
@@ -82,7 +72,7 @@ def test_the_compiler_is_part_of_the_key(make_daemon, tmp_path):
     assert len(list(cache.glob("entries/*/*"))) == 2
 
 
-@pytest.mark.skipif(nvrtc.unavailable_reason() is not None, reason=str(nvrtc.unavailable_reason()))
+@needs_nvrtc
 def test_workers_meeting_the_same_device_code_compile_it_once(make_daemon):
     d = make_daemon("--cuda-compiler", "nvrtc")  # two workers, both busy at once
     # An RMSNorm's static M (one row per block) changes only the grid, not the device code.
@@ -123,7 +113,7 @@ def test_asking_for_nvrtc_where_it_cannot_run_stops_the_daemon(make_daemon, tmp_
         assert "no CUDA headers" in d.log()
 
 
-@pytest.mark.skipif(nvrtc.unavailable_reason() is not None, reason=str(nvrtc.unavailable_reason()))
+@needs_nvrtc
 def test_nvrtc_workers_parse_the_zoo_headers_at_start(make_daemon, tmp_path):
     cache = tmp_path / "cache"
     first = make_daemon("--target", "sm_90a", "--cuda-compiler", "nvrtc", cache_dir=cache, workers=1)  # CUDA default: warm-up on
@@ -141,8 +131,8 @@ def test_nvrtc_workers_parse_the_zoo_headers_at_start(make_daemon, tmp_path):
     assert "lowering the kinds' warm-up examples" not in again.log() and "precompiled headers for" in again.log()
 
 
-@pytest.mark.skipif(not _gpu(), reason="running CUDA kernels needs a GPU")
-@pytest.mark.skipif(nvrtc.unavailable_reason() is not None, reason=str(nvrtc.unavailable_reason()))
+@needs_gpu
+@needs_nvrtc
 def test_nvrtc_kernels_compute_what_nvcc_kernels_compute(make_daemon):
     import torch
 

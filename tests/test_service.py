@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import torch
 import client
 import tests.failing_kind  # noqa: F401  (clients validate locally: they share the daemon's registry)
 from compile_service.config import ServiceConfig
+from tests.marks import needs_nvcc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -366,7 +366,7 @@ def test_group_shared_mode_and_loopback_tcp(make_daemon):
     assert remote.proc.wait(60) == 2 and "--allow-remote" in remote.log()
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="cross-compiling CUDA kernels needs nvcc")
+@needs_nvcc
 def test_kernels_that_differ_only_on_the_host_share_one_device_binary(make_daemon):
     d = make_daemon()
     c = d.client()

@@ -12,13 +12,12 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import shutil
 
 import pytest
 
 import kernels
+from tests.marks import needs_gpu, needs_nvcc
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="cross-compiling CUDA kernels needs nvcc")
 GEMM = {"kind": "gemm", "N": 512, "K": 128, "dtype": "float16", "trans_b": True, "block_N": 128, "target": "sm_90a"}
 
 
@@ -154,16 +153,7 @@ def test_a_failed_shared_build_fails_every_spec_it_serves(make_daemon):
     assert (stats["failures"], stats["compiles"], stats["derived"], stats["entries"]) == (1, 0, 0, 0)
 
 
-def _gpu() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
-@pytest.mark.skipif(not _gpu(), reason="running CUDA kernels needs a GPU")
+@needs_gpu
 def test_copies_of_shared_builds_compute_like_torch(make_daemon):
     import torch
 

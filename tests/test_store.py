@@ -18,7 +18,7 @@ import pytest
 from client.errors import CorruptArtifact
 from client.loader import read_verified
 from compile_service.config import parse_size, tcp_address
-from compile_service.store import Store
+from compile_service.store import Store, StoreError
 
 ROOT = Path(__file__).resolve().parent.parent
 ABI = {"loader": "c", "symbol": "call", "device": "cpu", "params": [], "outputs": [0], "dynamic": []}
@@ -36,6 +36,19 @@ def age(store: Store, key: str, seconds_ago: float) -> None:
     """Pretend the entry was last handed out `seconds_ago` (on disk; a fresh Store reads that)."""
     t = time.time() - seconds_ago
     os.utime(store.entry_path(key), (t, t))
+
+
+def test_an_abi_that_fixes_sizes_must_fix_them_to_ints(tmp_path):
+    store = Store(tmp_path / "cache")
+    for i, fixed in enumerate(({"M": "256"}, {"M": True}, ["M"])):
+        staging = store.new_staging(f"{i:064x}")
+        (staging / "kernel.so").write_bytes(b"lib")
+        with pytest.raises(StoreError, match="failed verification"):  # never published as servable
+            store.publish(f"{i:064x}", staging, "kernel.so", {"spec": {"i": i}, "abi": {**ABI, "fixed": fixed}})
+        assert store.lookup(f"{i:064x}") is None
+    staging = store.new_staging(f"{9:064x}")
+    (staging / "kernel.so").write_bytes(b"lib")
+    assert store.publish(f"{9:064x}", staging, "kernel.so", {"spec": {}, "abi": {**ABI, "fixed": {"M": 256}}}).abi["fixed"] == {"M": 256}
 
 
 def test_verify_reports_read_only_and_repairs_only_damage(tmp_path):
