@@ -7,7 +7,7 @@
 Light to import: no TileLang, no compiler. See README for the full API.
 """
 
-from .api import Client, connect, default_client, get_kernel, prefetch, stats
+from .api import Client, connect, default_client, get_kernel, kinds, prefetch, stats
 from .api import use_shared_inductor_cache_default as use_shared_inductor_cache
 from .inductor import InductorCache
 from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelServiceError, ServiceError, ServiceUnavailable
@@ -26,6 +26,7 @@ __all__ = [
     "connect",
     "default_client",
     "get_kernel",
+    "kinds",
     "prefetch",
     "stats",
     "use_shared_inductor_cache",

@@ -11,55 +11,50 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import json_format
 
 import kernels
-from compile_service.paths import default_socket, socket_address
+from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+from proto.paths import default_socket, socket_address
+from proto.wire import Outcome, Status
 
 from . import loader
-from .inductor import InductorCache, use_shared_inductor_cache
 from .errors import CompileError, InvalidSpec, ServiceError, ServiceUnavailable
+from .inductor import InductorCache, use_shared_inductor_cache
 
 GET_TIMEOUT = 600.0  # a cold kernel can wait behind a queue of compiles
 STATS_TIMEOUT = 10.0
 RETRY_WINDOW = 30.0  # how long UNAVAILABLE is retried once a daemon has answered
-# A blocking call cannot be cancelled by its caller: CANCELLED means the daemon went
-# away mid-call (a drain cuts calls that arrived as it stopped), which is UNAVAILABLE.
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-MAX_MESSAGE = 16 << 20
-OUTCOMES = {pb.OUTCOME_HIT: "hit", pb.OUTCOME_COMPILED: "compiled", pb.OUTCOME_JOINED: "joined"}
-
-
-def _param_value(name: str, value) -> pb.ParamValue:
-    if value is None:
-        return pb.ParamValue(null_value=struct_pb2.NULL_VALUE)
-    if isinstance(value, bool):
-        return pb.ParamValue(bool_value=value)
-    if isinstance(value, int):
-        return pb.ParamValue(int_value=value)
-    if isinstance(value, float):
-        return pb.ParamValue(float_value=value)
-    if isinstance(value, str):
-        return pb.ParamValue(string_value=value)
-    raise InvalidSpec(name, f"values must be int, float, bool, str or None, got {type(value).__name__}")
 
 
 def spec_to_proto(spec: kernels.CanonicalSpec) -> pb.KernelSpec:
-    return pb.KernelSpec(kind=spec.kind, target=str(spec.target), params={k: _param_value(k, v) for k, v in spec.params.items()})
+    return wire.spec_to_proto(spec.kind, spec.params, str(spec.target))
 
 
 def _raise_for(err: grpc.RpcError, what: str):
     code, details = err.code(), err.details() or ""
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        field, _, message = details.partition(": ")
-        raise InvalidSpec(field, message or details) from None
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
+    if code == Status.INVALID_SPEC:
+        raise wire.invalid_spec_from_details(details) from None
+    if code == Status.COMPILE_FAILED:
         raise CompileError(f"{what} failed to compile:\n{details}") from None
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code == Status.UNAVAILABLE:
         raise ServiceUnavailable(f"kernel service unavailable: {details}") from None
     raise ServiceError(f"{what}: {code.name}: {details}", code.name) from None
+
+
+def _request(kind: str, params: dict, target: str | None) -> tuple[str, pb.KernelSpec, kernels.CanonicalSpec | None]:
+    """(memo key, wire spec, canonical spec) of a request. Kinds this process knows are validated
+    here; others (a plugin the daemon serves, which the agent never imports) go as given and the
+    daemon validates them."""
+    if kind in kernels.kinds():
+        spec = kernels.canonicalize(kind, params, target)
+        return spec.to_json(), spec_to_proto(spec), spec
+    if not isinstance(kind, str) or not isinstance(params, dict):
+        raise InvalidSpec("kind", f"expected a kind name and a mapping of parameters, got {kind!r}")
+    proto = wire.spec_to_proto(kind, params, target)
+    return proto.SerializeToString(deterministic=True).hex(), proto, None
 
 
 class Client:
@@ -77,10 +72,7 @@ class Client:
         self.fallback = fallback
         self.cache_dir = cache_dir
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(
-            self.address,
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)],
-        )
+        self._channel = grpc.insecure_channel(self.address, options=wire.channel_options())
         self._stub = pb_grpc.KernelServiceStub(self._channel)
         self._memo: dict[str, loader.Kernel] = {}
         self._memo_lock = threading.Lock()
@@ -115,7 +107,7 @@ class Client:
                 return result
             except grpc.RpcError as err:
                 retry_until = min(deadline, time.monotonic() + (RETRY_WINDOW if self._answered else 2.0))
-                if err.code() not in RETRYABLE or time.monotonic() + delay >= retry_until:
+                if err.code() not in Status.RETRYABLE or time.monotonic() + delay >= retry_until:
                     _raise_for(err, what)
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 1.0)
@@ -127,15 +119,14 @@ class Client:
         Raises InvalidSpec (a ValueError naming the field), CompileError,
         ServiceUnavailable (a ConnectionError) or ServiceError.
         """
-        spec = kernels.canonicalize(kind, params, target)
-        memo_key = spec.to_json()
+        memo_key, proto, spec = _request(kind, params, target)
         kernel = self._memo.get(memo_key)
         if kernel is not None:
             return kernel
         try:
-            reply = self._call(self._stub.GetKernel, pb.GetKernelRequest(spec=spec_to_proto(spec)), timeout or self.timeout, f"kernel {kind}")
+            reply = self._call(self._stub.GetKernel, pb.GetKernelRequest(spec=proto), timeout or self.timeout, f"kernel {kind}")
         except ServiceUnavailable:
-            if not self.fallback:
+            if not self.fallback or spec is None:
                 raise
             from .fallback import build_locally
 
@@ -148,7 +139,7 @@ class Client:
     def _load(self, reply: pb.GetKernelResponse) -> loader.Kernel:
         a = reply.artifact
         kernel = loader.load(Path(a.entry_dir), a.library, a.library_sha256, a.library_size, json.loads(a.abi_json), json.loads(a.canonical_spec), a.key)
-        kernel.outcome = OUTCOMES.get(reply.outcome, "unknown")
+        kernel.outcome = Outcome.from_proto(reply.outcome)
         kernel.compile_seconds = reply.compile_seconds
         return kernel
 
@@ -164,10 +155,10 @@ class Client:
         for i, raw in enumerate(specs):
             raw = dict(raw)
             try:
-                canon.append(kernels.canonicalize(raw.pop("kind", None), raw, raw.pop("target", None)))
+                canon.append(_request(raw.pop("kind", None), raw, raw.pop("target", None)))
             except InvalidSpec as exc:
                 raise InvalidSpec(f"specs[{i}].{exc.field}", str(exc).split(": ", 1)[-1]) from None
-        request = pb.PrefetchRequest(specs=[spec_to_proto(s) for s in canon])
+        request = pb.PrefetchRequest(specs=[proto for _, proto, _ in canon])
         results: list = [None] * len(canon)
         self._check_socket()
         try:
@@ -178,9 +169,9 @@ class Client:
                 elif load:
                     kernel = self._load(event.kernel)
                     with self._memo_lock:
-                        results[event.index] = self._memo.setdefault(canon[event.index].to_json(), kernel)
+                        results[event.index] = self._memo.setdefault(canon[event.index][0], kernel)
                 else:
-                    results[event.index] = OUTCOMES.get(event.kernel.outcome, "unknown")
+                    results[event.index] = Outcome.from_proto(event.kernel.outcome)
                 if progress:
                     progress(event.done, event.total, json_format.MessageToDict(event, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
         except grpc.RpcError as err:
@@ -197,6 +188,12 @@ class Client:
         and returns it with where it came from ("environment", "daemon" or "fallback").
         An existing TORCHINDUCTOR_CACHE_DIR wins. Call it before the first torch.compile."""
         return use_shared_inductor_cache(lambda: self.service_info()["inductor_dir"])
+
+    def kinds(self) -> list[dict]:
+        """The kernel kinds the daemon serves (the zoo and its plugins), each with its `params`:
+        name, type, doc, required, default, nullable, choices, min, max; and its `origin`."""
+        reply = self._call(self._stub.ListKinds, pb.ListKindsRequest(), STATS_TIMEOUT, "list kinds")
+        return [wire.kind_from_proto(k) for k in reply.kinds]
 
     def stats(self) -> dict:
         """The daemon's counters (compiles, hits, misses, failures, in_flight, workers, entries, bytes, ...)."""
@@ -234,8 +231,12 @@ def stats() -> dict:
     return default_client().stats()
 
 
+def kinds() -> list[dict]:
+    return default_client().kinds()
+
+
 def use_shared_inductor_cache_default() -> InductorCache:
     return default_client().use_shared_inductor_cache()
 
 
-__all__ = ["Client", "connect", "default_client", "get_kernel", "prefetch", "stats", "use_shared_inductor_cache_default"]
+__all__ = ["Client", "connect", "default_client", "get_kernel", "kinds", "prefetch", "stats", "use_shared_inductor_cache_default"]

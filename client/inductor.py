@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from compile_service.paths import APP, xdg_cache_home
+from proto.paths import APP, xdg_cache_home
 
 log = logging.getLogger(__name__)
 ENV = "TORCHINDUCTOR_CACHE_DIR"

@@ -33,6 +33,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from proto import abi as abi_schema
+
 from .errors import CorruptArtifact
 
 _DTYPES = {
@@ -202,6 +204,10 @@ class Kernel:
 def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec: dict, key: str) -> Kernel:
     """Verifies and loads one entry's shared object; raises CorruptArtifact on a failed check."""
     path = Path(entry_dir) / library
+    try:
+        abi_schema.check(abi)
+    except abi_schema.AbiError as exc:
+        raise CorruptArtifact(f"{path}: {exc}") from None
     data = read_verified(path, sha256, size)
     if abi["loader"] == "c":
         lib = _dlopen_bytes(data, key, ctypes.CDLL)

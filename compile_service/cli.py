@@ -1,4 +1,8 @@
-"""`kernel-service`: serve, stats, verify, demo."""
+"""`kernel-service`: serve, stats, kinds, verify, demo.
+
+Commands that ask a running daemon (stats, kinds) speak the wire contract
+(proto/) directly: the daemon's package never imports the client library.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 
 def _serve(args) -> int:
@@ -21,6 +26,8 @@ def _serve(args) -> int:
             grace=args.grace,
             queue_limit=args.queue_limit,
             kernel_modules=tuple(args.kernel_module),
+            entry_points=not args.no_entry_points,
+            plugins=tuple(args.plugin) if args.plugin else None,
             failure_ttl=args.failure_ttl,
             max_bytes=parse_size(args.max_size) if args.max_size is not None else None,
             max_entries=args.max_entries,
@@ -35,23 +42,25 @@ def _serve(args) -> int:
         return 2
     try:
         Daemon(config).serve_forever()
-    except (AlreadyRunning, OSError) as exc:
+    except (AlreadyRunning, OSError, ImportError, LookupError, TypeError, RuntimeError) as exc:  # plugins included
         print(f"kernel-service: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
 def _verify(args) -> int:
-    from .config import ServiceConfig
-    from .store import Store
+    from proto.paths import default_cache_dir
 
-    cache_dir = ServiceConfig.resolve(cache_dir=args.cache_dir).cache_dir
+    from .store import LocalStore
+    from .store.check import verify
+
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     try:
-        store = Store(cache_dir, create=False)
+        store = LocalStore(cache_dir, create=False)
     except OSError as exc:
         print(f"kernel-service: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    report = store.verify(repair=args.repair)
+    report = verify(store, repair=args.repair)
     if args.json:
         damage = [{"what": d.what, "path": str(d.path), "why": d.why, "repaired": d.repaired} for d in report.damage]
         print(json.dumps({"cache_dir": str(cache_dir), "entries_ok": report.entries_ok, "staging_in_use": report.staging_in_use, "damage": damage}, indent=2))
@@ -72,14 +81,31 @@ def _human_bytes(n: int) -> str:
     return str(n)
 
 
+def _ask(socket: str | None, rpc: str, request):
+    """One call to the daemon at `socket` (default: the default socket) through the contract's stubs."""
+    import grpc
+
+    from proto import wire
+    from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+    from proto.paths import default_socket, socket_address
+
+    address = socket_address(socket or default_socket())
+    with grpc.insecure_channel(address, options=wire.channel_options()) as channel:
+        try:
+            return getattr(pb_grpc.KernelServiceStub(channel), rpc)(request, timeout=10)
+        except grpc.RpcError as err:
+            raise ConnectionError(f"no kernel service answers at {address}: {err.code().name}: {err.details()}") from None
+
+
 def _stats(args) -> int:
-    import client
+    from proto.kernelservice.v1 import kernel_service_pb2 as pb
 
     try:
-        stats = client.connect(args.socket).stats()
-    except client.ServiceUnavailable as exc:
+        reply = _ask(args.socket, "GetStats", pb.GetStatsRequest())
+    except ConnectionError as exc:
         print(f"kernel-service: {exc}", file=sys.stderr)
         return 1
+    stats = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}  # native ints, unlike MessageToDict
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
@@ -94,8 +120,43 @@ def _stats(args) -> int:
     return 0
 
 
+def _local_kinds(args) -> list[dict]:
+    """The kinds a daemon started here with the same flags would serve."""
+    import kernels
+    from kernels import plugins
+
+    plugins.load(tuple(args.kernel_module), entry_points=True)
+    return [{**kind.describe(), "origin": kernels.origin(name)} for name, kind in sorted(kernels.kinds().items())]
+
+
+def _kinds(args) -> int:
+    from proto import wire
+    from proto.kernelservice.v1 import kernel_service_pb2 as pb
+
+    try:
+        kinds = [wire.kind_from_proto(k) for k in _ask(args.socket, "ListKinds", pb.ListKindsRequest()).kinds]
+        source = "the running daemon"
+    except ConnectionError as exc:
+        if args.socket:  # a daemon was named: say it is not there rather than guess
+            print(f"kernel-service: {exc}", file=sys.stderr)
+            return 1
+        kinds, source = _local_kinds(args), "this installation (no daemon running)"
+    if args.json:
+        print(json.dumps(kinds, indent=2))
+        return 0
+    print(f"kernel kinds served by {source}:")
+    for kind in kinds:
+        print(f"\n{kind['name']}  [{kind['origin']}]\n  {kind['doc']}")
+        for p in kind["params"]:
+            default = "required" if p["required"] else f"default {json.dumps(p.get('default'))}"
+            choices = f", one of {', '.join(map(str, p['choices']))}" if p.get("choices") else ""
+            runtime = ", None: runtime size / default" if p["nullable"] else ""
+            print(f"    {p['name']:<12} {p['type']:<5} {default}{choices}{runtime}  {p['doc']}")
+    return 0
+
+
 def _demo(args) -> int:
-    from .demo import run_demo
+    from .tools.demo import run_demo
 
     return run_demo(args.cache_dir, args.socket)
 
@@ -112,7 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--target", default="auto", help="target for requests that name none: auto, c, sm_90a, ... (default auto)")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for running compiles (default 30)")
     serve.add_argument("--queue-limit", type=int, default=4096, help="compiles queued before RESOURCE_EXHAUSTED (default 4096)")
-    serve.add_argument("--kernel-module", action="append", default=[], metavar="MODULE", help="import MODULE to register extra kernel kinds (repeatable)")
+    serve.add_argument(
+        "--kernel-module",
+        action="append",
+        default=[],
+        metavar="MODULE[:ATTR]",
+        help="import MODULE to register extra kernel kinds, or serve MODULE's kind class or @tilelang.jit factory ATTR (repeatable)",
+    )
+    serve.add_argument("--plugin", action="append", metavar="NAME", help="load only these installed kinds (entry-point group kernel_service.kinds; repeatable; default all)")
+    serve.add_argument("--no-entry-points", action="store_true", help="load no installed kinds, only the zoo and --kernel-module")
     serve.add_argument("--failure-ttl", type=float, help="seconds a failed compile is answered from memory before it is retried (default 60; 0: never remembered)")
     serve.add_argument("--max-size", metavar="BYTES", help="cache budget: evict least recently used entries above this size (e.g. 10G; default unbounded)")
     serve.add_argument("--max-entries", type=int, help="cache budget in entries (default unbounded)")
@@ -137,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     stats.add_argument("--socket", help="Unix socket path of the daemon")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.set_defaults(run=_stats)
+
+    kinds = sub.add_parser("kinds", help="list the kernel kinds the daemon serves, with each parameter's type, default and meaning")
+    kinds.add_argument("--socket", help="Unix socket path of the daemon (default: the default socket; without a daemon, the kinds installed here)")
+    kinds.add_argument("--kernel-module", action="append", default=[], metavar="MODULE[:ATTR]", help="with no daemon: also list these modules' kinds")
+    kinds.add_argument("--json", action="store_true", help="machine-readable output")
+    kinds.set_defaults(run=_kinds)
 
     demo = sub.add_parser("demo", help="start a daemon, ask it for a few kernels twice, run them, stop")
     demo.add_argument("--socket", help="Unix socket path (default: the daemon's default)")

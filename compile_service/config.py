@@ -8,9 +8,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from proto.paths import default_cache_dir, default_socket
+
+from .build import devices
 from .cpus import usable_cpus
-from .keys import NVCC, NVRTC
-from .paths import default_cache_dir, default_socket
 
 
 @dataclass(frozen=True)
@@ -22,14 +23,21 @@ class ServiceConfig:
     grace: float = 30.0  # seconds SIGTERM waits for running compiles
     queue_limit: int = 4096  # compiles queued or running before RESOURCE_EXHAUSTED
     warm_up: bool = True  # start every compile worker at launch
-    kernel_modules: tuple[str, ...] = ()  # extra modules that register kernel kinds
+    kernel_modules: tuple[str, ...] = ()  # extra modules (MODULE or MODULE:ATTR) that register kernel kinds
+    entry_points: bool = True  # load installed kinds (entry-point group kernel_service.kinds)
+    plugins: tuple[str, ...] | None = None  # only these installed kinds (None: all)
     failure_ttl: float = 60.0  # seconds a failed compile is answered from memory before a retry
     max_bytes: int | None = None  # cache budget in bytes (None: unbounded)
     max_entries: int | None = None  # cache budget in entries (None: unbounded)
     evict_min_age: float = 300.0  # never evict an entry handed out this many seconds ago or less
     mode: int = 0o700  # cache and socket directories: 0o700 owner only, 0o750 group may read
     tcp: str | None = None  # "host:port" to listen on besides the Unix socket (None: no TCP)
-    cuda_compiler: str = "nvcc"  # "nvrtc" or "nvcc": how CUDA device code is compiled (resolved from "auto")
+
+    @property
+    def plugin_args(self) -> dict:
+        """What the daemon and each compile worker load beyond the zoo (kernels.plugins.load)."""
+        return {"modules": self.kernel_modules, "entry_points": self.entry_points, "allow": self.plugins}
+    cuda_compiler: str = devices.NVCC  # "nvrtc" or "nvcc": how CUDA device code is compiled (resolved from "auto")
 
     @classmethod
     def resolve(
@@ -51,7 +59,7 @@ class ServiceConfig:
         if rest.get("tcp") is not None:
             rest["tcp"] = tcp_address(rest["tcp"], rest.pop("allow_remote", False))
         rest.pop("allow_remote", None)
-        rest["cuda_compiler"] = choose_cuda_compiler(rest.get("cuda_compiler"), env)
+        rest["cuda_compiler"] = devices.choose(rest.get("cuda_compiler"), env).name
         return cls(
             socket=Path(socket) if socket else default_socket(env),
             cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(env),
@@ -85,20 +93,3 @@ def tcp_address(text: str, allow_remote: bool = False) -> str:
     if not loopback and not allow_remote:
         raise ValueError(f"--tcp {text!r}: {host} is not a loopback address; the service has no authentication, pass --allow-remote to expose it anyway")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def choose_cuda_compiler(requested: str | None = None, env=os.environ) -> str:
-    """NVCC or NVRTC for "auto" | "nvrtc" | "nvcc" (None: $KERNEL_SERVICE_CUDA_COMPILER, else
-    auto); auto takes NVRTC wherever it can run. Raises ValueError when NVRTC is asked for by
-    name and cannot run here, saying why."""
-    from . import nvrtc
-
-    requested = requested or env.get("KERNEL_SERVICE_CUDA_COMPILER") or "auto"
-    if requested not in ("auto", NVRTC, NVCC):
-        raise ValueError(f"--cuda-compiler must be auto, nvrtc or nvcc, got {requested!r}")
-    if requested == NVCC:
-        return NVCC
-    reason = nvrtc.unavailable_reason()
-    if reason and requested == NVRTC:
-        raise ValueError(f"--cuda-compiler nvrtc: {reason}")
-    return NVCC if reason else NVRTC

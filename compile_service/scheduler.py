@@ -24,31 +24,27 @@ import itertools
 import json
 import logging
 import multiprocessing
+import os
 import queue
-import shutil
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from enum import IntEnum
 from pathlib import Path
 
 from kernels import get_kind
 from kernels.spec import CanonicalSpec
+from proto import abi
+from proto.wire import Outcome
 
-from . import compiler
-from .keys import NVCC, cache_key
-from .store import Entry, Store, StoreError
+from . import metrics as metrics_
+from .build import compiler, devices
+from .keys import cache_key
+from .store import Budget, Entry, Storage, StoreError
 
 log = logging.getLogger(__name__)
 
 URGENT, BACKGROUND = 0, 1
-
-
-class Outcome(IntEnum):  # values match the proto's Outcome enum
-    HIT = 1
-    COMPILED = 2
-    JOINED = 3
 
 
 class ShuttingDown(Exception):
@@ -57,25 +53,6 @@ class ShuttingDown(Exception):
 
 class QueueFull(Exception):
     """More compiles are waiting than the queue allows."""
-
-
-@dataclass
-class Counters:
-    compiles: int = 0
-    hits: int = 0
-    misses: int = 0
-    failures: int = 0
-    failures_cached: int = 0  # requests answered with a remembered compile failure
-    joined: int = 0
-    derived: int = 0  # entries published as a copy of a shared build (no compile of their own)
-    compile_seconds: float = 0.0
-    device_compile_seconds: float = 0.0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **deltas) -> None:
-        with self.lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
 
 
 @dataclass(order=True)
@@ -87,36 +64,44 @@ class _Job:
     future: cf.Future = field(compare=False)
 
 
-@dataclass(frozen=True)
-class Budget:
-    """How big the cache may grow; None means unbounded."""
+def process_pool(workers: int, initargs: tuple) -> cf.Executor:
+    """The daemon's pool: worker processes, each importing TileLang once. Spawned, not forked:
+    the daemon runs gRPC threads, which fork does not survive."""
+    return cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=compiler.worker_init, initargs=initargs)
 
-    max_bytes: int | None = None
-    max_entries: int | None = None
-    min_age: float = 300.0  # never evict an entry handed out this recently (seconds)
+
+def in_process_pool(workers: int, initargs: tuple) -> cf.Executor:
+    """Compiles in this process (the no-daemon fallback): no process to spawn from an agent."""
+    return cf.ThreadPoolExecutor(1, thread_name_prefix="compile", initializer=compiler.worker_init, initargs=initargs)
 
 
 class Scheduler:
     def __init__(
         self,
-        store: Store,
+        store: Storage,
         workers: int,
         queue_limit: int = 4096,
-        kernel_modules: tuple[str, ...] = (),
+        plugins: dict | None = None,
         failure_ttl: float = 60.0,
         budget: Budget = Budget(),
-        cuda_compiler: str = NVCC,
+        device: devices.DeviceCompiler = devices.get(devices.NVCC),
         warm_target: str | None = None,
+        metrics: metrics_.Metrics | None = None,
+        pool=process_pool,
     ):
+        """`plugins`: what each worker loads beyond the zoo (kernels.plugins.load's arguments);
+        `device`: the CUDA device compiler; `warm_target`: the CUDA arch whose NVRTC headers
+        each worker parses at start; `pool(workers, initargs)`: the executor compiles run on."""
         self.store = store
         self.workers = workers
         self.queue_limit = queue_limit
-        self.kernel_modules = kernel_modules
+        self.plugins = plugins or {}
         self.failure_ttl = failure_ttl
         self.budget = budget
-        self.cuda_compiler = cuda_compiler
-        self.warm_target = warm_target  # CUDA arch whose NVRTC headers each worker parses at start
-        self.counters = Counters()
+        self.device = device
+        self.warm_target = warm_target
+        self.metrics = metrics or metrics_.Metrics()
+        self._pool_factory = pool
         self._lock = threading.Lock()  # guards _inflight, _failed, _closing and the pool handle
         self._inflight: dict[str, cf.Future] = {}
         self._failed: dict[str, tuple[float, float, compiler.CompileFailed]] = {}  # key -> (expiry, when, error)
@@ -129,14 +114,9 @@ class Scheduler:
         for t in self._drivers:
             t.start()
 
-    def _new_pool(self) -> cf.ProcessPoolExecutor:
-        # spawn, not fork: the daemon runs gRPC threads, which fork does not survive.
-        return cf.ProcessPoolExecutor(
-            self.workers,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=compiler.worker_init,
-            initargs=(self.kernel_modules, str(self.store.root), self.cuda_compiler, self.warm_target, logging.getLogger().getEffectiveLevel()),
-        )
+    def _new_pool(self) -> cf.Executor:
+        initargs = (self.plugins, str(self.store.root), self.device.name, self.warm_target, logging.getLogger().getEffectiveLevel())
+        return self._pool_factory(self.workers, initargs)
 
     def warm_up(self) -> None:
         """Starts every worker now, not on the first cold request: each pays TileLang's import
@@ -156,7 +136,7 @@ class Scheduler:
         Raises ShuttingDown or QueueFull. The future raises CompileFailed or StoreError.
         `counted`: False for the service's own requests (a shared build), kept out of the stats.
         """
-        tally = self.counters.add if counted else _ignore
+        tally = self.metrics.add if counted else metrics_.ignore
         if self._closing:
             raise ShuttingDown("the kernel service is shutting down")
         key, expect = self._key_of(spec)
@@ -208,6 +188,9 @@ class Scheduler:
         # Runs on the thread that finishes `base` (a driver), or here when it is already done.
         base.add_done_callback(lambda done: self._settle(key, spec, future, lambda staging: _derive(done.result(), spec, fixed, staging), derived=True))
 
+    def key_of(self, spec: CanonicalSpec) -> str:
+        return self._key_of(spec)[0]
+
     def _key_of(self, spec: CanonicalSpec) -> tuple[str, dict]:
         """The key, and the spec the entry must record (a key collision or a planted entry is
         corrupt); remembered per spec, since hits repeat the same few."""
@@ -216,7 +199,7 @@ class Scheduler:
         if known is None:
             if len(self._keys) >= 4096:
                 self._keys.clear()
-            known = self._keys[text] = (cache_key(spec, self.cuda_compiler), json.loads(text))
+            known = self._keys[text] = (cache_key(spec, self.device.id), json.loads(text))
         return known
 
     # ----- the drivers
@@ -247,11 +230,11 @@ class Scheduler:
                 raise ShuttingDown("the kernel service shut down before this kernel was compiled")
             staging = self.store.new_staging(key)
             library, meta = produce(staging)
-            outcome: Entry | BaseException = self.store.publish(key, staging, library, meta)
+            outcome: Entry | BaseException = self.store.put(key, staging, library, meta)
             if derived:
-                self.counters.add(derived=1)
+                self.metrics.add(derived=1)
             else:
-                self.counters.add(compiles=1, compile_seconds=meta["compile_seconds"], device_compile_seconds=meta["phases"]["device"])
+                self.metrics.add(compiles=1, compile_seconds=meta["compile_seconds"], device_compile_seconds=meta["phases"]["device"])
             self.enforce_budget(protect=key)
         except BrokenProcessPool:
             if self._closing:
@@ -269,7 +252,7 @@ class Scheduler:
                 self.store.discard_staging(staging)
         if isinstance(outcome, BaseException) and not isinstance(outcome, ShuttingDown):
             if not derived:
-                self.counters.add(failures=1)
+                self.metrics.add(failures=1)
             log.warning("compile of %s failed: %s", spec.to_json(), str(outcome)[:500])
         # Leave the in-flight table before answering: a later request then finds the entry on
         # disk, or the remembered failure (a cache write error is not remembered: it may clear).
@@ -286,9 +269,8 @@ class Scheduler:
 
     def enforce_budget(self, protect: str | None = None) -> None:
         """Evicts down to the budget (after each publish, and once at start-up)."""
-        b = self.budget
         try:
-            self.store.evict(b.max_bytes, b.max_entries, b.min_age, protect)
+            self.store.evict(self.budget, protect)
         except OSError as exc:  # the budget is housekeeping: it never fails a request
             log.warning("eviction pass failed: %s", exc)
 
@@ -325,27 +307,24 @@ class Scheduler:
 
 def _derive(base: Entry, spec: CanonicalSpec, fixed: dict, staging: Path) -> tuple[str, dict]:
     """An entry for `spec` made of `base`'s files: the same library, with the dims `spec` fixes
-    recorded in the ABI for the loader to enforce."""
+    recorded in the ABI for the loader to enforce. The files are hard links to `base`'s: the
+    store keeps their bytes once (store.blobs)."""
     start = time.perf_counter()
     try:
-        for name in (base.library, *compiler.SOURCES):
+        for name in (base.library, *abi.SOURCES):
             if (base.path / name).is_file():
-                shutil.copyfile(base.path / name, staging / name)
+                os.link(base.path / name, staging / name)
     except OSError as exc:  # a full disk, or the shared build evicted under a zero min-age budget
         raise StoreError(exc.errno, f"cannot copy the shared build {base.key[:16]} into {staging}: {exc.strerror or exc}") from exc
     meta = {
         **{k: v for k, v in base.meta.items() if k not in ("phases", "device_compiled")},
         "spec": json.loads(spec.to_json()),
-        "abi": {**base.abi, "fixed": fixed},
+        "abi": abi.with_fixed(base.abi, fixed),
         "shared_build": {"key": base.key, "spec": base.meta["spec"], "compile_seconds": base.meta["compile_seconds"]},
         "created": time.time(),
     }
     meta["compile_seconds"] = round(time.perf_counter() - start, 4)
     return base.library, meta
-
-
-def _ignore(**deltas) -> None:
-    pass
 
 
 def _done(entry: Entry) -> cf.Future:

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -26,22 +27,25 @@ from filelock import FileLock, Timeout
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import kernels
+from kernels import plugins
+from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+from proto.paths import socket_address
 
-from . import inductor
-from .compiler import load_kernel_modules
+from . import __version__, inductor
+from .build import devices
+from .build.compiler import DEVICE_BINARIES
 from .config import ServiceConfig
 from .cpus import usable_cpus
-from .keys import NVRTC
-from .paths import socket_address
-from .scheduler import Budget, Scheduler
+from .keys import describe_toolchain
+from .metrics import Metrics
+from .scheduler import Scheduler
 from .servicer import KernelServicer
-from .store import Store
+from .store import Budget, LocalStore
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kernelservice.v1.KernelService"
-MAX_MESSAGE = 16 << 20
 
 
 class AlreadyRunning(RuntimeError):
@@ -98,7 +102,7 @@ def _yield_to_compiles() -> None:
 def _warm_target(cfg: ServiceConfig) -> str | None:
     """The CUDA arch whose headers NVRTC workers parse at start: the default target's, when
     that is CUDA (a GPU host, or a daemon told to build for one). CPU-only hosts skip it."""
-    if cfg.cuda_compiler != NVRTC or not cfg.warm_up:
+    if cfg.cuda_compiler != devices.NVRTC or not cfg.warm_up:
         return None
     try:
         target = kernels.parse_target(cfg.target)
@@ -129,14 +133,24 @@ class Daemon:
             log.info("removing stale socket %s left by a daemon that is gone", cfg.socket)
             cfg.socket.unlink()
 
-        load_kernel_modules(cfg.kernel_modules)
-        store = Store(cfg.cache_dir, cfg.mode)
+        plugins.load(**cfg.plugin_args)
+        device = devices.get(cfg.cuda_compiler)
+        self.metrics = Metrics()
+        store = LocalStore(cfg.cache_dir, cfg.mode, metrics=self.metrics, extra_usage=(cfg.cache_dir / DEVICE_BINARIES,))
         swept = store.clean_staging()
         if swept:
             log.info("removed %d staging directories left by dead writers", swept)
         budget = Budget(cfg.max_bytes, cfg.max_entries, cfg.evict_min_age)
         self.scheduler = Scheduler(
-            store, cfg.workers, cfg.queue_limit, cfg.kernel_modules, cfg.failure_ttl, budget, cfg.cuda_compiler, _warm_target(cfg)
+            store,
+            cfg.workers,
+            cfg.queue_limit,
+            cfg.plugin_args,
+            cfg.failure_ttl,
+            budget,
+            device,
+            _warm_target(cfg),
+            self.metrics,
         )
         self.scheduler.enforce_budget()  # the budget may have shrunk since the last run
         if cfg.warm_up:
@@ -148,14 +162,27 @@ class Daemon:
         address = socket_address(cfg.socket)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max(64, 8 * cfg.workers), thread_name_prefix="rpc", initializer=_yield_to_compiles),
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", MAX_MESSAGE),
-                ("grpc.max_send_message_length", MAX_MESSAGE),
-            ],
+            options=[("grpc.so_reuseport", 0), *wire.channel_options()],
         )
         listening = f"{address} tcp:{cfg.tcp}" if cfg.tcp else address
-        self.servicer = KernelServicer(self.scheduler, cfg.target, usable_cpus(), listening, inductor.ensure(cfg.cache_dir))
+        inductor_dir = inductor.ensure(cfg.cache_dir)
+        started = time.time()
+        self.metrics.probes(
+            in_flight=lambda: self.scheduler.in_flight,
+            workers=lambda: cfg.workers,
+            cpu_quota=usable_cpus,
+            cache_dir=lambda: str(cfg.cache_dir),
+            address=lambda: listening,
+            uptime_seconds=lambda: time.time() - started,
+            version=lambda: __version__,
+            toolchain=lambda: describe_toolchain(device.id),
+            cuda_compiler=lambda: device.id,
+            inductor_dir=lambda: str(inductor_dir),
+        )
+        self.metrics.probe(("entries", "bytes"), store.usage)
+        self.metrics.probe(("inductor_entries", "inductor_bytes"), lambda: inductor.usage(inductor_dir))
+        info = {"cache_dir": str(cfg.cache_dir), "inductor_dir": str(inductor_dir), "default_target": cfg.target}
+        self.servicer = KernelServicer(self.scheduler, self.metrics, info)
         pb_grpc.add_KernelServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(address)

@@ -4,57 +4,26 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import threading
-import time
-from pathlib import Path
 
 import grpc
 
 import kernels
 from kernels.spec import InvalidSpec
+from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+from proto.wire import Outcome, Status
 
-from . import __version__, inductor
-from .compiler import CompileFailed
-from .keys import cuda_compiler_id, describe_toolchain
-from .scheduler import BACKGROUND, URGENT, Outcome, QueueFull, Scheduler, ShuttingDown
+from . import __version__
+from .build.compiler import CompileFailed
+from .keys import describe_toolchain
+from .metrics import Metrics
+from .scheduler import BACKGROUND, URGENT, QueueFull, Scheduler, ShuttingDown
 from .store import Entry, StoreError
 
 log = logging.getLogger(__name__)
 
-MAX_ERROR_TEXT = 12_000
-MAX_BATCH = 4096
-# Far above any real signature, far below what could cost memory or time: checked
-# before anything else, so hostile input never reaches validation messages or keys.
-MAX_PARAMS = 64
-MAX_NAME = 64  # kind, target and parameter names
-MAX_STRING = 256  # string parameter values
 VALID_MEMO = 4096  # validated specs remembered (a plain dict, cleared when full)
-
-
-def _short(text: str) -> str:
-    return text if len(text) <= 40 else f"{text[:40]!r}... ({len(text)} characters)"
-
-
-def spec_from_proto(spec: pb.KernelSpec, default_target: str) -> kernels.CanonicalSpec:
-    if len(spec.kind) > MAX_NAME:
-        raise InvalidSpec("kind", f"at most {MAX_NAME} characters, got {_short(spec.kind)}")
-    if len(spec.target) > MAX_NAME:
-        raise InvalidSpec("target", f"at most {MAX_NAME} characters, got {_short(spec.target)}")
-    if len(spec.params) > MAX_PARAMS:
-        raise InvalidSpec("params", f"at most {MAX_PARAMS} parameters, got {len(spec.params)}")
-    params = {}
-    for name, value in spec.params.items():
-        if len(name) > MAX_NAME:
-            raise InvalidSpec("params", f"parameter names have at most {MAX_NAME} characters, got {_short(name)}")
-        which = value.WhichOneof("value")
-        if which == "string_value" and len(value.string_value) > MAX_STRING:
-            raise InvalidSpec(name, f"string values have at most {MAX_STRING} characters, got {len(value.string_value)}")
-        if which is None:
-            raise InvalidSpec(name, "parameter sent with no value")
-        params[name] = None if which == "null_value" else getattr(value, which)
-    return kernels.canonicalize(spec.kind, params, spec.target or default_target)
 
 
 def response(entry: Entry, outcome: Outcome) -> pb.GetKernelResponse:
@@ -70,63 +39,53 @@ def response(entry: Entry, outcome: Outcome) -> pb.GetKernelResponse:
     return pb.GetKernelResponse(
         artifact=artifact,
         cached_result=outcome == Outcome.HIT,
-        outcome=int(outcome),
+        outcome=outcome.value,
         compile_seconds=float(entry.meta.get("compile_seconds", 0.0)),
     )
 
 
-def _clip(text: str) -> str:
-    if len(text) <= MAX_ERROR_TEXT:
-        return text
-    half = MAX_ERROR_TEXT // 2
-    return f"{text[:half]}\n... [{len(text) - MAX_ERROR_TEXT} characters cut] ...\n{text[-half:]}"
-
-
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status a domain error maps to (see the proto's Errors lists)."""
+    """The gRPC status a domain error maps to (proto.wire.Status; the proto's Errors lists)."""
     if isinstance(exc, InvalidSpec):
-        return grpc.StatusCode.INVALID_ARGUMENT, _clip(str(exc))
+        return Status.INVALID_SPEC, wire.clip(wire.invalid_spec_details(exc))
     if isinstance(exc, CompileFailed):
-        return grpc.StatusCode.FAILED_PRECONDITION, _clip(str(exc))
+        return Status.COMPILE_FAILED, wire.clip(str(exc))
     if isinstance(exc, QueueFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        return Status.BUSY, str(exc)
     if isinstance(exc, ShuttingDown):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
+        return Status.UNAVAILABLE, str(exc)
     if isinstance(exc, StoreError):
-        return grpc.StatusCode.INTERNAL, f"kernel cache write failed: {exc.strerror or exc}"  # e.g. "No space left on device"
+        return Status.CACHE_FAILED, f"kernel cache write failed: {exc.strerror or exc}"  # e.g. "No space left on device"
     if isinstance(exc, cf.TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while the kernel was compiling; it keeps compiling"
+        return Status.DEADLINE, "deadline passed while the kernel was compiling; it keeps compiling"
     log.exception("unexpected error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"unexpected {type(exc).__name__}: {exc}"
 
 
 class KernelServicer(pb_grpc.KernelServiceServicer):
-    def __init__(self, scheduler: Scheduler, default_target: str, cpu_quota: int, address: str, inductor_dir: Path):
+    def __init__(self, scheduler: Scheduler, metrics: Metrics, info: dict):
+        """`info`: the ServiceInfo fields (cache_dir, inductor_dir, default_target, ...)."""
         self.scheduler = scheduler
-        self.inductor_dir = inductor_dir
-        self.default_target = default_target
-        self.cpu_quota = cpu_quota
-        self.address = address
-        self.started = time.time()
-        self.invalid = 0
-        self._invalid_lock = threading.Lock()
+        self.metrics = metrics
+        self.default_target = info["default_target"]
+        self.info = pb.ServiceInfo(**info, version=__version__, toolchain=describe_toolchain(scheduler.device.id), cuda_compiler=scheduler.device.id)
         self._valid: dict[bytes, kernels.CanonicalSpec] = {}
 
     def _validate(self, spec: pb.KernelSpec) -> kernels.CanonicalSpec:
         # Hits repeat the same few specs: remember the valid ones by their wire bytes.
-        wire = spec.SerializeToString(deterministic=True)
-        canonical = self._valid.get(wire)
+        wire_bytes = spec.SerializeToString(deterministic=True)
+        canonical = self._valid.get(wire_bytes)
         if canonical is not None:
             return canonical
         try:
-            canonical = spec_from_proto(spec, self.default_target)
+            kind, params, target = wire.spec_from_proto(spec)
+            canonical = kernels.canonicalize(kind, params, target or self.default_target)
         except InvalidSpec:
-            with self._invalid_lock:
-                self.invalid += 1
+            self.metrics.add(invalid=1)
             raise
         if len(self._valid) >= VALID_MEMO:
             self._valid.clear()
-        self._valid[wire] = canonical
+        self._valid[wire_bytes] = canonical
         return canonical
 
     def GetKernel(self, request, context):
@@ -139,8 +98,8 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
             context.abort(*status_of(exc))
 
     def Prefetch(self, request, context):
-        if len(request.specs) > MAX_BATCH:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"specs: at most {MAX_BATCH} per Prefetch, got {len(request.specs)}")
+        if len(request.specs) > wire.MAX_BATCH:
+            context.abort(Status.INVALID_SPEC, f"specs: at most {wire.MAX_BATCH} per Prefetch, got {len(request.specs)}")
         try:
             specs = []
             for i, raw in enumerate(request.specs):
@@ -171,45 +130,10 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
             context.abort(*status_of(exc))
 
     def GetStats(self, request, context):
-        c = self.scheduler.counters
-        entries, size = self.scheduler.store.totals()
-        inductor_entries, inductor_bytes = inductor.usage(self.inductor_dir)
-        with c.lock:
-            return pb.Stats(
-                compiles=c.compiles,
-                hits=c.hits,
-                misses=c.misses,
-                failures=c.failures,
-                failures_cached=c.failures_cached,
-                joined=c.joined,
-                derived=c.derived,
-                compile_seconds=c.compile_seconds,
-                in_flight=self.scheduler.in_flight,
-                workers=self.scheduler.workers,
-                entries=entries,
-                bytes=size,
-                corrupt=self.scheduler.store.corrupt_found,
-                evictions=self.scheduler.store.evicted,
-                invalid=self.invalid,
-                cpu_quota=self.cpu_quota,
-                cache_dir=str(self.scheduler.store.root),
-                address=self.address,
-                uptime_seconds=time.time() - self.started,
-                version=__version__,
-                toolchain=describe_toolchain(self.scheduler.cuda_compiler),
-                cuda_compiler=cuda_compiler_id(self.scheduler.cuda_compiler),
-                device_compile_seconds=c.device_compile_seconds,
-                inductor_dir=str(self.inductor_dir),
-                inductor_entries=inductor_entries,
-                inductor_bytes=inductor_bytes,
-            )
+        return pb.Stats(**self.metrics.read())
 
     def GetServiceInfo(self, request, context):
-        return pb.ServiceInfo(
-            cache_dir=str(self.scheduler.store.root),
-            inductor_dir=str(self.inductor_dir),
-            version=__version__,
-            toolchain=describe_toolchain(self.scheduler.cuda_compiler),
-            default_target=self.default_target,
-            cuda_compiler=cuda_compiler_id(self.scheduler.cuda_compiler),
-        )
+        return self.info
+
+    def ListKinds(self, request, context):
+        return pb.ListKindsResponse(kinds=[wire.kind_to_proto(kind.describe(), kernels.origin(name)) for name, kind in sorted(kernels.kinds().items())])

@@ -1,10 +1,14 @@
 """The kernel zoo: kinds by name, each a validated signature -> TileLang PrimFunc.
 
-Importing this package is cheap: kinds import TileLang only when they build.
+A kind is self-contained in its module: parameter schema, CPU and CUDA builders,
+torch reference and input maker. Kinds from outside come in through
+kernels.plugins (entry points, `--kernel-module`) and kernels.jit (`@tilelang.jit`
+factories). Importing this package is cheap: kinds import TileLang only when
+they build.
 """
 
 from . import attention, gemm, rmsnorm, softmax, swiglu  # noqa: F401  (registers the kinds)
-from .registry import canonicalize, get_kind, kinds, source_digest
+from .registry import canonicalize, get_kind, kinds, origin, register, source_digest
 from .spec import CanonicalSpec, InvalidSpec, KernelKind, Param, Target, parse_target
 
 __all__ = [
@@ -16,6 +20,8 @@ __all__ = [
     "canonicalize",
     "get_kind",
     "kinds",
+    "origin",
     "parse_target",
+    "register",
     "source_digest",
 ]

@@ -227,3 +227,16 @@ class Attention(KernelKind):
                 T.copy(O_s, O[b, bx * bm : (bx + 1) * bm, h, :])
 
         return main
+
+    def inputs(self, p, randn, size):
+        b, s = size("batch"), size("seq_len")
+        q = randn(b, s, p["heads"], p["head_dim"])
+        return [q, randn(b, s, p["kv_heads"], p["head_dim"]), randn(b, s, p["kv_heads"], p["head_dim"])]
+
+    def reference(self, p, x):
+        import torch.nn.functional as F
+
+        q, k, v = (t.transpose(1, 2) for t in x)  # -> [batch, heads, seq, dim]
+        groups = p["heads"] // p["kv_heads"]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=p["causal"]).transpose(1, 2)

@@ -180,3 +180,19 @@ class Gemm(KernelKind):
             def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor((M, N), dtype)):
                 body(A, B, None, C)
         return main
+
+    def inputs(self, p, randn, size):
+        scale = 1 / math.sqrt(p["K"])  # keeps 16-bit outputs well inside range
+        b_shape = (p["N"], p["K"]) if p["trans_b"] else (p["K"], p["N"])
+        ins = [randn(size("M"), p["K"]), randn(*b_shape, scale=scale)]
+        return ins + [randn(p["N"])] if p.get("bias") else ins
+
+    def reference(self, p, x):
+        import torch.nn.functional as F
+
+        a, b = x[0], x[1]
+        out = a @ (b.T if p["trans_b"] else b)
+        if p.get("bias"):
+            out = out + x[2]
+        act = p.get("act", "none")
+        return {"none": lambda t: t, "relu": F.relu, "silu": F.silu, "gelu": lambda t: F.gelu(t, approximate="none")}[act](out)

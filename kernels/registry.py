@@ -1,21 +1,30 @@
-"""The table of kernel kinds, and the one entry point that validates a request."""
+"""The table of kernel kinds, the one entry point that validates a request, and each
+kind's source digest (part of its keys)."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
-import inspect
+import importlib.util
+import sys
 from pathlib import Path
 
 from .spec import CanonicalSpec, InvalidSpec, KernelKind, parse_target
 
 _KINDS: dict[str, KernelKind] = {}
+_ORIGINS: dict[str, str] = {}  # kind -> where it came from: "zoo", "entry point NAME (dist)", "module M"
 
 
-def register(cls: type[KernelKind]) -> type[KernelKind]:
-    """Class decorator: adds a kind to the registry under its `name`."""
-    if cls.name in _KINDS:
-        raise RuntimeError(f"kernel kind {cls.name!r} registered twice")
-    _KINDS[cls.name] = cls()
+def register(cls: type[KernelKind] | KernelKind, origin: str | None = None):
+    """Adds a kind (a KernelKind subclass, as a class decorator, or an instance) under its `name`."""
+    kind = cls() if isinstance(cls, type) else cls
+    if kind.name in _KINDS:
+        if type(_KINDS[kind.name]) is type(kind) and kind.source_files() == _KINDS[kind.name].source_files():
+            return cls  # the same kind reached twice (a module imported under two routes)
+        raise RuntimeError(f"kernel kind {kind.name!r} registered twice ({_ORIGINS[kind.name]}, then {origin or type(kind).__module__})")
+    _KINDS[kind.name] = kind
+    _ORIGINS[kind.name] = origin or ("zoo" if type(kind).__module__.startswith("kernels.") else f"module {type(kind).__module__}")
     return cls
 
 
@@ -29,6 +38,10 @@ def kinds() -> dict[str, KernelKind]:
     return dict(_KINDS)
 
 
+def origin(name: str) -> str:
+    return _ORIGINS.get(name, "unknown")
+
+
 def canonicalize(kind: str, params: dict, target: str | None = None) -> CanonicalSpec:
     """Validates a request and fills in defaults; raises InvalidSpec naming the bad field."""
     if not isinstance(params, dict):
@@ -36,13 +49,68 @@ def canonicalize(kind: str, params: dict, target: str | None = None) -> Canonica
     return get_kind(kind).canonicalize(params, parse_target(target))
 
 
-def source_digest() -> str:
-    """sha256 over the source of this package and of every module that registered a kind
-    (kinds loaded from outside, e.g. `kernel-service serve --kernel-module`): a code
-    change invalidates every key."""
-    files = set(Path(__file__).parent.rglob("*.py"))
-    files.update(Path(inspect.getsourcefile(type(kind))) for kind in _KINDS.values())
+# ----- source digests: a kind's keys change when its source, or what it imports, changes
+
+
+def _module_file(name: str) -> str | None:
+    """The source file of an imported module (a kind's imports are imported by the time it
+    registers); None for names that are not modules (`from .spec import dim`)."""
+    path = getattr(sys.modules.get(name), "__file__", None)
+    return path if path and path.endswith(".py") else None
+
+
+def _local_imports(path: str, package: str) -> set[str]:
+    """Modules `path` imports from its own top-level package or from `kernels` (the framework),
+    read off its source: relative imports, `from kernels.x import`, `import kernels.x`."""
+    tree = ast.parse(Path(path).read_text(), path)
+    module_pkg = package
+    found = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), module_pkg) if node.level else node.module
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            top = name.split(".")[0]
+            if top in (package.split(".")[0], "kernels") and name not in ("kernels", package.split(".")[0]) and _module_file(name):
+                found.add(name)
+    return found
+
+
+@functools.cache
+def _digest_of_files(files: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
-    for path in sorted(files):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in files:
+        digest.update(Path(path).name.encode() + b"\0" + Path(path).read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def dependency_files(kind: KernelKind) -> tuple[str, ...]:
+    """The kind's own source files and, transitively, the modules they import from their own
+    package or from `kernels` (package __init__ files, which only list kinds, excluded)."""
+    seen: set[str] = set()
+    todo = [(f, _package_of(f)) for f in kind.source_files()]
+    while todo:
+        path, package = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in _local_imports(path, package):
+            dep = _module_file(name)
+            if dep and not dep.endswith("__init__.py"):
+                todo.append((dep, name.rpartition(".")[0]))
+    return tuple(sorted(seen))
+
+
+def _package_of(path: str) -> str:
+    for name, module in list(sys.modules.items()):
+        if getattr(module, "__file__", None) == path:
+            return name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    return ""
+
+
+def source_digest(kind: str) -> str:
+    """sha256 over the source that shapes `kind`'s kernels: editing one kind changes only its keys."""
+    return _digest_of_files(dependency_files(get_kind(kind)))

@@ -70,3 +70,11 @@ class RMSNorm(KernelKind):
                 T.copy(x, Y[bx, 0:NP])
 
         return main
+
+    def inputs(self, p, randn, size):
+        return [randn(size("M"), p["N"]), randn(p["N"])]
+
+    def reference(self, p, x):
+        import torch
+
+        return x[0] * torch.rsqrt(x[0].pow(2).mean(-1, keepdim=True) + p["eps"]) * x[1]

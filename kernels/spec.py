@@ -229,14 +229,35 @@ class KernelKind:
     def build_cuda(self, p: dict, target: Target):
         raise NotImplementedError
 
+    def inputs(self, p: dict, randn, size) -> list:
+        """Random inputs for canonical params `p`, in signature order (kernels.reference calls it):
+        `randn(*shape, scale=1.0)` makes a tensor of the spec's dtype, `size(name)` resolves a
+        dim that `p` leaves to run time."""
+        raise NotImplementedError(f"kind {self.name!r} has no input maker")
+
+    def reference(self, p: dict, x: list):
+        """The expected output (of a single-output kind) from fp32 inputs `x`, in fp32."""
+        raise NotImplementedError(f"kind {self.name!r} has no torch reference")
+
+    def source_files(self) -> list[str]:
+        """The files whose source shapes this kind's kernels (kernels.registry.source_digest)."""
+        import inspect
+
+        return [inspect.getsourcefile(type(self))]
+
     def describe(self) -> dict:
+        """The kind's schema as plain data: what ListKinds sends and `kernel-service kinds` prints."""
         return {"name": self.name, "doc": self.doc, "params": [field_doc(p) for p in self.params]}
 
 
 def field_doc(p: Param) -> dict:
-    out = {"name": p.name, "type": p.type.__name__, "doc": p.doc}
+    out = {"name": p.name, "type": p.type.__name__, "doc": p.doc, "required": p.default is REQUIRED, "nullable": p.nullable}
     if p.default is not REQUIRED:
         out["default"] = p.default
     if p.choices:
         out["choices"] = list(p.choices)
+    if p.min is not None:
+        out["min"] = p.min
+    if p.max is not None:
+        out["max"] = p.max
     return out

@@ -75,3 +75,11 @@ class SwiGLU(KernelKind):
                 T.copy(g, Y[by * bm, bx * bn])
 
         return main
+
+    def inputs(self, p, randn, size):
+        return [randn(size("M"), p["N"]), randn(size("M"), p["N"])]
+
+    def reference(self, p, x):
+        import torch.nn.functional as F
+
+        return F.silu(x[0]) * x[1]

@@ -1,1 +1,9 @@
-"""The wire contract (kernelservice.v1) and its generated Python stubs."""
+"""The contract between the daemon and its clients; both import it, neither imports the other.
+
+    kernelservice/v1/   the wire format (.proto and its generated stubs): the API reference
+    wire.py             specs <-> proto, request limits, outcomes, status codes
+    abi.py              the call ABI and the entry metadata a published kernel carries
+    paths.py            where the daemon listens and keeps its cache by default
+
+Light to import: no TileLang, no torch.
+"""

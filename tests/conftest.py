@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from compile_service.launch import DaemonProcess
+from compile_service.tools.launch import DaemonProcess
 
 
 @pytest.fixture

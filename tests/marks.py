@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from compile_service import nvrtc
+from compile_service.build import nvrtc
 
 
 def _gpu() -> bool:

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from compile_service import nvrtc
-from compile_service.config import choose_cuda_compiler
-from compile_service.keys import NVCC, NVRTC
+from compile_service.build import nvrtc
+from compile_service.build.devices import NVCC, NVRTC, choose
 from tests.marks import needs_gpu, needs_nvcc, needs_nvrtc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,15 +82,15 @@ def test_workers_meeting_the_same_device_code_compile_it_once(make_daemon):
 
 
 def test_choosing_a_compiler(monkeypatch):
-    assert choose_cuda_compiler("nvcc") == NVCC
-    assert choose_cuda_compiler("auto") == (NVRTC if nvrtc.unavailable_reason() is None else NVCC)
-    assert choose_cuda_compiler(None, {"KERNEL_SERVICE_CUDA_COMPILER": "nvcc"}) == NVCC  # the flag's absence defers to the environment
+    assert choose("nvcc").name == NVCC
+    assert choose("auto").name == (NVRTC if nvrtc.unavailable_reason() is None else NVCC)
+    assert choose(None, {"KERNEL_SERVICE_CUDA_COMPILER": "nvcc"}).name == NVCC  # the flag's absence defers to the environment
     with pytest.raises(ValueError, match="auto, nvrtc or nvcc"):
-        choose_cuda_compiler("clang")
+        choose("clang").name
     monkeypatch.setattr(nvrtc, "unavailable_reason", lambda: "NVRTC is not installed")
-    assert choose_cuda_compiler("auto") == NVCC
+    assert choose("auto").name == NVCC
     with pytest.raises(ValueError, match="--cuda-compiler nvrtc: NVRTC is not installed"):
-        choose_cuda_compiler("nvrtc")
+        choose("nvrtc").name
 
 
 @pytest.mark.parametrize("headers", [None, 12040])

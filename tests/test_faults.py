@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import client
-from compile_service.store import MANIFEST, Store
+from compile_service.store import LocalStore as Store
+from proto.abi import MANIFEST
 from kernels.reference import make_inputs, reference, tolerance
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
@@ -101,7 +102,7 @@ def _rewrite_manifest(entry: Path, change) -> None:
 
 def _garbage_abi(entry: Path) -> None:
     """A well-formed, self-consistent entry whose abi is nonsense."""
-    from compile_service.store import sha256_file
+    from compile_service.fsutil import sha256_file
 
     meta = json.loads((entry / "entry.json").read_text())
     meta["abi"] = {"loader": "c", "params": "all of them"}

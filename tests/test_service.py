@@ -211,12 +211,13 @@ def test_sigterm_during_compiles_leaves_no_partial_entry(make_daemon):
     runner.communicate(timeout=60)
     assert list(d.cache_dir.joinpath("staging").iterdir()) == []
     # Whatever was published is whole: a new daemon verifies every entry.
-    from compile_service.store import Store
+    from compile_service.metrics import Metrics
+    from compile_service.store import LocalStore
 
-    store = Store(d.cache_dir)
+    store = LocalStore(d.cache_dir, metrics=Metrics())
     keys = store.keys()
     assert len(keys) < len(specs)
-    assert all(store.lookup(k) is not None for k in keys) and store.corrupt_found == 0
+    assert all(store.lookup(k) is not None for k in keys) and store.metrics.counters()["corrupt"] == 0
 
 
 def test_second_daemon_is_refused_and_stale_socket_is_replaced(make_daemon):

@@ -18,21 +18,31 @@ import pytest
 from client.errors import CorruptArtifact
 from client.loader import read_verified
 from compile_service.config import parse_size, tcp_address
-from compile_service.store import Store, StoreError
+from compile_service.metrics import Metrics
+from compile_service.store import Budget, LocalStore, StoreError
+from compile_service.store.check import verify
 
 ROOT = Path(__file__).resolve().parent.parent
-ABI = {"loader": "c", "symbol": "call", "device": "cpu", "params": [], "outputs": [0], "dynamic": []}
+ABI = {"loader": "c", "symbol": "call", "device": "cpu", "params": [{"name": "Y", "dtype": "float32", "shape": [4]}], "outputs": [0], "dynamic": []}
 
 
-def put(store: Store, i: int, size: int = 1000) -> str:
+def Store(root, **options) -> LocalStore:
+    return LocalStore(root, metrics=Metrics(), **options)
+
+
+def counted(store: LocalStore, name: str) -> int:
+    return store.metrics.counters()[name]
+
+
+def put(store: LocalStore, i: int, size: int = 1000) -> str:
     key = f"{i:064x}"
     staging = store.new_staging(key)
     (staging / "kernel.so").write_bytes(os.urandom(size))
-    store.publish(key, staging, "kernel.so", {"spec": {"kind": "fake", "i": i}, "abi": ABI})
+    store.put(key, staging, "kernel.so", {"spec": {"kind": "fake", "i": i}, "abi": ABI})
     return key
 
 
-def age(store: Store, key: str, seconds_ago: float) -> None:
+def age(store: LocalStore, key: str, seconds_ago: float) -> None:
     """Pretend the entry was last handed out `seconds_ago` (on disk; a fresh Store reads that)."""
     t = time.time() - seconds_ago
     os.utime(store.entry_path(key), (t, t))
@@ -44,11 +54,11 @@ def test_an_abi_that_fixes_sizes_must_fix_them_to_ints(tmp_path):
         staging = store.new_staging(f"{i:064x}")
         (staging / "kernel.so").write_bytes(b"lib")
         with pytest.raises(StoreError, match="failed verification"):  # never published as servable
-            store.publish(f"{i:064x}", staging, "kernel.so", {"spec": {"i": i}, "abi": {**ABI, "fixed": fixed}})
+            store.put(f"{i:064x}", staging, "kernel.so", {"spec": {"i": i}, "abi": {**ABI, "fixed": fixed}})
         assert store.lookup(f"{i:064x}") is None
     staging = store.new_staging(f"{9:064x}")
     (staging / "kernel.so").write_bytes(b"lib")
-    assert store.publish(f"{9:064x}", staging, "kernel.so", {"spec": {}, "abi": {**ABI, "fixed": {"M": 256}}}).abi["fixed"] == {"M": 256}
+    assert store.put(f"{9:064x}", staging, "kernel.so", {"spec": {}, "abi": {**ABI, "fixed": {"M": 256}}}).abi["fixed"] == {"M": 256}
 
 
 def test_verify_reports_read_only_and_repairs_only_damage(tmp_path):
@@ -88,17 +98,17 @@ def test_evicts_least_recently_used_never_recent_ones(tmp_path):
         age(store, key, 1000 - n * 100)  # keys[0] oldest
     store = Store(store.root)  # a restarted daemon: only the mtimes say what was used when
     assert store.lookup(keys[0]) is not None  # a hit makes keys[0] the most recent
-    assert store.evict(None, 3, min_age=0) == 2
+    assert store.evict(Budget(None, 3, 0)) == 2
     assert sorted(store.keys()) == sorted([keys[0], keys[3], keys[4]])
-    assert store.evicted == 2 and not list(store.staging_dir.iterdir())  # renamed away, then deleted
+    assert counted(store, 'evictions') == 2 and not list(store.staging_dir.iterdir())  # renamed away, then deleted
 
     # Handed out within min_age: kept even over budget.
     assert store.lookup(keys[3]) and store.lookup(keys[4])
-    assert store.evict(None, 1, min_age=300) == 0 and len(store.keys()) == 3
+    assert store.evict(Budget(None, 1, 300)) == 0 and len(store.keys()) == 3
     # The byte budget: each entry is its library plus entry.json and manifest.
-    assert store.evict(parse_size("1K"), None, min_age=0, protect=keys[0]) == 2
+    assert store.evict(Budget(parse_size("1K"), None, 0), protect=keys[0]) == 2
     assert store.keys() == [keys[0]]
-    assert store.lookup(keys[3]) is None and store.corrupt_found == 0
+    assert store.lookup(keys[3]) is None and counted(store, 'corrupt') == 0
 
 
 def test_eviction_runs_alongside_hits_and_publishes(tmp_path):
@@ -120,15 +130,15 @@ def test_eviction_runs_alongside_hits_and_publishes(tmp_path):
         t.start()
     for i in range(20, 60):
         put(store, i)
-        store.evict(None, 10, min_age=0)
+        store.evict(Budget(None, 10, 0))
     stop.set()
     for t in readers:
         t.join()
-    assert errors == [] and store.corrupt_found == 0
+    assert errors == [] and counted(store, 'corrupt') == 0
     # An entry hit while a pass runs is spared by it (it was just handed out); once the hits
     # stop, one more pass brings the cache to its budget.
-    store.evict(None, 10, min_age=0)
-    assert len(store.keys()) == 10 and store.evicted == 50
+    store.evict(Budget(None, 10, 0))
+    assert len(store.keys()) == 10 and counted(store, 'evictions') == 50
 
 
 def test_owner_only_by_default_group_readable_when_asked(tmp_path):
@@ -170,7 +180,7 @@ def test_loader_refuses_symlinks_foreign_owners_and_writable_files(tmp_path):
     lib.symlink_to(real)
     with pytest.raises(CorruptArtifact, match="symlinks are refused"):
         read_verified(lib, *args)
-    assert store.lookup(entry.key) is None and store.corrupt_found == 1  # the daemon refuses it too
+    assert store.lookup(entry.key) is None and counted(store, 'corrupt') == 1  # the daemon refuses it too
 
 
 def test_nothing_read_back_is_unpickled():

@@ -187,3 +187,47 @@ class ServiceInfo(_message.Message):
     default_target: str
     cuda_compiler: str
     def __init__(self, cache_dir: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., default_target: _Optional[str] = ..., cuda_compiler: _Optional[str] = ...) -> None: ...
+
+class ListKindsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListKindsResponse(_message.Message):
+    __slots__ = ("kinds",)
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    kinds: _containers.RepeatedCompositeFieldContainer[KindInfo]
+    def __init__(self, kinds: _Optional[_Iterable[_Union[KindInfo, _Mapping]]] = ...) -> None: ...
+
+class KindInfo(_message.Message):
+    __slots__ = ("name", "doc", "params", "origin")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DOC_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    doc: str
+    params: _containers.RepeatedCompositeFieldContainer[ParamInfo]
+    origin: str
+    def __init__(self, name: _Optional[str] = ..., doc: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., origin: _Optional[str] = ...) -> None: ...
+
+class ParamInfo(_message.Message):
+    __slots__ = ("name", "type", "doc", "required", "default_json", "nullable", "choices_json", "min", "max")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    DOC_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    NULLABLE_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_JSON_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    type: str
+    doc: str
+    required: bool
+    default_json: str
+    nullable: bool
+    choices_json: str
+    min: float
+    max: float
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., doc: _Optional[str] = ..., required: _Optional[bool] = ..., default_json: _Optional[str] = ..., nullable: _Optional[bool] = ..., choices_json: _Optional[str] = ..., min: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...

@@ -57,6 +57,11 @@ class KernelServiceStub:
                 request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetServiceInfoRequest.SerializeToString,
                 response_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ServiceInfo.FromString,
                 _registered_method=True)
+        self.ListKinds = channel.unary_unary(
+                '/kernelservice.v1.KernelService/ListKinds',
+                request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ListKindsRequest.SerializeToString,
+                response_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ListKindsResponse.FromString,
+                _registered_method=True)
 
 
 class KernelServiceServicer:
@@ -125,6 +130,16 @@ class KernelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListKinds(self, request, context):
+        """The kernel kinds this daemon serves (the zoo and every plugin it was
+        configured to load) with their parameter schemas, sorted by name. An agent
+        can request a plugin's kernels without importing the plugin.
+        Errors: UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KernelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +162,11 @@ def add_KernelServiceServicer_to_server(servicer, server):
                     servicer.GetServiceInfo,
                     request_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetServiceInfoRequest.FromString,
                     response_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ServiceInfo.SerializeToString,
+            ),
+            'ListKinds': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListKinds,
+                    request_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ListKindsRequest.FromString,
+                    response_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ListKindsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +280,33 @@ class KernelService:
             '/kernelservice.v1.KernelService/GetServiceInfo',
             proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetServiceInfoRequest.SerializeToString,
             proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ServiceInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListKinds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kernelservice.v1.KernelService/ListKinds',
+            proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ListKindsRequest.SerializeToString,
+            proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ListKindsResponse.FromString,
             options,
             channel_credentials,
             insecure,

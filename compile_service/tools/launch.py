@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .paths import socket_address
+from proto.paths import socket_address
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: daemons run with it as cwd
 
 
 def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = None) -> None:

@@ -1,6 +1,6 @@
 """Default locations of the daemon's socket and cache root.
 
-Light to import: the client uses it to find the daemon.
+Part of the contract: the daemon listens and keeps its cache where clients look.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The compiler adapter: the one place that drives TileLang (nvrtc.py, which it
-installs as TileLang's CUDA device compiler, is the only other one touching it).
+"""The compiler adapter: the one place that drives TileLang (the device compilers in
+devices.py / nvrtc.py, which it installs behind TileLang's device-compile callback,
+are the only other code touching it).
 
 Runs inside compile worker processes (see scheduler): lowering holds the GIL
 between passes, so compiles in the daemon's own process would stall request
@@ -24,42 +25,38 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from . import nvrtc
-from .keys import NVCC, NVRTC, cuda_compiler_id, toolchain
+from proto import abi as call_abi_schema
+from proto.abi import LIBRARY, SOURCES
+
+from ..keys import toolchain
+from . import devices, nvrtc
 
 log = logging.getLogger(__name__)
-
-LIBRARY = "kernel.so"
-SOURCES = ("kernel.c", "kernel.cu")  # the generated source, CPU or CUDA, kept for humans
 
 
 class CompileFailed(Exception):
     """TileLang could not build the kernel; the message carries its output."""
 
 
-def load_kernel_modules(modules: tuple[str, ...]) -> None:
-    """Imports extra modules that register kernel kinds (before any key is computed)."""
-    import importlib
-
-    for name in modules:
-        importlib.import_module(name)
+DEVICE_BINARIES = "device-binaries"
 
 
-def device_binary_dir(cache_root: Path, cuda_compiler: str = NVCC) -> Path:
-    """Where device binaries live under our cache root, one directory per compiler release:
-    TileLang keys binaries by device source, arch and flags, but not by compiler."""
-    return Path(cache_root) / "device-binaries" / cuda_compiler_id(cuda_compiler)
+def device_binary_dir(cache_root: Path, cuda_compiler: str) -> Path:
+    """Where device binaries live under our cache root, one directory per compiler release
+    (`cuda_compiler` is its id, "nvrtc-13.0"): TileLang keys binaries by device source, arch
+    and flags, but not by compiler."""
+    return Path(cache_root) / DEVICE_BINARIES / cuda_compiler
 
 
 # This worker's device compiler: which one, the seconds its last call took (waiting for another
 # worker's compile of the same source included), and whether it compiled (NVRTC; None: not known).
-_device = {"compiler": NVCC, "seconds": 0.0, "compiled": None}
+_device = {"compiler": devices.get(devices.NVCC), "seconds": 0.0, "compiled": None}
 
 
 def worker_init(
-    kernel_modules: tuple[str, ...] = (),
+    plugins: dict | None = None,
     cache_root: str | None = None,
-    cuda_compiler: str = NVCC,
+    cuda_compiler: str = devices.NVCC,
     warm_target: str | None = None,
     log_level: int | None = None,
 ) -> None:
@@ -80,24 +77,25 @@ def worker_init(
     """
     if log_level is not None:
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[worker %(process)d]: %(message)s")
-    load_kernel_modules(kernel_modules)
+    from kernels import plugins as kernel_plugins
+
+    kernel_plugins.load(**(plugins or {}))
 
     import tilelang  # noqa: F401
     import tvm_ffi
-    from tilelang.cuda import backend
     from tilelang.env import env
 
+    device = devices.get(cuda_compiler)
     if cache_root:
-        env.TILELANG_CACHE_DIR = str(device_binary_dir(Path(cache_root), cuda_compiler))  # a forced value: os.environ is left alone
+        binaries = device_binary_dir(Path(cache_root), device.id)
+        binaries.mkdir(mode=0o700, parents=True, exist_ok=True)
+        env.TILELANG_CACHE_DIR = str(binaries)  # a forced value: os.environ is left alone
     # TileLang logs every compile at INFO; the daemon reports compiles itself.
     logging.getLogger("tilelang").setLevel(logging.WARNING)
 
-    compile_device, nvrtc_compiler = backend.tilelang_callback_cuda_compile, None
-    if cuda_compiler == NVRTC:
-        nvrtc_compiler = nvrtc.Compiler(nvrtc.private_pch_dir())
-        compile_device = nvrtc.callback(nvrtc_compiler)
-        if warm_target:
-            _warm_precompiled_headers(nvrtc_compiler, warm_target)
+    compile_device = device.callback()
+    if warm_target and cuda_compiler == devices.NVRTC:
+        _warm_precompiled_headers(device, warm_target)
 
     locks = Path(env.TILELANG_CACHE_DIR) / "locks"
     locks.mkdir(parents=True, exist_ok=True)
@@ -105,20 +103,20 @@ def worker_init(
     def compile_once(code, target, pass_config=None):
         # Workers building kernels that share device code at the same moment (the same
         # GEMM at several M): one compiles, the others wait, then hit the binary cache.
-        start, before = time.perf_counter(), nvrtc_compiler and nvrtc_compiler.compiles
+        start, before = time.perf_counter(), device.compiles
         digest = hashlib.sha256(f"{target}\0{sorted((pass_config or {}).items())}\0{code}".encode()).hexdigest()
         try:
             with FileLock(str(locks / f"{digest[:32]}.lock")):
                 return compile_device(code, target, pass_config)
         finally:
             _device["seconds"] = time.perf_counter() - start
-            _device["compiled"] = nvrtc_compiler.compiles > before if nvrtc_compiler else None
+            _device["compiled"] = device.compiles > before if before is not None else None
 
     tvm_ffi.register_global_func("tilelang_callback_cuda_compile", f=compile_once, override=True)
-    _device["compiler"] = cuda_compiler
+    _device["compiler"] = device
 
 
-def _warm_precompiled_headers(nvrtc_compiler, target_text: str) -> None:
+def _warm_precompiled_headers(device, target_text: str) -> None:
     """Has NVRTC parse, once in this worker, each header prelude TileLang generates for the
     registered kinds' warm-up examples.
 
@@ -130,10 +128,11 @@ def _warm_precompiled_headers(nvrtc_compiler, target_text: str) -> None:
 
     import kernels
 
-    from .keys import tilelang_version
+    from ..keys import tilelang_version
 
     target = kernels.parse_target(target_text)
-    known = Path(env.TILELANG_CACHE_DIR) / f"nvrtc-preludes-{target.arch}-{tilelang_version()}-{kernels.source_digest()[:16]}.json"
+    sources_digest = hashlib.sha256("".join(kernels.source_digest(k) for k in sorted(kernels.kinds())).encode()).hexdigest()
+    known = Path(env.TILELANG_CACHE_DIR) / f"nvrtc-preludes-{target.arch}-{tilelang_version()}-{sources_digest[:16]}.json"
     known.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(known) + ".lock"):
         try:
@@ -145,7 +144,7 @@ def _warm_precompiled_headers(nvrtc_compiler, target_text: str) -> None:
             staged.write_text(json.dumps(sorted(set(sources))))
             staged.replace(known)
     start = time.perf_counter()
-    count = nvrtc_compiler.warm(sources, str(target.arch))
+    count = device.warm(sources, str(target.arch))
     log.info("NVRTC precompiled headers for %d preludes built in %.1f s", count, time.perf_counter() - start)
 
 
@@ -204,14 +203,16 @@ def call_abi(func, outputs: tuple[int, ...], target) -> dict:
         params.append({"name": buf.name, "dtype": str(buf.dtype), "shape": _shape(buf.shape)})
     n = len(params)
     symbol = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else "main"
-    return {
-        "loader": "c" if target.is_cpu else "tvm_ffi",
-        "symbol": "call" if target.is_cpu else str(symbol),
-        "device": "cpu" if target.is_cpu else "cuda",
-        "params": params,
-        "outputs": sorted(i % n for i in outputs),
-        "dynamic": [{"name": name, "dtype": dtype} for name, dtype in dynamic.items()],
-    }
+    try:
+        return call_abi_schema.make(
+            loader="c" if target.is_cpu else "tvm_ffi",
+            symbol="call" if target.is_cpu else str(symbol),
+            params=params,
+            outputs=sorted(i % n for i in outputs),
+            dynamic=[{"name": name, "dtype": dtype} for name, dtype in dynamic.items()],
+        )
+    except call_abi_schema.AbiError as exc:
+        raise CompileFailed(f"the kernel's call ABI is not one the loader can call: {exc}") from None
 
 
 def build(spec_json: str, staging: str) -> dict:
@@ -272,7 +273,7 @@ def build(spec_json: str, staging: str) -> dict:
             "device": round(_device["seconds"], 4),
             "link": round(exported - lowered, 4),
         },
-        "toolchain": toolchain(target.kind, _device["compiler"]),
+        "toolchain": toolchain(kind.name, target.kind, _device["compiler"].id),
         "created": time.time(),
     }
     if _device["compiled"] is not None:

@@ -13,8 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+from proto.paths import default_cache_dir, default_socket
+
 from .launch import DaemonProcess, is_serving
-from .paths import default_cache_dir, default_socket
 
 CPU_SET = [
     {"kind": "gemm", "M": 64, "N": 96, "K": 128, "dtype": "float32", "target": "c"},

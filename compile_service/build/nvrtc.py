@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .store import pid_alive
+from ..fsutil import pid_alive
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,126 @@
+"""The CUDA device compiler, as a strategy: nvcc (TileLang's default, a subprocess) or
+NVRTC (in process, with precompiled headers: build.nvrtc). Chosen once, in `choose`.
+
+A device compiler has a name, a release (part of every CUDA key: binaries from
+another compiler are other bytes), a reason it cannot run here (or None), the
+function TileLang's device-compile callback calls, and an optional warm-up.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+
+NVCC, NVRTC = "nvcc", "nvrtc"
+ENV = "KERNEL_SERVICE_CUDA_COMPILER"
+
+
+class DeviceCompiler:
+    name: str
+
+    @property
+    def id(self) -> str:
+        """The compiler and its release, as recorded in keys, entries and stats: "nvrtc-13.0"."""
+        return f"{self.name}-{self.release()}"
+
+    def release(self) -> str:
+        raise NotImplementedError
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    def callback(self) -> Callable:
+        """`compile(code, target, pass_config) -> bytes` for TileLang's device-compile callback.
+        Called once per worker process; may import TileLang."""
+        raise NotImplementedError
+
+    def warm(self, sources: list[str], arch: str) -> int:
+        """Prepares for compiling `sources`' kind of code (NVRTC: parses their header preludes)."""
+        return 0
+
+    @property
+    def compiles(self) -> int | None:
+        """Device compiles run by this process so far, when the compiler counts them."""
+        return None
+
+
+class Nvcc(DeviceCompiler):
+    name = NVCC
+
+    @functools.cache
+    def release(self) -> str:
+        """nvcc's release (e.g. "13.0.88"), "none" without nvcc. CUDA_HOME or PATH only locate
+        it: the key holds the release, never the path."""
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+        nvcc = os.path.join(home, "bin", "nvcc") if home else shutil.which("nvcc")
+        if not nvcc or not os.path.exists(nvcc):
+            return "none"
+        try:
+            out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return "unknown"
+        match = re.search(r"V(\d+\.\d+\.\d+)", out)
+        return match.group(1) if match else "unknown"
+
+    def callback(self) -> Callable:
+        from tilelang.cuda import backend
+
+        return backend.tilelang_callback_cuda_compile
+
+
+class Nvrtc(DeviceCompiler):
+    name = NVRTC
+
+    def __init__(self):
+        self._compiler = None
+
+    def release(self) -> str:
+        from . import nvrtc
+
+        return str(nvrtc.version())
+
+    def unavailable_reason(self) -> str | None:
+        from . import nvrtc
+
+        return nvrtc.unavailable_reason()
+
+    def callback(self) -> Callable:
+        from . import nvrtc
+
+        self._compiler = nvrtc.Compiler(nvrtc.private_pch_dir())
+        return nvrtc.callback(self._compiler)
+
+    def warm(self, sources: list[str], arch: str) -> int:
+        return self._compiler.warm(sources, arch)
+
+    @property
+    def compiles(self) -> int | None:
+        return self._compiler.compiles if self._compiler else None
+
+
+_COMPILERS: dict[str, type[DeviceCompiler]] = {NVCC: Nvcc, NVRTC: Nvrtc}
+
+
+@functools.cache
+def get(name: str) -> DeviceCompiler:
+    """The process's one instance of the named compiler."""
+    return _COMPILERS[name]()
+
+
+def choose(requested: str | None = None, env=os.environ) -> DeviceCompiler:
+    """The device compiler for "auto" | "nvrtc" | "nvcc" (None: $KERNEL_SERVICE_CUDA_COMPILER,
+    else auto); auto takes NVRTC wherever it can run. Raises ValueError when NVRTC is asked
+    for by name and cannot run here, saying why."""
+    requested = requested or env.get(ENV) or "auto"
+    if requested not in ("auto", NVRTC, NVCC):
+        raise ValueError(f"--cuda-compiler must be auto, nvrtc or nvcc, got {requested!r}")
+    if requested == NVCC:
+        return get(NVCC)
+    reason = get(NVRTC).unavailable_reason()
+    if reason and requested == NVRTC:
+        raise ValueError(f"--cuda-compiler nvrtc: {reason}")
+    return get(NVCC) if reason else get(NVRTC)

@@ -1,0 +1,60 @@
+"""The service inside the calling process, with no daemon: the client's fallback.
+
+This is the daemon package's one public entry point for in-process use. It
+runs the daemon's own scheduler and store on the same cache (one build ->
+publish path: shared builds, remembered failures and the layout are the
+daemon's), with compiles in this process rather than in spawned workers (an
+agent's script may not be safe to re-import), and a file lock per key so that
+processes without a daemon still compile each kernel once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+from pathlib import Path
+
+from filelock import FileLock
+
+from kernels.spec import CanonicalSpec
+from proto.wire import Outcome
+
+from .build import devices
+from .build.compiler import DEVICE_BINARIES, CompileFailed
+from .scheduler import Scheduler, in_process_pool
+from .store import Entry, LocalStore, StoreError
+
+__all__ = ["CompileFailed", "EmbeddedService", "StoreError", "embedded"]
+
+
+class EmbeddedService:
+    def __init__(self, cache_dir: Path | str, cuda_compiler: str | None = None):
+        root = Path(cache_dir)
+        # Keep the mode the daemon gave an existing cache (0750 when configured group-shared).
+        try:
+            mode = 0o750 if os.stat(root).st_mode & 0o777 == 0o750 else 0o700
+        except FileNotFoundError:
+            mode = 0o700
+        self.store = LocalStore(root, mode, extra_usage=(root / DEVICE_BINARIES,))
+        self.locks = root / "locks"
+        self.locks.mkdir(mode=0o700, exist_ok=True)
+        self.scheduler = Scheduler(self.store, workers=1, device=devices.choose(cuda_compiler), pool=in_process_pool)
+        atexit.register(self.scheduler.shutdown, 0.0)
+
+    def get(self, spec: CanonicalSpec) -> tuple[Entry, str]:
+        """The entry of `spec` (built here if no process has built it) and how it was satisfied:
+        "hit" or "compiled". Raises CompileFailed or StoreError."""
+        key = self.scheduler.key_of(spec)
+        entry = self.store.lookup(key)
+        if entry is not None:
+            return entry, Outcome.HIT.label
+        with FileLock(str(self.locks / f"{key}.lock")):
+            future, outcome = self.scheduler.request(spec)
+            return future.result(), outcome.label
+
+
+@functools.cache
+def embedded(cache_dir: str) -> EmbeddedService:
+    """One embedded service per cache root and process."""
+    return EmbeddedService(cache_dir)

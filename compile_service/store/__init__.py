@@ -1,0 +1,13 @@
+"""Where built kernels live: an interface (base), the local disk store, and its parts by job.
+
+    base     the Storage interface, Entry, Budget, StoreError
+    local    the local disk store: index, lookup, atomic publish
+    blobs    the content store: file bytes by sha256, shared by entries through hard links
+    budget   usage and least-recently-used eviction (device binaries included)
+    check    verify and repair, without the index
+"""
+
+from .base import Budget, Entry, Storage, StoreError
+from .local import LocalStore
+
+__all__ = ["Budget", "Entry", "LocalStore", "Storage", "StoreError"]

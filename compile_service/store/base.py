@@ -1,0 +1,92 @@
+"""What every store offers the scheduler: the interface, the entry it hands out, its error.
+
+A store is an action cache (key -> a small metadata record) over a content
+store (file bytes by sha256). The local disk is one implementation
+(store.local); a remote tier plugs in under the same interface.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class StoreError(OSError):
+    """The cache could not be written (disk full, permissions): not a compile failure."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One published kernel: where its files are, the library's digest, its entry.json."""
+
+    key: str
+    path: Path
+    library: str
+    library_sha256: str
+    library_size: int
+    meta: dict  # entry.json: spec, abi, compile_seconds, toolchain, created (proto.abi)
+
+    @property
+    def abi(self) -> dict:
+        return self.meta["abi"]
+
+    # Serialized once per entry (entries are cached and immutable), not once per hit.
+    @functools.cached_property
+    def abi_json(self) -> str:
+        return json.dumps(self.meta["abi"], sort_keys=True)
+
+    @functools.cached_property
+    def spec_json(self) -> str:
+        return json.dumps(self.meta["spec"], sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How big the cache may grow; None means unbounded."""
+
+    max_bytes: int | None = None
+    max_entries: int | None = None
+    min_age: float = 300.0  # never evict an entry handed out this recently (seconds)
+
+    @property
+    def bounded(self) -> bool:
+        return self.max_bytes is not None or self.max_entries is not None
+
+
+class Storage(abc.ABC):
+    """The store interface: lookup, staged put, removal, budget and usage."""
+
+    root: Path
+
+    @abc.abstractmethod
+    def lookup(self, key: str, spec: dict | None = None) -> Entry | None:
+        """The verified entry for `key`, or None. A damaged entry is a miss (and removed), never
+        an error; `spec`, when given, must equal the spec the entry records."""
+
+    @abc.abstractmethod
+    def new_staging(self, key: str) -> Path:
+        """A private directory to build `key`'s files in."""
+
+    @abc.abstractmethod
+    def discard_staging(self, staging: Path) -> None: ...
+
+    @abc.abstractmethod
+    def put(self, key: str, staging: Path, library: str, meta: dict) -> Entry:
+        """Publishes `staging` as `key`'s entry, whole or not at all; raises StoreError."""
+
+    @abc.abstractmethod
+    def remove(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def keys(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    def usage(self) -> tuple[int, int]:
+        """(entries, bytes) now: every byte the store keeps counts, and shared bytes once."""
+
+    @abc.abstractmethod
+    def evict(self, budget: Budget, protect: str | None = None) -> int:
+        """Removes least recently used entries down to `budget`; returns how many."""

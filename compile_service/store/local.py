@@ -1,0 +1,287 @@
+"""The local disk store: entries published whole or not at all.
+
+Layout under the cache root:
+
+    entries/<key[:2]>/<key>/    one entry: entry.json, manifest.json (size + sha256 of every
+                                file), and hard links to the library and sources in blobs/
+    blobs/<sha[:2]>/<sha>       file bytes, stored once (store.blobs)
+    staging/<pid>.<key>.<rand>/ private directories entries are built in
+
+An entry is built in a staging directory, its files and manifest are fsynced,
+and one rename makes it visible: a reader never sees a half-written entry.
+Publishing takes no process-wide lock (single-flight already gives each key
+one writer; a lost race just discards the loser's copy). A corrupt or
+incomplete entry is a miss with a warning, never a crash. Nothing here knows
+about TileLang.
+
+Hits are served from an in-memory index of verified entries, revalidated by
+the files' stat signatures (a few lstat calls, no reads). Recency for the LRU
+budget (store.budget) is kept in memory and in each entry directory's mtime
+(touched at most once a minute on a hit), so a restarted daemon keeps the
+order. `store.check` verifies and repairs without the index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from proto.abi import ENTRY_META, MANIFEST, check_entry_meta
+
+from ..fsutil import fsync_path, pid_alive, sha256_file, write_json_atomic
+from . import budget
+from .base import Budget, Entry, Storage, StoreError
+from .blobs import Blobs
+
+log = logging.getLogger(__name__)
+
+MANIFEST_SCHEMA = 1
+TOUCH_EVERY = 60.0  # seconds between mtime touches of a hit entry (the on-disk LRU clock)
+
+
+class LocalStore(Storage):
+    def __init__(self, root: Path | str, mode: int = 0o700, create: bool = True, metrics=None, extra_usage: tuple[Path, ...] = ()):
+        """`mode`: permission bits of the cache's directories, 0o700 (owner only) or 0o750
+        (group may read); files get the same minus execute. `create=False` opens an
+        existing cache read-only (verify), creating and chmodding nothing. `metrics` counts
+        corrupt entries and evictions (compile_service.metrics). `extra_usage`: directories
+        of other caches under the root (device binaries) that the budget counts and evicts."""
+        if mode & 0o027 or not mode & 0o700 == 0o700:
+            raise ValueError(f"cache mode {mode:#o} is not allowed: owner rwx, group at most r-x, others nothing")
+        self.root = Path(root)
+        self.mode = mode
+        self.file_mode = mode & 0o640
+        self.entries_dir = self.root / "entries"
+        self.staging_dir = self.root / "staging"
+        self.blobs = Blobs(self.root, mode)
+        self.extra_usage = tuple(Path(p) for p in extra_usage)
+        self.metrics = metrics
+        if create:
+            for d in (self.root, self.entries_dir, self.staging_dir, self.blobs.dir):
+                d.mkdir(mode=mode, parents=True, exist_ok=True)
+                os.chmod(d, mode)  # mkdir's mode is filtered by the umask, and the dir may predate us
+        elif not self.entries_dir.is_dir():
+            raise FileNotFoundError(errno.ENOENT, f"{self.root} is not a kernel cache (no entries/ directory)")
+        # key -> (entry, file names, stat signature) when last fully verified: hits that
+        # find the same signature read nothing, and re-hash only files that changed.
+        self._index: dict[str, tuple[Entry, tuple, tuple]] = {}
+        self._used: dict[str, float] = {}  # key -> when last handed out (time.time())
+        self._touched: dict[str, float] = {}  # key -> when its dir mtime was last set
+        self._lock = threading.Lock()  # guards the dicts above
+        self.evict_lock = threading.Lock()  # one eviction pass at a time (store.budget)
+
+    # ----- paths
+    def entry_path(self, key: str) -> Path:
+        return self.entries_dir / key[:2] / key
+
+    # ----- reading
+    def lookup(self, key: str, spec: dict | None = None) -> Entry | None:
+        """The verified entry for `key`, or None (missing, incomplete or corrupt: then removed).
+
+        `spec`, when given, must equal the spec the entry records: an entry for
+        another kernel under this key is corrupt, never served.
+        """
+        path = self.entry_path(key)
+        with self._lock:
+            cached = self._index.get(key)
+        if cached is None and not path.is_dir():
+            return None
+        # Marked before the checks: eviction (under the same lock) then either keeps the
+        # entry or has already renamed it away, which the checks below see as a miss.
+        self._mark_used(key, path)
+        if cached is not None:
+            entry, names, signature = cached
+            with contextlib.suppress(OSError):
+                if _signature(path, names) == signature and (spec is None or entry.meta["spec"] == spec):
+                    return entry
+        if not path.is_dir():
+            return None
+        try:
+            entry, names, signature = self._check(key, path, trusted=cached[2] if cached else None)
+            if spec is not None and entry.meta["spec"] != spec:
+                raise ValueError(f"entry.json records spec {entry.meta['spec']!r}, not the one its key was computed from")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if not path.exists():  # evicted or replaced while we read it: a plain miss
+                return None
+            self._discard_corrupt(key, path, str(exc))
+            return None
+        with self._lock:
+            self._index[key] = (entry, names, signature)
+        return entry
+
+    def _check(self, key: str, path: Path, trusted: tuple | None = None) -> tuple[Entry, tuple, tuple]:
+        """Reads and checks one entry against its manifest; raises OSError/ValueError/KeyError/TypeError.
+
+        Files whose stat signature equals `trusted` are not re-hashed.
+        """
+        manifest = json.loads((path / MANIFEST).read_text())
+        if manifest.get("schema") != MANIFEST_SCHEMA or manifest.get("key") != key:
+            raise ValueError("manifest schema or key mismatch")
+        files: dict = manifest["files"]
+        library = manifest["library"]
+        if library not in files or ENTRY_META not in files:
+            raise ValueError("manifest does not list the library and entry.json")
+        names = tuple(sorted(files))
+        for name in names:
+            if not isinstance(name, str) or "/" in name or name in (".", "..", MANIFEST):
+                raise ValueError(f"manifest names {name!r}, which is not a file of this entry")
+        owner = os.lstat(self.root).st_uid
+        for name in (MANIFEST, *names):
+            st = os.lstat(path / name)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"{name} is not a regular file")
+            if st.st_uid != owner or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                raise ValueError(f"{name} is not owned by the cache's owner or is writable by others")
+            if name != MANIFEST and st.st_size != files[name]["size"]:
+                raise ValueError(f"{name} has {st.st_size} bytes, manifest says {files[name]['size']}")
+        signature = _signature(path, names)
+        if signature != trusted:
+            for name in names:
+                if sha256_file(path / name) != files[name]["sha256"]:
+                    raise ValueError(f"{name} does not match its sha256 in the manifest")
+        meta = json.loads((path / ENTRY_META).read_text())
+        check_entry_meta(meta)
+        entry = Entry(key, path, library, files[library]["sha256"], files[library]["size"], meta)
+        return entry, names, signature
+
+    def _mark_used(self, key: str, path: Path) -> None:
+        now = time.time()
+        with self._lock:
+            self._used[key] = now
+            if now - self._touched.get(key, 0.0) < TOUCH_EVERY:
+                return
+            self._touched[key] = now
+        with contextlib.suppress(OSError):  # best effort: recency is a hint, not a promise
+            os.utime(path, (now, now))
+
+    def _discard_corrupt(self, key: str, path: Path, why: str) -> None:
+        log.warning("cache entry %s is corrupt or incomplete (%s); removing it, it will be rebuilt", key[:16], why)
+        if self.metrics is not None:
+            self.metrics.add(corrupt=1)
+        self._forget(key)
+        self._remove_dir(path)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            for table in (self._index, self._used, self._touched):
+                table.pop(key, None)
+
+    def _remove_dir(self, path: Path) -> None:
+        # Rename first so the key's path is free at once and no reader sees a half-deleted entry.
+        trash = self.staging_dir / f"{os.getpid()}.trash.{path.name}.{os.urandom(4).hex()}"
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:
+            return
+        except OSError:
+            trash = path
+        shutil.rmtree(trash, ignore_errors=True)
+
+    # ----- writing
+    def new_staging(self, key: str) -> Path:
+        """A private directory to build `key`'s entry in."""
+        try:
+            return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}.{key}.", dir=self.staging_dir))  # 0700 until published
+        except OSError as exc:
+            raise StoreError(exc.errno, f"cannot create a staging directory in {self.staging_dir}: {exc.strerror}") from exc
+
+    def discard_staging(self, staging: Path) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def put(self, key: str, staging: Path, library: str, meta: dict) -> Entry:
+        """Seals `staging` (entry.json, manifest, fsync, files linked to their blobs) and
+        renames it into place.
+
+        Raises StoreError when the disk refuses; the staging directory is removed either way.
+        """
+        try:
+            write_json_atomic(staging / ENTRY_META, meta)
+            files = {}
+            for item in sorted(staging.iterdir()):
+                if item.name == MANIFEST or not item.is_file() or item.is_symlink():
+                    continue
+                os.chmod(item, self.file_mode)  # never group/world-writable: loaders refuse that
+                fsync_path(item)
+                files[item.name] = {"size": item.stat().st_size, "sha256": sha256_file(item)}
+                if item.name != ENTRY_META:  # the entry's own record stays its own
+                    self.blobs.adopt(item, files[item.name]["sha256"])
+            if library not in files:
+                raise StoreError(errno.ENOENT, f"the compiler produced no {library}")
+            write_json_atomic(staging / MANIFEST, {"schema": MANIFEST_SCHEMA, "key": key, "library": library, "files": files})
+            os.chmod(staging / MANIFEST, self.file_mode)
+            os.chmod(staging, self.mode)
+            fsync_path(staging, directory=True)
+            final = self.entry_path(key)
+            if not final.parent.is_dir():
+                final.parent.mkdir(exist_ok=True)
+                os.chmod(final.parent, self.mode)
+            try:
+                os.rename(staging, final)
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                # Someone published first (or a broken leftover sits there).
+                if self.lookup(key) is None:
+                    os.rename(staging, final)
+            fsync_path(final.parent, directory=True)
+        except StoreError:
+            self.discard_staging(staging)
+            raise
+        except OSError as exc:
+            self.discard_staging(staging)
+            raise StoreError(exc.errno, f"cannot publish cache entry {key[:16]} under {self.root}: {exc.strerror or exc}") from exc
+        self.discard_staging(staging)  # no-op unless we lost a race
+        entry = self.lookup(key)
+        if entry is None:
+            raise StoreError(errno.EIO, f"cache entry {key[:16]} failed verification right after publishing")
+        return entry
+
+    def remove(self, key: str) -> None:
+        self._forget(key)
+        self._remove_dir(self.entry_path(key))
+        self.blobs.collect()
+
+    # ----- the budget (store.budget)
+    def evict(self, budget_: Budget, protect: str | None = None) -> int:
+        return budget.evict(self, budget_, protect)
+
+    def usage(self) -> tuple[int, int]:
+        return budget.usage(self)
+
+    # ----- housekeeping
+    def keys(self) -> list[str]:
+        return [p.name for shard in self.entries_dir.iterdir() if shard.is_dir() for p in shard.iterdir() if p.is_dir()]
+
+    def clean_staging(self) -> int:
+        """Removes staging directories whose writer process is gone; returns how many."""
+        removed = 0
+        for item in self.staging_dir.iterdir():
+            if _writer_alive(item.name):
+                continue
+            shutil.rmtree(item, ignore_errors=True)
+            removed += 1
+        return removed
+
+
+def _writer_alive(name: str) -> bool:
+    owner = name.split(".", 1)[0]  # every staging name starts with its writer's pid
+    return owner.isdigit() and (int(owner) == os.getpid() or pid_alive(int(owner)))
+
+
+def _signature(path: Path, names: tuple) -> tuple:
+    """What changes when any of the entry's files is replaced, truncated or rewritten."""
+    out = []
+    for name in (MANIFEST, *names):
+        st = os.lstat(path / name)
+        out.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode, st.st_uid))
+    return tuple(out)
+

@@ -1,0 +1,85 @@
+"""The call ABI of a built kernel and the metadata its cache entry carries: defined once here.
+
+The compiler writes them (compile_service.build.compiler), the scheduler adds the
+sizes a shared build's copy fixes, the store refuses entries whose metadata does
+not check, and the client's loader calls the library by them. An ABI, as JSON:
+
+    {"loader":  "c" | "tvm_ffi",     how the library is called (ctypes C function, TVM-FFI module)
+     "symbol":  "call",              the function to call in the library
+     "device":  "cpu" | "cuda",      where its tensors live
+     "params":  [{"name": "X", "dtype": "float16", "shape": ["M", 4096]}, ...],
+                                     every tensor in call order; a str dim is a runtime size
+     "outputs": [2],                 indices into params the caller allocates and gets back
+     "dynamic": [{"name": "M", "dtype": "int32"}],
+                                     runtime sizes in the order the C loader passes them
+     "fixed":   {"M": 256}}          optional: runtime dims this spec fixes (a shared build's copy)
+"""
+
+from __future__ import annotations
+
+LIBRARY = "kernel.so"  # the host shared object (device binary embedded for CUDA)
+ENTRY_META = "entry.json"  # spec, abi, toolchain, compile seconds, how it was built
+MANIFEST = "manifest.json"  # size and sha256 of every file of the entry
+SOURCES = ("kernel.c", "kernel.cu")  # the generated source, CPU or CUDA, kept for humans
+
+LOADERS = {"c": "cpu", "tvm_ffi": "cuda"}  # loader -> the device its tensors live on
+FIELDS = {"loader": str, "symbol": str, "device": str, "params": list, "outputs": list, "dynamic": list}
+C_INT_DTYPES = ("int32", "int64")
+
+
+class AbiError(ValueError):
+    """An ABI or entry metadata that a loader could not safely call."""
+
+
+def make(loader: str, symbol: str, params: list[dict], outputs: list[int], dynamic: list[dict]) -> dict:
+    abi = {"loader": loader, "symbol": symbol, "device": LOADERS.get(loader, "?"), "params": params, "outputs": outputs, "dynamic": dynamic}
+    check(abi)
+    return abi
+
+
+def with_fixed(abi: dict, fixed: dict[str, int]) -> dict:
+    """The ABI of a copy of a shared build whose spec fixes some of its runtime dims."""
+    out = {**abi, "fixed": dict(fixed)}
+    check(out)
+    return out
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check(abi) -> None:
+    """Raises AbiError unless `abi` is one the loader can call."""
+    if not isinstance(abi, dict):
+        raise AbiError("abi is not a mapping")
+    for name, kind in FIELDS.items():
+        if not isinstance(abi.get(name), kind):
+            raise AbiError(f"abi.{name} is missing or not a {kind.__name__}")
+    if abi["loader"] not in LOADERS or abi["device"] != LOADERS[abi["loader"]]:
+        raise AbiError(f"abi.loader {abi['loader']!r} with device {abi['device']!r} is not a known pairing")
+    names = set()
+    for p in abi["params"]:
+        if not isinstance(p, dict) or not isinstance(p.get("name"), str) or not isinstance(p.get("dtype"), str) or not isinstance(p.get("shape"), list):
+            raise AbiError("abi.params entries need a name, a dtype and a shape")
+        if not all(isinstance(d, str) or (_is_int(d) and d >= 0) for d in p["shape"]):
+            raise AbiError(f"abi.params[{p['name']}].shape holds something other than sizes and dim names")
+        names.update(d for d in p["shape"] if isinstance(d, str))
+    n = len(abi["params"])
+    if not all(_is_int(i) and 0 <= i < n for i in abi["outputs"]) or len(set(abi["outputs"])) != len(abi["outputs"]):
+        raise AbiError("abi.outputs must be distinct indices into abi.params")
+    for d in abi["dynamic"]:
+        if not isinstance(d, dict) or d.get("name") not in names or d.get("dtype") not in C_INT_DTYPES:
+            raise AbiError("abi.dynamic entries must name a dim of the params, with an int32 or int64 dtype")
+    fixed = abi.get("fixed", {})
+    if not isinstance(fixed, dict) or not all(isinstance(k, str) and _is_int(v) for k, v in fixed.items()):
+        raise AbiError("abi.fixed is not a mapping of dims to ints")
+
+
+def check_entry_meta(meta) -> None:
+    """entry.json must carry what the servicer and the loader read: a spec and a well-formed ABI."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("spec"), dict) or not isinstance(meta.get("abi"), dict):
+        raise AbiError("entry.json lacks its spec or abi")
+    try:
+        check(meta["abi"])
+    except AbiError as exc:
+        raise AbiError(f"entry.json's {exc}") from None

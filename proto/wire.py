@@ -1,0 +1,160 @@
+"""Everything about the wire that both sides must agree on, defined once.
+
+- specs <-> proto messages, with the request limits checked before anything else;
+- outcomes (how a request was satisfied) by name;
+- which gRPC status code each kind of failure travels as;
+- the stats fields: the proto's `Stats` message is their one definition.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+
+import grpc
+from google.protobuf import struct_pb2
+
+from kernels.spec import InvalidSpec
+
+from .kernelservice.v1 import kernel_service_pb2 as pb
+
+# Far above any real signature, far below what could cost memory or time: checked
+# before anything else, so hostile input never reaches validation messages or keys.
+MAX_PARAMS = 64
+MAX_NAME = 64  # kind, target and parameter names
+MAX_STRING = 256  # string parameter values
+MAX_BATCH = 4096  # specs in one Prefetch
+MAX_MESSAGE = 16 << 20  # bytes of one gRPC message, both ways
+MAX_ERROR_TEXT = 12_000  # characters of a compile error sent back
+
+
+class Outcome(enum.Enum):
+    """How a request was satisfied; the values are the proto enum's."""
+
+    HIT = pb.OUTCOME_HIT  # already in the cache
+    COMPILED = pb.OUTCOME_COMPILED  # this request started the build (or got a remembered failure)
+    JOINED = pb.OUTCOME_JOINED  # waited on a build another request had started
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def from_proto(cls, value: int) -> str:
+        try:
+            return cls(value).label
+        except ValueError:
+            return "unknown"
+
+
+class Status:
+    """The gRPC status each kind of failure travels as (each RPC's "Errors:" list in the proto)."""
+
+    INVALID_SPEC = grpc.StatusCode.INVALID_ARGUMENT  # details: "<field>: <message>"
+    COMPILE_FAILED = grpc.StatusCode.FAILED_PRECONDITION  # details: the compiler's output
+    BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED  # the compile queue is full
+    UNAVAILABLE = grpc.StatusCode.UNAVAILABLE  # shutting down, or not started
+    CACHE_FAILED = grpc.StatusCode.INTERNAL  # the cache could not be written (disk full)
+    DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED  # still compiling when the deadline passed
+    # A blocking call cannot be cancelled by its caller: CANCELLED means the daemon went
+    # away mid-call (a drain cuts calls that arrived as it stopped); retried like UNAVAILABLE.
+    RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+STATS_FIELDS = tuple(f.name for f in pb.Stats.DESCRIPTOR.fields)
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 40 else f"{text[:40]!r}... ({len(text)} characters)"
+
+
+def param_value(name: str, value) -> pb.ParamValue:
+    if value is None:
+        return pb.ParamValue(null_value=struct_pb2.NULL_VALUE)
+    if isinstance(value, bool):
+        return pb.ParamValue(bool_value=value)
+    if isinstance(value, int):
+        return pb.ParamValue(int_value=value)
+    if isinstance(value, float):
+        return pb.ParamValue(float_value=value)
+    if isinstance(value, str):
+        return pb.ParamValue(string_value=value)
+    raise InvalidSpec(name, f"values must be int, float, bool, str or None, got {type(value).__name__}")
+
+
+def spec_to_proto(kind: str, params: dict, target: str | None) -> pb.KernelSpec:
+    """A spec as sent: `target` None or "" leaves the choice to the daemon's default."""
+    return pb.KernelSpec(kind=kind, target=target or "", params={k: param_value(k, v) for k, v in params.items()})
+
+
+def spec_from_proto(spec: pb.KernelSpec) -> tuple[str, dict, str]:
+    """(kind, params, target) of a received spec, after the size limits; validation is the kinds' job."""
+    if len(spec.kind) > MAX_NAME:
+        raise InvalidSpec("kind", f"at most {MAX_NAME} characters, got {_short(spec.kind)}")
+    if len(spec.target) > MAX_NAME:
+        raise InvalidSpec("target", f"at most {MAX_NAME} characters, got {_short(spec.target)}")
+    if len(spec.params) > MAX_PARAMS:
+        raise InvalidSpec("params", f"at most {MAX_PARAMS} parameters, got {len(spec.params)}")
+    params = {}
+    for name, value in spec.params.items():
+        if len(name) > MAX_NAME:
+            raise InvalidSpec("params", f"parameter names have at most {MAX_NAME} characters, got {_short(name)}")
+        which = value.WhichOneof("value")
+        if which == "string_value" and len(value.string_value) > MAX_STRING:
+            raise InvalidSpec(name, f"string values have at most {MAX_STRING} characters, got {len(value.string_value)}")
+        if which is None:
+            raise InvalidSpec(name, "parameter sent with no value")
+        params[name] = None if which == "null_value" else getattr(value, which)
+    return spec.kind, params, spec.target
+
+
+def invalid_spec_details(exc: InvalidSpec) -> str:
+    return str(exc)  # "<field>: <message>", split back by invalid_spec_from_details
+
+
+def invalid_spec_from_details(details: str) -> InvalidSpec:
+    field, _, message = details.partition(": ")
+    return InvalidSpec(field, message or details)
+
+
+def clip(text: str) -> str:
+    """A long compiler message cut in the middle to MAX_ERROR_TEXT characters."""
+    if len(text) <= MAX_ERROR_TEXT:
+        return text
+    half = MAX_ERROR_TEXT // 2
+    return f"{text[:half]}\n... [{len(text) - MAX_ERROR_TEXT} characters cut] ...\n{text[-half:]}"
+
+
+def channel_options() -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
+
+
+def kind_to_proto(described: dict, origin: str) -> pb.KindInfo:
+    """A kind's schema (KernelKind.describe()) as sent by ListKinds."""
+    info = pb.KindInfo(name=described["name"], doc=described["doc"], origin=origin)
+    for p in described["params"]:
+        param = info.params.add(name=p["name"], type=p["type"], doc=p["doc"], required=p["required"], nullable=p["nullable"])
+        if "default" in p:
+            param.default_json = json.dumps(p["default"])
+        if "choices" in p:
+            param.choices_json = json.dumps(p["choices"])
+        for bound in ("min", "max"):
+            if bound in p:
+                setattr(param, bound, p[bound])
+    return info
+
+
+def kind_from_proto(info: pb.KindInfo) -> dict:
+    """The schema as plain data, in KernelKind.describe()'s shape, plus its origin."""
+    params = []
+    for p in info.params:
+        out = {"name": p.name, "type": p.type, "doc": p.doc, "required": p.required, "nullable": p.nullable}
+        if p.default_json:
+            out["default"] = json.loads(p.default_json)
+        if p.choices_json:
+            out["choices"] = json.loads(p.choices_json)
+        for bound in ("min", "max"):
+            if p.HasField(bound):
+                out[bound] = getattr(p, bound)
+        params.append(out)
+    return {"name": info.name, "doc": info.doc, "origin": info.origin, "params": params}
