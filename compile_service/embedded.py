@@ -40,7 +40,7 @@ class EmbeddedService:
         self.locks = root / "locks"
         self.locks.mkdir(mode=0o700, exist_ok=True)
         self.scheduler = Scheduler(self.store, workers=1, device=devices.choose(cuda_compiler), pool=in_process_pool)
-        atexit.register(self.scheduler.shutdown, 0.0)
+        atexit.register(self.scheduler.shutdown, 10.0)  # idle drivers stop at once; a running compile gets 10 s
 
     def get(self, spec: CanonicalSpec) -> tuple[Entry, str]:
         """The entry of `spec` (built here if no process has built it) and how it was satisfied:

@@ -181,6 +181,9 @@ class Daemon:
         )
         self.metrics.probe(("entries", "bytes"), store.usage)
         self.metrics.probe(("inductor_entries", "inductor_bytes"), lambda: inductor.usage(inductor_dir))
+        missing = set(wire.STATS_FIELDS) - set(self.metrics.read())
+        if missing:  # a Stats field nobody fills would read as a silent zero
+            raise RuntimeError(f"no metric feeds the Stats fields {sorted(missing)}")
         info = {"cache_dir": str(cfg.cache_dir), "inductor_dir": str(inductor_dir), "default_target": cfg.target}
         self.servicer = KernelServicer(self.scheduler, self.metrics, info)
         pb_grpc.add_KernelServiceServicer_to_server(self.servicer, self.server)

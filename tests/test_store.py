@@ -203,3 +203,37 @@ def test_sizes_and_tcp_addresses():
     with pytest.raises(ValueError, match="port"):
         tcp_address("127.0.0.1:99999")
     assert json.loads(json.dumps(ABI)) == ABI
+
+
+def test_the_same_bytes_under_two_keys_are_stored_once(tmp_path):
+    store = Store(tmp_path / "cache")
+    data = os.urandom(5000)
+    for i in range(2):
+        staging = store.new_staging(f"{i:064x}")
+        (staging / "kernel.so").write_bytes(data)
+        store.put(f"{i:064x}", staging, "kernel.so", {"spec": {"i": i}, "abi": ABI})
+    a, b = (store.entry_path(f"{i:064x}") / "kernel.so" for i in range(2))
+    assert a.stat().st_ino == b.stat().st_ino and a.stat().st_nlink == 3  # both entries and the blob
+    assert 5000 <= store.usage()[1] < 2 * 5000
+    store.remove(f"{0:064x}")
+    store.remove(f"{1:064x}")
+    assert store.usage() == (0, 0) and not any(p.is_file() for p in store.blobs.dir.rglob("*"))  # unlinked blobs collected
+
+
+def test_the_budget_counts_and_evicts_device_binaries(tmp_path):
+    binaries = tmp_path / "cache" / "device-binaries" / "nvrtc-13.0"
+    binaries.mkdir(parents=True)
+    store = Store(tmp_path / "cache", extra_usage=(tmp_path / "cache" / "device-binaries",))
+    old, fresh = binaries / "old.cubin", binaries / "fresh.cubin"
+    old.write_bytes(os.urandom(20_000))
+    fresh.write_bytes(os.urandom(20_000))
+    (binaries / "x.lock").write_bytes(b"")  # locks are not cache content
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    key = put(store, 1, size=1000)
+    age(store, key, 1800)
+    store = Store(store.root, extra_usage=store.extra_usage)  # a restarted daemon: only mtimes say what was used when
+    assert store.usage()[1] > 40_000
+    assert store.evict(Budget(parse_size("30K"), None, 600)) == 0  # only the old binary had to go
+    assert not old.exists() and fresh.exists() and store.entry_path(key).is_dir()
+    assert store.evict(Budget(parse_size("10K"), None, 600)) == 1  # then the entry (fresh stays: within min_age)
+    assert fresh.exists() and store.usage()[0] == 0

@@ -34,7 +34,11 @@ class Blobs:
         if not blob.parent.is_dir():
             blob.parent.mkdir(mode=self.dir_mode, parents=True, exist_ok=True)
             os.chmod(blob.parent, self.dir_mode)
-        size = file.stat().st_size
+        st = file.stat()
+        size = st.st_size
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(blob).st_ino == st.st_ino:
+                return  # already linked (a copy made by linking another entry's file)
         if self._whole(blob, sha256, size):
             tmp = file.with_name(f".{file.name}.link")
             try:
