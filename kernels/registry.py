@@ -14,6 +14,7 @@ from .spec import CanonicalSpec, InvalidSpec, KernelKind, parse_target
 
 _KINDS: dict[str, KernelKind] = {}
 _ORIGINS: dict[str, str] = {}  # kind -> where it came from: "zoo", "entry point NAME (dist)", "module M"
+_DIGESTS: dict[str, str] = {}  # kind -> source digest, computed once per process (keys are hot)
 
 
 def register(cls: type[KernelKind] | KernelKind, origin: str | None = None):
@@ -112,5 +113,9 @@ def _package_of(path: str) -> str:
 
 
 def source_digest(kind: str) -> str:
-    """sha256 over the source that shapes `kind`'s kernels: editing one kind changes only its keys."""
-    return _digest_of_files(dependency_files(get_kind(kind)))
+    """sha256 over the source that shapes `kind`'s kernels: editing one kind changes only its keys.
+    Read once per process: a running daemon keeps serving the code it started with."""
+    digest = _DIGESTS.get(kind)
+    if digest is None:
+        digest = _DIGESTS[kind] = _digest_of_files(dependency_files(get_kind(kind)))
+    return digest
