@@ -234,6 +234,13 @@ class KernelKind:
         """Cross-field rules and default tilings; raise InvalidSpec, or return an updated dict."""
         return None
 
+    def inplace(self, p: dict) -> dict[str, str]:
+        """Outputs the kernel may write over one of its inputs, {output: input} by buffer name:
+        every element of the output is written only after the elements of that input it
+        depends on were read (row kernels, elementwise epilogues). The client then takes that
+        input as `out=` (an in-place update, e.g. a residual stream); any other overlap is refused."""
+        return {}
+
     def host_side_dims(self, p: dict, target: Target) -> tuple[str, ...]:
         """Dims that reach only the host code on `target` (a grid size, a TMA descriptor), never
         the device code. tests/test_shared_builds.py lowers both forms to hold kinds to the claim."""
