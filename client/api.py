@@ -53,6 +53,7 @@ def _request(kind: str, params: dict, target: str | None) -> tuple[str, pb.Kerne
         return spec.to_json(), spec_to_proto(spec), spec
     if not isinstance(kind, str) or not isinstance(params, dict):
         raise InvalidSpec("kind", f"expected a kind name and a mapping of parameters, got {kind!r}")
+    params = {name: kernels.spec.plain_any(value) for name, value in params.items()}  # torch.float16 -> "float16", ...
     proto = wire.spec_to_proto(kind, params, target)
     return proto.SerializeToString(deterministic=True).hex(), proto, None
 

@@ -193,13 +193,8 @@ class Kernel:
 
     # ----- self-description
     def _inplace_slots(self) -> dict[int, int]:
-        """{output position: input position} of outputs the kernel may write over an input."""
-        try:
-            import kernels
-
-            pairs = kernels.get_kind(self.kind).inplace(self.spec["params"])
-        except Exception:  # a kind this process does not know: no in-place forms
-            pairs = {}
+        """{output position: input position} of outputs the kernel may write over an input (abi.inplace)."""
+        pairs = self.abi.get("inplace", {})
         out_names, in_names = self.output_names, self.input_names
         return {out_names.index(o): in_names.index(i) for o, i in pairs.items() if o in out_names and i in in_names}
 

@@ -48,6 +48,7 @@ NAMESPACE = "kernel_service"
 
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 _ops: dict[str, tuple] = {}  # kind -> (default overload, out overload)
+_n_outputs: dict[str, int] = {}
 _kernels: dict[str, Kernel] = {}  # canonical spec JSON -> the loaded kernel
 _lock = threading.RLock()
 
@@ -101,9 +102,15 @@ def _check_grad(kind: str, spec_json: str, inputs, outs=()) -> None:
 
 
 def register_kind(kind: str, n_outputs: int = 1) -> tuple:
-    """Defines kernel_service::<kind> and its .out overload (once per process); returns both overloads."""
+    """Defines kernel_service::<kind> and its .out overload (once per process); returns both overloads.
+
+    Kinds this process imports are registered with the client; a kind only the daemon
+    serves (a plugin) gets its ops when its first kernel loads. A fresh process that
+    loads a saved program calling such a kind registers it first: register_kind(name)."""
     with _lock:
         if kind in _ops:
+            if _n_outputs[kind] != n_outputs:
+                raise ValueError(f"kernel_service::{kind} was registered for {_n_outputs[kind]} output(s), this kernel has {n_outputs}")
             return _ops[kind]
         if not kind.isidentifier():
             raise ValueError(f"kind {kind!r} cannot name a torch op (not an identifier)")
@@ -153,6 +160,7 @@ def register_kind(kind: str, n_outputs: int = 1) -> tuple:
         torch.library.register_fake(f"{NAMESPACE}::{kind}", fake, lib=_lib)
         torch.library.register_fake(f"{NAMESPACE}::{kind}.out", fake_out, lib=_lib)
         _ops[kind] = (default, out_op)
+        _n_outputs[kind] = n_outputs
         return _ops[kind]
 
 

@@ -166,6 +166,22 @@ def plain(value: Any, want: type) -> Any:
     return value
 
 
+def plain_any(value: Any) -> Any:
+    """plain() without a schema, for a kind this process does not know (the daemon validates it):
+    dtypes become names, numpy numbers Python numbers, anything else stays as it is."""
+    if _dtype_name(value) is not None:
+        return _dtype_name(value)
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    if isinstance(value, (bool, str, int, float)) or value is None:
+        return plain(value, float) if isinstance(value, float) else value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
 def dim(name: str, doc: str = "", dynamic: bool = False) -> Param:
     """A tensor dimension: a positive int, or None for a runtime size when `dynamic`."""
     return Param(name, int, min=1, max=MAX_DIM, nullable=dynamic, doc=doc)
@@ -237,8 +253,9 @@ class KernelKind:
     def inplace(self, p: dict) -> dict[str, str]:
         """Outputs the kernel may write over one of its inputs, {output: input} by buffer name:
         every element of the output is written only after the elements of that input it
-        depends on were read (row kernels, elementwise epilogues). The client then takes that
-        input as `out=` (an in-place update, e.g. a residual stream); any other overlap is refused."""
+        depends on were read (row kernels, elementwise epilogues). It travels in the ABI
+        (`abi.inplace`), so a client that never imports the kind takes that input as `out=`
+        (an in-place update, e.g. a residual stream); any other overlap is refused."""
         return {}
 
     def host_side_dims(self, p: dict, target: Target) -> tuple[str, ...]:

@@ -82,6 +82,28 @@ def test_specs_take_torch_dtypes_and_numpy_numbers(cpu_kernel):
         assert err.value.field == field
 
 
+def test_kinds_the_client_does_not_import_get_plain_values_on_the_wire():
+    from client.api import _request
+
+    _, proto, spec = _request("some_plugin_kind", {"dtype": torch.bfloat16, "M": np.int64(3), "eps": np.float32(0.5), "flag": np.bool_(True)}, "c")
+    assert spec is None  # the daemon validates it
+    values = {name: v.WhichOneof("value") and getattr(v, v.WhichOneof("value")) for name, v in proto.params.items()}
+    assert values == {"dtype": "bfloat16", "M": 3, "eps": 0.5, "flag": True}
+
+
+def test_the_abi_names_in_place_pairs_that_can_hold():
+    from proto import abi
+
+    params = [{"name": "X", "dtype": "float32", "shape": ["M", 8]}, {"name": "W", "dtype": "float32", "shape": [8]},
+              {"name": "Y", "dtype": "float32", "shape": ["M", 8]}]
+    dynamic = [{"name": "M", "dtype": "int32"}]
+    assert abi.make("c", "call", params, [2], dynamic, {"Y": "X"})["inplace"] == {"Y": "X"}
+    assert "inplace" not in abi.make("c", "call", params, [2], dynamic, {})
+    for bad in ({"Y": "W"}, {"X": "Y"}, {"Y": "Z"}):
+        with pytest.raises(abi.AbiError, match="abi.inplace"):
+            abi.make("c", "call", params, [2], dynamic, bad)
+
+
 def test_inputs_that_require_grad_are_refused_with_the_way_out(cpu_kernel):
     k = cpu_kernel("gemm", M=None, N=8, K=16, dtype="float32", trans_b=True)
     a, w = torch.randn(4, 16), torch.nn.Parameter(torch.randn(8, 16))
@@ -133,6 +155,7 @@ def test_in_place_forms_where_the_kind_declares_them(cpu_kernel, kind, params, i
 
     k = cpu_kernel(kind, dtype="float32", **params)
     assert list(k.inplace.values()) == [into]
+    assert k.abi["inplace"] == {k.output_names[0]: k.input_names[into]}  # in the ABI: clients need not import the kind
     assert f"In place: out={k.input_names[into]}" in k.__doc__
     ins = make_inputs(kind, k.spec["params"], runtime={"M": 37})
     expected = reference(kind, k.spec["params"], ins)
@@ -308,7 +331,7 @@ SMALL_LLAMA = BlockConfig(hidden=256, heads=4, kv_heads=2, ffn=512, seq_len=128,
 
 @pytest.fixture(scope="module")
 def gpu_block(tmp_path_factory):
-    from compile_service.launch import DaemonProcess
+    from compile_service.tools.launch import DaemonProcess
 
     base = tmp_path_factory.mktemp("gpu-daemon")
     with DaemonProcess(base / "cache", "--target", "sm_90a", workers=4, log_path=base / "daemon.log") as d:
