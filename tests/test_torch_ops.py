@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmark"))
 from llama_block import BlockConfig, ServedBlock, reference, rel_error  # noqa: E402
 
+ZOO = ("attention", "gemm", "rmsnorm", "softmax", "swiglu")  # other test files register more kinds in this process
 ENCODER = BlockConfig(hidden=64, heads=4, kv_heads=2, ffn=96, seq_len=12, dtype="float32", target="c", causal=False)
 
 
@@ -56,8 +57,8 @@ def _fresh_process(code: str, socket) -> str:
 def test_importing_the_client_registers_the_ops_once_torch_is_there():
     code = "import sys, client; print('torch' in sys.modules); import torch, client.torch_ops; print(hasattr(torch.ops.kernel_service, 'gemm'))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split() == ["False", "True"]
-    code = "import torch, client; print(sorted(k for k in kernels_ if hasattr(torch.ops.kernel_service, k)))".replace("kernels_", str(sorted(kernels.kinds())))
-    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip() == str(sorted(kernels.kinds()))
+    code = "import torch, client, kernels; print(all(hasattr(torch.ops.kernel_service, k) for k in kernels.kinds()), len(kernels.kinds()))"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split() == ["True", str(len(ZOO))]
 
 
 # ----- what ML users pass
@@ -217,7 +218,7 @@ def test_help_of_get_kernel_explains_parameters_and_returns():
     text = pydoc.render_doc(client.get_kernel, renderer=pydoc.plaintext)
     for needle in ("Parameters", "Returns", "kind", "target", "torch.dtype", "InvalidSpec", "inference-only"):
         assert needle in text, needle
-    for kind in kernels.kinds():  # every kind's parameters, from its schema
+    for kind in ZOO:  # every kind's parameters, from its schema
         assert f"{kind}(" in text
     assert "trans_b" in text and "residual" in text
     assert client.Client.get_kernel.__doc__ == client.get_kernel.__doc__
