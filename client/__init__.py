@@ -4,14 +4,20 @@
     gemm = client.get_kernel("gemm", M=None, N=4096, K=4096, dtype="float16", target="auto")
     C = gemm(A, B)
 
-Light to import: no TileLang, no compiler. See README for the full API.
+Light to import: no TileLang, no compiler, and torch only once the caller has it.
+See README for the full API.
 """
+
+import sys
 
 from .api import Client, connect, default_client, get_kernel, kinds, prefetch, stats
 from .api import use_shared_inductor_cache_default as use_shared_inductor_cache
 from .inductor import InductorCache
 from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelServiceError, ServiceError, ServiceUnavailable
 from .loader import Kernel
+
+if "torch" in sys.modules:  # the kernels' torch ops (torch.compile, torch.export); else when a kernel loads
+    from . import torch_ops  # noqa: F401
 
 __all__ = [
     "Client",

@@ -53,6 +53,7 @@ def _request(kind: str, params: dict, target: str | None) -> tuple[str, pb.Kerne
         return spec.to_json(), spec_to_proto(spec), spec
     if not isinstance(kind, str) or not isinstance(params, dict):
         raise InvalidSpec("kind", f"expected a kind name and a mapping of parameters, got {kind!r}")
+    params = {name: kernels.spec.plain_any(value) for name, value in params.items()}  # torch.float16 -> "float16", ...
     proto = wire.spec_to_proto(kind, params, target)
     return proto.SerializeToString(deterministic=True).hex(), proto, None
 
@@ -114,10 +115,46 @@ class Client:
 
     # ----- API
     def get_kernel(self, kind: str, *, target: str | None = None, timeout: float | None = None, **params) -> loader.Kernel:
-        """The kernel `kind` with `params`, loaded and callable. Memoized per process.
+        """A served kernel, compiled once per host, loaded and callable on torch tensors.
 
-        Raises InvalidSpec (a ValueError naming the field), CompileError,
-        ServiceUnavailable (a ConnectionError) or ServiceError.
+            gemm = client.get_kernel("gemm", M=None, N=14336, K=4096, dtype=torch.float16, trans_b=True)
+            C = gemm(A, W)                 # A: [M, 4096], W: [14336, 4096] -> C: [M, 14336]
+            gemm(A, W, out=C)              # into a preallocated C
+
+        Parameters
+        ----------
+        kind : str
+            The kernel family: one of the kinds listed below.
+        target : str, optional
+            "auto" (default: the local GPU's arch, e.g. "sm_90a" on Hopper, else "c"),
+            "c" (the CPU), or a CUDA arch ("sm_90a", "sm_80", ...).
+        timeout : float, optional
+            Seconds to wait for the daemon, a cold compile included (default 600).
+        **params
+            The kind's parameters, listed below. Sizes are ints (numpy integers
+            too; never bools); a size given as None is a runtime size, so one
+            kernel serves every value (a batch). dtype is "float16", "bfloat16"
+            or "float32", or the torch.dtype / numpy.dtype of that name.
+            Tiling parameters default per target.
+
+        Returns
+        -------
+        client.Kernel
+            Call it with the input tensors in the order below (contiguous, on
+            the target's device): it returns the output, allocated with
+            torch.empty on the current stream, or writes into `out=`.
+            `k.__doc__` and `inspect.signature(k)` give its inputs' shapes
+            and dtypes; `k.spec` its canonical signature. Kernels are
+            inference-only: an input that requires grad while grad mode is on
+            raises RuntimeError. Under torch.compile and torch.export a call is
+            the custom op torch.ops.kernel_service.<kind>, traced with no graph
+            break. The same signature returns the same object (memoized per
+            process, no RPC).
+
+        Raises
+        ------
+        InvalidSpec (a ValueError; .field names the culprit), CompileError,
+        ServiceUnavailable (a ConnectionError), ServiceError, CorruptArtifact.
         """
         memo_key, proto, spec = _request(kind, params, target)
         kernel = self._memo.get(memo_key)
@@ -219,8 +256,28 @@ def default_client() -> Client:
         return _default
 
 
-def get_kernel(kind: str, *, target: str | None = None, **params) -> loader.Kernel:
-    return default_client().get_kernel(kind, target=target, **params)
+def get_kernel(kind: str, *, target: str | None = None, timeout: float | None = None, **params) -> loader.Kernel:
+    return default_client().get_kernel(kind, target=target, timeout=timeout, **params)
+
+
+def _kinds_doc() -> str:
+    """The kinds and their parameters, from their schemas: the tail of get_kernel's docstring."""
+    lines = ["", "Kinds", "-----"]
+    for name, kind in sorted(kernels.kinds().items()):
+        params = []
+        for p in kind.params:
+            text = p.name if p.default is kernels.spec.REQUIRED else f"{p.name}={p.default!r}"
+            params.append(text)
+        lines.append(f"{name}({', '.join(params)})")
+        lines.append(f"    {kind.doc}")
+        for p in kind.params:
+            if p.doc:
+                lines.append(f"    {p.name}: {p.doc}")
+    return "\n".join("        " + line if line else "" for line in lines) + "\n"
+
+
+Client.get_kernel.__doc__ += _kinds_doc()
+get_kernel.__doc__ = Client.get_kernel.__doc__
 
 
 def prefetch(specs: Iterable[dict], **options) -> list:

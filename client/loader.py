@@ -24,6 +24,7 @@ import ctypes
 import functools
 import hashlib
 import importlib.util
+import inspect
 import itertools
 import json
 import os
@@ -55,6 +56,13 @@ def _torch_dtype(name: str):
     import torch
 
     return getattr(torch, _DTYPES[name])
+
+
+@functools.cache
+def _plain_types() -> frozenset:
+    import torch
+
+    return frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def read_verified(path: Path, sha256: str, size: int) -> bytes:
@@ -121,15 +129,49 @@ def _tvm_runtime() -> None:
         ctypes.CDLL(str(libs / name), mode=ctypes.RTLD_GLOBAL | os.RTLD_LAZY)
 
 
+INFERENCE_ONLY = (
+    "kernel-service kernels are inference-only (no autograd formula): input {name} of {kind} requires grad "
+    "while grad mode is on; call it under torch.inference_mode() or torch.no_grad(), or pass {name}.detach()"
+)
+
+
+def _spec_json(spec: dict) -> str:
+    """The canonical spec's JSON, as kernels.CanonicalSpec.to_json() writes it."""
+    return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+
+
+def _sizes(t) -> tuple:
+    """t's shape for messages: symbolic sizes (a tensor being traced) as the values they stand for."""
+    out = []
+    for d in t.shape:
+        hint = getattr(getattr(d, "node", None), "hint", None)
+        out.append(int(hint) if hint is not None else d)
+    return tuple(out)
+
+
+def _shape_text(shape) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
 class Kernel:
     """A loaded kernel. Call it with the input tensors (in signature order); it
-    allocates and returns the output (or a tuple of outputs)."""
+    allocates and returns the output (or a tuple of outputs), or writes into
+    `out=`. Each instance's own `__doc__` and `inspect.signature` name its
+    inputs with their shapes and dtypes (`help()` on an instance shows this
+    class; read `k.__doc__`).
+
+    Under torch.compile and torch.export, and for inputs that are not plain
+    tensors (fake or meta tensors), a call goes through the torch custom op
+    `torch.ops.kernel_service.<kind>` (see client/torch_ops.py); otherwise it
+    calls the library directly. Both check the inputs the same way.
+    """
 
     def __init__(self, fn, abi: dict, spec: dict, key: str, path: Path, keepalive=None):
         self._fn = fn
         self._keepalive = keepalive  # the ctypes library must outlive its functions
         self.abi = abi
         self.spec = spec
+        self.spec_json = _spec_json(spec)
         self.key = key
         self.path = path
         self.kind = spec["kind"]
@@ -139,13 +181,80 @@ class Kernel:
         self._dtypes = [_torch_dtype(p["dtype"]) for p in params]
         self._lock = threading.Lock() if abi["loader"] == "c" else None
         self.input_names = [params[i]["name"] for i in self._inputs]
+        self.output_names = [params[i]["name"] for i in self._outputs]
+        self.inplace = self._inplace_slots()
+        self.__doc__, self.__signature__ = self._describe()
+        from . import torch_ops  # registers the kind's torch ops (imports torch, which loading needs anyway)
+
+        self._op, self._op_out = torch_ops.ops_for(self)
 
     def __repr__(self) -> str:
         return f"<Kernel {self.kind} {json.dumps(self.spec['params'], sort_keys=True)} target={self.spec['target']}>"
 
-    def _bind_dims(self, inputs) -> tuple[dict, object]:
+    # ----- self-description
+    def _inplace_slots(self) -> dict[int, int]:
+        """{output position: input position} of outputs the kernel may write over an input (abi.inplace)."""
+        pairs = self.abi.get("inplace", {})
+        out_names, in_names = self.output_names, self.input_names
+        return {out_names.index(o): in_names.index(i) for o, i in pairs.items() if o in out_names and i in in_names}
+
+    def shape_of(self, slot: int) -> list:
+        """A parameter's shape, with this kernel's fixed sizes filled in and runtime sizes by name."""
+        fixed = self.abi.get("fixed", {})
+        return [fixed.get(d, d) if isinstance(d, str) else d for d in self.abi["params"][slot]["shape"]]
+
+    def _describe(self) -> tuple[str, inspect.Signature]:
+        params = self.abi["params"]
+        device = self.abi["device"]
+
+        def ann(slot):
+            return f"Tensor{_shape_text(self.shape_of(slot))} {params[slot]['dtype']}"
+
+        try:
+            import kernels
+
+            kind_doc = kernels.get_kind(self.kind).doc
+        except Exception:
+            kind_doc = ""
+        dynamic = [d["name"] for d in self.abi["dynamic"] if d["name"] not in self.abi.get("fixed", {})]
+        outs = ", ".join(self.output_names)
+        lines = [
+            f"{self.kind} kernel for target {self.spec['target']}: {kind_doc}".rstrip(),
+            "",
+            "spec: " + ", ".join(f"{k}={v!r}" for k, v in sorted(self.spec["params"].items())),
+            "",
+            f"{self.kind}({', '.join(self.input_names)}, *, out=None) -> {outs}",
+        ]
+        lines += [f"    {params[s]['name']}: {ann(s)}" for s in self._inputs]
+        lines += [f"    returns {params[s]['name']}: {ann(s)}" for s in self._outputs]
+        lines += [
+            "",
+            f"Inputs: contiguous, on {device}, all on one device."
+            + (f" Runtime sizes: {', '.join(dynamic)} (one value across all inputs)." if dynamic else " Every size is static."),
+            "out=: a preallocated output (a tuple when there are several), contiguous, of the shape and dtype above;"
+            " it is returned. The output is allocated otherwise (torch.empty: the caching allocator, current stream).",
+        ]
+        for o, i in self.inplace.items():
+            lines.append(f"In place: out={self.input_names[i]} writes {self.output_names[o]} over {self.input_names[i]}.")
+        lines += [
+            "Inference only: raises RuntimeError if an input requires grad while grad mode is on.",
+            f"Under torch.compile / torch.export: the op torch.ops.kernel_service.{self.kind} (.out with out=), the spec its first argument.",
+        ]
+        P = inspect.Parameter
+        sig = inspect.Signature(
+            [P(params[s]["name"], P.POSITIONAL_ONLY, annotation=ann(s)) for s in self._inputs]
+            + [P("out", P.KEYWORD_ONLY, default=None, annotation=" | ".join([", ".join(ann(s) for s in self._outputs), "None"]))],
+            return_annotation=", ".join(ann(s) for s in self._outputs),
+        )
+        return "\n".join(lines), sig
+
+    # ----- checks
+    def check_inputs(self, inputs) -> tuple[dict, object]:
+        """The runtime sizes the inputs bind and their device; raises TypeError/ValueError naming the tensor."""
         import torch
 
+        if len(inputs) != len(self._inputs):
+            raise TypeError(f"{self.kind} takes {len(self._inputs)} tensors ({', '.join(self.input_names)}), got {len(inputs)}")
         params = self.abi["params"]
         fixed = self.abi.get("fixed", {})  # runtime dims of a shared build that this kernel's spec fixes
         dims: dict[str, int] = dict(fixed)
@@ -157,7 +266,7 @@ class Kernel:
             if t.dtype != self._dtypes[slot]:
                 raise TypeError(f"{self.kind}: input {p['name']} must be {p['dtype']}, got {str(t.dtype).removeprefix('torch.')}")
             if t.dim() != len(p["shape"]):
-                raise ValueError(f"{self.kind}: input {p['name']} must have {len(p['shape'])} dims {p['shape']}, got shape {tuple(t.shape)}")
+                raise ValueError(f"{self.kind}: input {p['name']} must have {len(p['shape'])} dims {p['shape']}, got shape {_sizes(t)}")
             for axis, (want, got) in enumerate(zip(p["shape"], t.shape)):
                 if isinstance(want, str):
                     if want in fixed and got != fixed[want]:
@@ -165,30 +274,108 @@ class Kernel:
                     if dims.setdefault(want, got) != got:
                         raise ValueError(f"{self.kind}: dim {want} is {dims[want]} elsewhere but {got} in {p['name']} (axis {axis})")
                 elif want != got:
-                    raise ValueError(f"{self.kind}: input {p['name']} must have shape {p['shape']}, got {tuple(t.shape)}")
+                    raise ValueError(f"{self.kind}: input {p['name']} must have shape {p['shape']}, got {_sizes(t)}")
             if not t.is_contiguous():
                 raise ValueError(f"{self.kind}: input {p['name']} must be contiguous")
             if device is None:
                 device = t.device
             elif t.device != device:
                 raise ValueError(f"{self.kind}: all inputs must be on one device; {p['name']} is on {t.device}, others on {device}")
-        if device is not None and device.type != self.abi["device"]:
+        if device is not None and device.type not in (self.abi["device"], "meta"):  # meta: shapes only, through the op's fake
             raise ValueError(f"{self.kind}: this kernel was built for {self.abi['device']}, inputs are on {device}")
         return dims, device
 
-    def __call__(self, *inputs):
+    def output_shapes(self, dims: dict) -> list[list]:
+        params = self.abi["params"]
+        return [[dims[d] if isinstance(d, str) else d for d in params[slot]["shape"]] for slot in self._outputs]
+
+    def check_out(self, out, dims: dict, device) -> list:
+        """`out=` as a list of tensors, checked against the output shapes; raises TypeError/ValueError."""
         import torch
 
-        if len(inputs) != len(self._inputs):
-            raise TypeError(f"{self.kind} takes {len(self._inputs)} tensors ({', '.join(self.input_names)}), got {len(inputs)}")
-        dims, device = self._bind_dims(inputs)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if len(outs) != len(self._outputs):
+            raise TypeError(f"{self.kind}: out= takes {len(self._outputs)} tensor(s) ({', '.join(self.output_names)}), got {len(outs)}")
+        for pos, (t, shape) in enumerate(zip(outs, self.output_shapes(dims))):
+            slot, name = self._outputs[pos], self.output_names[pos]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{self.kind}: out {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != self._dtypes[slot]:
+                raise TypeError(f"{self.kind}: out {name} must be {self.abi['params'][slot]['dtype']}, got {str(t.dtype).removeprefix('torch.')}")
+            if list(t.shape) != list(shape):
+                raise ValueError(f"{self.kind}: out {name} must have shape {tuple(shape)}, got {_sizes(t)}")
+            if not t.is_contiguous():
+                raise ValueError(f"{self.kind}: out {name} must be contiguous")
+            if device is not None and t.device != device:
+                raise ValueError(f"{self.kind}: out {name} is on {t.device}, the inputs on {device}")
+        return outs
+
+    def check_overlap(self, inputs, outs) -> None:
+        """Outputs may not share memory with an input, except the one a kind writes over in place."""
+        def span(t):
+            start = t.data_ptr()
+            return start, start + t.numel() * t.element_size()
+
+        for pos, o in enumerate(outs):
+            if o.numel() == 0:
+                continue
+            lo, hi = span(o)
+            for i, t in enumerate(inputs):
+                tlo, thi = span(t)
+                if t.numel() and lo < thi and tlo < hi:
+                    if self.inplace.get(pos) == i and (tlo, thi) == (lo, hi):
+                        continue
+                    allowed = f"; only {self.input_names[self.inplace[pos]]} may be" if pos in self.inplace else ""
+                    raise ValueError(f"{self.kind}: out {self.output_names[pos]} overlaps input {self.input_names[i]}{allowed}")
+            for other in outs[:pos]:
+                olo, ohi = span(other)
+                if lo < ohi and olo < hi:
+                    raise ValueError(f"{self.kind}: out tensors overlap")
+
+    def check_grad(self, inputs) -> None:
+        import torch
+
+        if torch.is_grad_enabled():
+            for name, t in zip(self.input_names, inputs):
+                if getattr(t, "requires_grad", False):
+                    raise RuntimeError(INFERENCE_ONLY.format(name=name, kind=self.kind))
+
+    # ----- calls
+    def __call__(self, *inputs, out=None):
+        import torch
+
+        if torch.compiler.is_compiling() or not all(type(t) in _plain_types() for t in inputs):
+            return self._call_op(inputs, out)  # traced: the torch op, whose fake derives shapes from the ABI
+        self.check_grad(inputs)
+        return self.run(inputs, out)
+
+    def _call_op(self, inputs, out):
+        if out is None:
+            result = self._op(self.spec_json, list(inputs))
+            return result if len(self._outputs) == 1 else tuple(result)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        self._op_out(self.spec_json, list(inputs), out=outs)
+        return out
+
+    def run(self, inputs, out=None):
+        """Checks and runs on real tensors: the library call behind both paths (no grad check)."""
+        import torch
+
+        dims, device = self.check_inputs(inputs)
+        if device is not None and device.type == "meta":
+            return self._call_op(inputs, out)  # shapes only: the op's Meta kernel is its fake
         params = self.abi["params"]
         args = [None] * len(params)
         for slot, t in zip(self._inputs, inputs):
             args[slot] = t
-        for slot in self._outputs:
-            shape = [dims[d] if isinstance(d, str) else d for d in params[slot]["shape"]]
-            args[slot] = torch.empty(shape, dtype=self._dtypes[slot], device=device)
+        if out is None:
+            for slot, shape in zip(self._outputs, self.output_shapes(dims)):
+                args[slot] = torch.empty(shape, dtype=self._dtypes[slot], device=device)
+        else:
+            outs = self.check_out(out, dims, device)
+            self.check_overlap(inputs, outs)
+            for slot, t in zip(self._outputs, outs):
+                args[slot] = t
         if self.abi["loader"] == "c":
             extra = [_C_INTS[d["dtype"]](dims[d["name"]]) for d in self.abi["dynamic"]]
             with self._lock:  # the generated C keeps its error buffer in a static
@@ -196,7 +383,9 @@ class Kernel:
             if rc != 0:
                 raise RuntimeError(f"{self.kind} kernel returned error {rc}")
         else:
-            self._fn(*args)
+            self._fn(*args)  # TVM-FFI launches on torch's current stream
+        if out is not None:
+            return out
         outs = [args[i] for i in self._outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 

@@ -22,11 +22,32 @@ def activation(T, x, act):
     return x
 
 
+def prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res):
+    """The PrimFunc of the ABI (A, B[, Bias][, R], C) around `body(A, B, Bias, R, C)`."""
+    if has_bias and has_res:
+        @T.prim_func
+        def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), R: T.Tensor((M, N), dtype), C: T.Tensor((M, N), dtype)):
+            body(A, B, Bias, R, C)
+    elif has_bias:
+        @T.prim_func
+        def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), C: T.Tensor((M, N), dtype)):
+            body(A, B, Bias, None, C)
+    elif has_res:
+        @T.prim_func
+        def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), R: T.Tensor((M, N), dtype), C: T.Tensor((M, N), dtype)):
+            body(A, B, None, R, C)
+    else:
+        @T.prim_func
+        def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor((M, N), dtype)):
+            body(A, B, None, None, C)
+    return main
+
+
 @register
 class Gemm(KernelKind):
     name = "gemm"
     warm_up = ({"M": 256, "N": 256, "K": 256, "dtype": "float16", "trans_b": True},)
-    doc = "C[M,N] = act(A[M,K] @ B + bias[N]), with B as [K,N] or, when trans_b, [N,K]."
+    doc = "C[M,N] = act(A[M,K] @ B + bias[N]) + R[M,N], with B as [K,N] or, when trans_b, [N,K]; bias and R optional; C may be written over R."
     params = (
         dim("M", "rows of A and C; None makes it a runtime size", dynamic=True),
         dim("N", "columns of C; None makes it a runtime size", dynamic=True),
@@ -35,12 +56,17 @@ class Gemm(KernelKind):
         Param("trans_b", bool, default=False, doc="B is stored [N, K], the layout of linear weights"),
         Param("bias", bool, default=False, doc="add a bias[N] input (after B) to every row"),
         Param("act", str, default="none", choices=ACTS, doc="activation applied in the epilogue (gelu is the exact erf form)"),
+        Param("residual", bool, default=False, doc="add an R[M,N] input (last) after the activation; `out=R` updates it in place"),
         tile("block_M"),
         tile("block_N"),
         tile("block_K"),
         tile("num_stages", "shared-memory pipeline depth (CUDA only)"),
         tile("threads", "threads per block: 128 or 256 (CUDA only)"),
     )
+
+    def inplace(self, p):
+        # Each block reads its tile of R in the epilogue, before it stores that tile of C.
+        return {"C": "R"} if p["residual"] else {}
 
     def check(self, p, target):
         cuda_only(p, target, "num_stages", "threads")
@@ -89,8 +115,8 @@ class Gemm(KernelKind):
         # TileLang lowers a static size of a single tile otherwise, and a bias reads N.
         if target.is_cpu or target.compute_capability < 90:
             return ()
-        if any(p[d] is not None and p[d] <= p[f"block_{d}"] for d in ("M", "N")):
-            return ()
+        if p["residual"] or any(p[d] is not None and p[d] <= p[f"block_{d}"] for d in ("M", "N")):
+            return ()  # a residual's tile is read by TMA too, but that claim is not checked (tests/test_shared_builds.py)
         return ("M",) if p["bias"] else ("M", "N")
 
     def build_cpu(self, p):
@@ -100,11 +126,11 @@ class Gemm(KernelKind):
         N = p["N"] if p["N"] is not None else T.dynamic("N")
         K, dtype = p["K"], p["dtype"]
         bm, bn, bk = p["block_M"], p["block_N"], p["block_K"]
-        trans_b, act, has_bias = p["trans_b"], p["act"], p["bias"]
+        trans_b, act, has_bias, has_res = p["trans_b"], p["act"], p["bias"], p["residual"]
         b_shape = (N, K) if trans_b else (K, N)
 
         @T.macro
-        def body(A, B, Bias, C):
+        def body(A, B, Bias, R, C):
             with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm)) as (bx, by):
                 acc = T.alloc_local((bm, bn), "float32")
                 for i, j in T.grid(bm, bn):
@@ -122,17 +148,12 @@ class Gemm(KernelKind):
                     if row < M and col < N:
                         if has_bias:
                             acc[i, j] += Bias[col]
-                        C[row, col] = activation(T, acc[i, j], act)
+                        if has_res:
+                            C[row, col] = activation(T, acc[i, j], act) + R[row, col]
+                        else:
+                            C[row, col] = activation(T, acc[i, j], act)
 
-        if has_bias:
-            @T.prim_func
-            def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), C: T.Tensor((M, N), dtype)):
-                body(A, B, Bias, C)
-        else:
-            @T.prim_func
-            def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor((M, N), dtype)):
-                body(A, B, None, C)
-        return main
+        return prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res)
 
     def build_cuda(self, p, target: Target):
         import tilelang.language as T
@@ -141,12 +162,12 @@ class Gemm(KernelKind):
         N = p["N"] if p["N"] is not None else T.dynamic("N")
         K, dtype = p["K"], p["dtype"]
         bm, bn, bk = p["block_M"], p["block_N"], p["block_K"]
-        trans_b, act, has_bias = p["trans_b"], p["act"], p["bias"]
+        trans_b, act, has_bias, has_res = p["trans_b"], p["act"], p["bias"], p["residual"]
         b_shape = (N, K) if trans_b else (K, N)
         b_tile = (bn, bk) if trans_b else (bk, bn)
 
         @T.macro
-        def body(A, B, Bias, C):
+        def body(A, B, Bias, R, C):
             with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=p["threads"]) as (bx, by):
                 A_s = T.alloc_shared((bm, bk), dtype)
                 B_s = T.alloc_shared(b_tile, dtype)
@@ -167,25 +188,27 @@ class Gemm(KernelKind):
                         if has_bias:  # clamped: columns past N are computed but never stored
                             C_f[i, j] += T.cast(Bias[T.min(bx * bn + j, N - 1)], "float32")
                         C_f[i, j] = activation(T, C_f[i, j], act)
+                if has_res:
+                    # The residual's tile comes in through shared memory (TMA on Hopper), coalesced;
+                    # it is read whole before this block stores its tile of C: C may be R.
+                    T.copy(R[by * bm, bx * bn], C_s)
+                    for i, j in T.Parallel(bm, bn):
+                        C_f[i, j] += T.cast(C_s[i, j], "float32")
                 # Staging through shared memory makes the store coalesced (TMA on Hopper).
                 T.copy(C_f, C_s)
                 T.copy(C_s, C[by * bm, bx * bn])
 
-        if has_bias:
-            @T.prim_func
-            def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), C: T.Tensor((M, N), dtype)):
-                body(A, B, Bias, C)
-        else:
-            @T.prim_func
-            def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor((M, N), dtype)):
-                body(A, B, None, C)
-        return main
+        return prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res)
 
     def inputs(self, p, randn, size):
         scale = 1 / math.sqrt(p["K"])  # keeps 16-bit outputs well inside range
         b_shape = (p["N"], p["K"]) if p["trans_b"] else (p["K"], p["N"])
         ins = [randn(size("M"), p["K"]), randn(*b_shape, scale=scale)]
-        return ins + [randn(p["N"])] if p.get("bias") else ins
+        if p.get("bias"):
+            ins.append(randn(p["N"]))
+        if p.get("residual"):
+            ins.append(randn(size("M"), p["N"]))
+        return ins
 
     def reference(self, p, x):
         import torch.nn.functional as F
@@ -195,4 +218,5 @@ class Gemm(KernelKind):
         if p.get("bias"):
             out = out + x[2]
         act = p.get("act", "none")
-        return {"none": lambda t: t, "relu": F.relu, "silu": F.silu, "gelu": lambda t: F.gelu(t, approximate="none")}[act](out)
+        out = {"none": lambda t: t, "relu": F.relu, "silu": F.silu, "gelu": lambda t: F.gelu(t, approximate="none")}[act](out)
+        return out + x[-1] if p.get("residual") else out

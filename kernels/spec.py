@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import numbers
 import re
 import subprocess
 from dataclasses import dataclass
@@ -112,6 +113,7 @@ class Param:
             if self.nullable:
                 return None
             raise InvalidSpec(self.name, "must not be None")
+        value = plain(value, self.type)
         # bool is an int subclass; a size given as True is a bug, not a 1.
         if self.type is int and (isinstance(value, bool) or not isinstance(value, int)):
             raise InvalidSpec(self.name, f"expected an integer, got {value!r}")
@@ -132,6 +134,52 @@ class Param:
         if self.max is not None and value > self.max:
             raise InvalidSpec(self.name, f"must be at most {self.max}, got {value!r}")
         return value
+
+
+def _dtype_name(value: Any) -> str | None:
+    """"float16" for torch.float16 or numpy.dtype("float16"), None for anything else (imports neither)."""
+    module = type(value).__module__.split(".")[0]
+    if module == "torch" and type(value).__name__ == "dtype":
+        return str(value).removeprefix("torch.")
+    if module == "numpy" and hasattr(value, "itemsize") and isinstance(getattr(value, "name", None), str) and not isinstance(value, type):
+        return value.name  # numpy.dtype("float16") (a numpy.dtypes.Float16DType)
+    return None
+
+
+def plain(value: Any, want: type) -> Any:
+    """What ML code passes, as the JSON-plain value a canonical spec holds: numpy integers and
+    floats become int and float, numpy bools bool, torch and numpy dtypes their names
+    ("float16"). Python bools stay bools: a size given as True is still refused."""
+    if want is str:
+        name = _dtype_name(value)
+        return value if name is None else name
+    if isinstance(value, (bool, str)) or value is None:
+        return value
+    if want is bool:
+        return bool(value) if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_") else value
+    if isinstance(value, numbers.Integral):
+        return int(value)  # numpy.int64(4096) -> 4096; numpy bools are not Integral
+    if want is float and isinstance(value, numbers.Real) and not isinstance(value, float):
+        return float(value)  # numpy.float32
+    if isinstance(value, float) and type(value) is not float:
+        return float(value)  # numpy.float64, a float subclass
+    return value
+
+
+def plain_any(value: Any) -> Any:
+    """plain() without a schema, for a kind this process does not know (the daemon validates it):
+    dtypes become names, numpy numbers Python numbers, anything else stays as it is."""
+    if _dtype_name(value) is not None:
+        return _dtype_name(value)
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    if isinstance(value, (bool, str, int, float)) or value is None:
+        return plain(value, float) if isinstance(value, float) else value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def dim(name: str, doc: str = "", dynamic: bool = False) -> Param:
@@ -201,6 +249,14 @@ class KernelKind:
     def check(self, p: dict, target: Target) -> dict | None:
         """Cross-field rules and default tilings; raise InvalidSpec, or return an updated dict."""
         return None
+
+    def inplace(self, p: dict) -> dict[str, str]:
+        """Outputs the kernel may write over one of its inputs, {output: input} by buffer name:
+        every element of the output is written only after the elements of that input it
+        depends on were read (row kernels, elementwise epilogues). It travels in the ABI
+        (`abi.inplace`), so a client that never imports the kind takes that input as `out=`
+        (an in-place update, e.g. a residual stream); any other overlap is refused."""
+        return {}
 
     def host_side_dims(self, p: dict, target: Target) -> tuple[str, ...]:
         """Dims that reach only the host code on `target` (a grid size, a TMA descriptor), never

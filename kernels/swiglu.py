@@ -27,6 +27,9 @@ class SwiGLU(KernelKind):
         tile("block_N", "columns per block"),
     )
 
+    def inplace(self, p):
+        return {"Y": "G"}  # elementwise: each element read, then written, by one thread
+
     def check(self, p, target):
         # GPU: 8x1024 per block of 256 threads is 32 elements (four 16-byte vectors) per thread.
         bm, bn = (4, 64) if target.is_cpu else (8, 1024)

@@ -12,7 +12,10 @@ not check, and the client's loader calls the library by them. An ABI, as JSON:
      "outputs": [2],                 indices into params the caller allocates and gets back
      "dynamic": [{"name": "M", "dtype": "int32"}],
                                      runtime sizes in the order the C loader passes them
-     "fixed":   {"M": 256}}          optional: runtime dims this spec fixes (a shared build's copy)
+     "fixed":   {"M": 256},          optional: runtime dims this spec fixes (a shared build's copy)
+     "inplace": {"C": "R"}}          optional: outputs the kernel may write over an input of the same
+                                     shape and dtype (KernelKind.inplace), by param name: the client
+                                     takes that input as `out=`, an in-place update
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ class AbiError(ValueError):
     """An ABI or entry metadata that a loader could not safely call."""
 
 
-def make(loader: str, symbol: str, params: list[dict], outputs: list[int], dynamic: list[dict]) -> dict:
+def make(loader: str, symbol: str, params: list[dict], outputs: list[int], dynamic: list[dict], inplace: dict[str, str] | None = None) -> dict:
     abi = {"loader": loader, "symbol": symbol, "device": LOADERS.get(loader, "?"), "params": params, "outputs": outputs, "dynamic": dynamic}
+    if inplace:
+        abi["inplace"] = dict(inplace)
     check(abi)
     return abi
 
@@ -73,6 +78,16 @@ def check(abi) -> None:
     fixed = abi.get("fixed", {})
     if not isinstance(fixed, dict) or not all(isinstance(k, str) and _is_int(v) for k, v in fixed.items()):
         raise AbiError("abi.fixed is not a mapping of dims to ints")
+    inplace = abi.get("inplace", {})
+    if not isinstance(inplace, dict):
+        raise AbiError("abi.inplace is not a mapping of output names to input names")
+    by_name = {p["name"]: (i, p) for i, p in enumerate(abi["params"])}
+    for out, into in inplace.items():
+        o, i = by_name.get(out), by_name.get(into)
+        if o is None or i is None or o[0] not in abi["outputs"] or i[0] in abi["outputs"]:
+            raise AbiError(f"abi.inplace {out!r} -> {into!r} must name an output and an input")
+        if (o[1]["dtype"], o[1]["shape"]) != (i[1]["dtype"], i[1]["shape"]):
+            raise AbiError(f"abi.inplace {out!r} -> {into!r}: an output can be written only over an input of its shape and dtype")
 
 
 def check_entry_meta(meta) -> None:

@@ -63,6 +63,19 @@ def test_gemm_act_without_bias_and_custom_tiles(cpu_kernel):
     close(k(a, b), F.silu(a @ b))
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_residual_after_the_activation_and_in_place(cpu_kernel, bias):
+    k = cpu_kernel("gemm", M=None, N=None, K=24, dtype="float32", bias=bias, act="gelu", residual=True)
+    assert k.input_names == ["A", "B", "Bias", "R"] if bias else ["A", "B", "R"]
+    for M, N in ((3, 40), (77, 9)):
+        a, b, r = torch.randn(M, 24), torch.randn(24, N), torch.randn(M, N)
+        extra = [torch.randn(N)] if bias else []
+        want = F.gelu(a @ b + (extra[0] if bias else 0)) + r
+        close(k(a, b, *extra, r), want)
+        k(a, b, *extra, r, out=r)  # the residual update: r += gelu(a @ b + bias)
+        close(r, want)
+
+
 # --- attention --------------------------------------------------------------
 
 def attention_ref(q, k, v, causal):

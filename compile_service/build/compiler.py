@@ -186,7 +186,7 @@ def _shape(dims) -> list:
     return out
 
 
-def call_abi(func, outputs: tuple[int, ...], target) -> dict:
+def call_abi(func, outputs: tuple[int, ...], target, inplace: dict[str, str] | None = None) -> dict:
     """How to call the built library, read off the PrimFunc."""
     from tvm import tirx
 
@@ -210,6 +210,7 @@ def call_abi(func, outputs: tuple[int, ...], target) -> dict:
             params=params,
             outputs=sorted(i % n for i in outputs),
             dynamic=[{"name": name, "dtype": dtype} for name, dtype in dynamic.items()],
+            inplace=inplace,
         )
     except call_abi_schema.AbiError as exc:
         raise CompileFailed(f"the kernel's call ABI is not one the loader can call: {exc}") from None
@@ -234,7 +235,7 @@ def build(spec_json: str, staging: str) -> dict:
     _device["seconds"], _device["compiled"] = 0.0, None
     try:
         func = kind.build(dict(spec["params"]), target)
-        abi = call_abi(func, kind.outputs, target)
+        abi = call_abi(func, kind.outputs, target, kind.inplace(dict(spec["params"])))
         traced = time.perf_counter()
         # No out_idx: the caller allocates outputs, which keeps one plain ABI
         # for both loaders (TileLang's tvm_ffi path would otherwise switch to

@@ -1,0 +1,182 @@
+"""Served kernels as torch custom ops: torch.compile (fullgraph, dynamic shapes), CUDA graphs, torch.export.
+
+One op per kernel kind, in the namespace `kernel_service`, with two overloads:
+
+    kernel_service::<kind>(str spec, Tensor[] inputs) -> Tensor               (Tensor[] if the kind has several outputs)
+    kernel_service::<kind>.out(str spec, Tensor[] inputs, *, Tensor(a!)[] out) -> ()
+
+`spec` is the kernel's canonical spec as JSON (`Kernel.spec_json`, the client's
+memo key): a constant string in a traced graph, so a graph or an exported
+program names every kernel it calls completely, and any process can resolve it.
+Resolution (`kernel_for`) is memoized per process: a kernel this process loaded
+through any client, else `client.get_kernel` on the default connection
+($KERNEL_SERVICE_SOCKET), which a warm cache answers without compiling.
+
+Why per kind, with the spec as an argument: an op per built kernel would put
+thousands of ops, named by hashes, in one namespace, each to be registered
+again before a saved program could even be loaded; one op for everything would
+show every kernel as the same `call` in graphs and profiles. Per kind, a graph
+reads `kernel_service.gemm(...)`, profiles group by kind, and the set of ops is
+fixed by the kinds the client knows (registered at import; a kind registered
+later gets its ops when its first kernel loads).
+
+The fake (meta) implementation runs the loader's own input checks on fake
+tensors and allocates outputs from the ABI: runtime dims (a dynamic M) stay
+symbolic, static dims specialize (guard) to the ABI's values, so a compiled
+function recompiles only where a kernel's sizes demand it. The real
+implementations allocate outputs with torch.empty (PyTorch's caching allocator)
+and launch on the current stream, so CUDA-graph capture, plain or through
+torch.compile(mode="reduce-overhead"), records them. The Autograd kernel refuses
+inputs that would record grad: the kernels are inference-only.
+
+Importing this module imports torch and registers the ops of every known kind;
+`import client` does so when torch is already imported, and loading any kernel does.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import torch
+
+import kernels
+
+from .loader import INFERENCE_ONLY, Kernel
+
+NAMESPACE = "kernel_service"
+
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+_ops: dict[str, tuple] = {}  # kind -> (default overload, out overload)
+_n_outputs: dict[str, int] = {}
+_kernels: dict[str, Kernel] = {}  # canonical spec JSON -> the loaded kernel
+_lock = threading.RLock()
+
+
+def _layout_tag() -> list:
+    # Inductor must hand the kernels dense row-major inputs, never its padded-stride buffers.
+    for name in ("needs_contiguous_strides", "needs_exact_strides", "needs_fixed_stride_order"):
+        if hasattr(torch.Tag, name):
+            return [getattr(torch.Tag, name)]
+    return []
+
+
+def remember(kernel: Kernel) -> Kernel:
+    """Makes `kernel` the one its spec resolves to in this process (the first loaded wins)."""
+    with _lock:
+        return _kernels.setdefault(kernel.spec_json, kernel)
+
+
+def kernel_for(spec_json: str) -> Kernel:
+    """The kernel a spec names: one loaded in this process, else fetched through the default client."""
+    kernel = _kernels.get(spec_json)
+    if kernel is not None:
+        return kernel
+    try:
+        spec = json.loads(spec_json)
+        kind, target, params = spec["kind"], spec["target"], dict(spec["params"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"kernel_service op: not a canonical kernel spec: {spec_json[:200]!r} ({exc})") from None
+    from .api import default_client
+
+    kernel = default_client().get_kernel(kind, target=target, **params)
+    if kernel.spec_json != spec_json:  # a spec from another version of the kernels: not what the graph meant
+        raise ValueError(f"kernel_service op: spec {spec_json} canonicalizes to {kernel.spec_json} in this process (another version of the kernels?)")
+    return remember(kernel)
+
+
+def _kernel(kind: str, spec_json: str) -> Kernel:
+    kernel = kernel_for(spec_json)
+    if kernel.kind != kind:
+        raise ValueError(f"kernel_service::{kind} called with a spec of kind {kernel.kind!r}")
+    return kernel
+
+
+def _check_grad(kind: str, spec_json: str, inputs, outs=()) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *outs)):
+        kernel = _kernel(kind, spec_json)  # only now: for the names in the message
+        kernel.check_grad(inputs)
+        for name, t in zip(kernel.output_names, outs):
+            if t.requires_grad:
+                raise RuntimeError(INFERENCE_ONLY.format(name=f"out {name}", kind=kind))
+
+
+def register_kind(kind: str, n_outputs: int = 1) -> tuple:
+    """Defines kernel_service::<kind> and its .out overload (once per process); returns both overloads.
+
+    Kinds this process imports are registered with the client; a kind only the daemon
+    serves (a plugin) gets its ops when its first kernel loads. A fresh process that
+    loads a saved program calling such a kind registers it first: register_kind(name)."""
+    with _lock:
+        if kind in _ops:
+            if _n_outputs[kind] != n_outputs:
+                raise ValueError(f"kernel_service::{kind} was registered for {_n_outputs[kind]} output(s), this kernel has {n_outputs}")
+            return _ops[kind]
+        if not kind.isidentifier():
+            raise ValueError(f"kind {kind!r} cannot name a torch op (not an identifier)")
+        multi = n_outputs != 1
+        _lib.define(f"{kind}(str spec, Tensor[] inputs) -> {'Tensor[]' if multi else 'Tensor'}", tags=_layout_tag())
+        _lib.define(f"{kind}.out(str spec, Tensor[] inputs, *, Tensor(a!)[] out) -> ()", tags=_layout_tag())
+        packet = getattr(getattr(torch.ops, NAMESPACE), kind)
+        default, out_op = packet.default, packet.out
+
+        def impl(spec, inputs):
+            result = _kernel(kind, spec).run(inputs)
+            return list(result) if multi else result
+
+        def impl_out(spec, inputs, *, out):
+            _kernel(kind, spec).run(inputs, out)
+
+        def fake(spec, inputs):
+            kernel = _kernel(kind, spec)
+            dims, device = kernel.check_inputs(inputs)  # on fake tensors: static dims guard, runtime dims stay symbolic
+            device = device or torch.device(kernel.abi["device"])
+            outs = [torch.empty(shape, dtype=kernel._dtypes[slot], device=device) for slot, shape in zip(kernel._outputs, kernel.output_shapes(dims))]
+            return outs if multi else outs[0]
+
+        def fake_out(spec, inputs, *, out):
+            kernel = _kernel(kind, spec)
+            dims, device = kernel.check_inputs(inputs)
+            kernel.check_out(out, dims, device)
+
+        def autograd(spec, inputs):
+            _check_grad(kind, spec, inputs)
+            with torch._C._AutoDispatchBelowAutograd():
+                return default(spec, inputs)
+
+        def autograd_out(spec, inputs, *, out):
+            _check_grad(kind, spec, inputs, out)
+            with torch._C._AutoDispatchBelowAutograd():
+                out_op(spec, inputs, out=out)
+            for t in out:  # what ADInplaceOrView would do: saved tensors see the write
+                if not t.is_inference():
+                    torch.autograd.graph.increment_version(t)
+
+        for key in ("CPU", "CUDA"):
+            _lib.impl(kind, impl, key)
+            _lib.impl(f"{kind}.out", impl_out, key)
+        _lib.impl(kind, autograd, "Autograd")
+        _lib.impl(f"{kind}.out", autograd_out, "Autograd")
+        torch.library.register_fake(f"{NAMESPACE}::{kind}", fake, lib=_lib)
+        torch.library.register_fake(f"{NAMESPACE}::{kind}.out", fake_out, lib=_lib)
+        _ops[kind] = (default, out_op)
+        _n_outputs[kind] = n_outputs
+        return _ops[kind]
+
+
+def ops_for(kernel: Kernel) -> tuple:
+    """The kind's two overloads for a freshly loaded kernel, which becomes its spec's kernel here."""
+    ops = register_kind(kernel.kind, len(kernel._outputs))
+    remember(kernel)
+    return ops
+
+
+def register_all() -> None:
+    """Registers the ops of every kind this process knows."""
+    for name, kind in kernels.kinds().items():
+        register_kind(name, len(kind.outputs))
+
+
+register_all()
+
+__all__ = ["NAMESPACE", "kernel_for", "register_all", "register_kind", "remember"]
