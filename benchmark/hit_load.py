@@ -15,6 +15,12 @@ client threads (one channel each) issuing `--requests` GetKernel calls in total:
   floor  the same client load against a gRPC server process that answers every
          GetKernel with one canned reply (a real hit's, recorded first) and does
          nothing else: what Python gRPC alone costs on this machine, side by side.
+  direct the same hits as the client makes them: no RPC; the key computed from the
+         fingerprint the daemon reports once, the entry found and its record
+         checked on disk (client.loader.find_published), its directory's mtime
+         set for eviction. The daemon's GetKernel counters must not move.
+         `--direct-processes P` spreads the threads over P processes (agents are
+         processes; one process measures its own GIL as much as the path).
 
 Every answer is checked to be the kernel asked for (its canonical spec); every
 `--check-every`-th answer's library is also read and verified like a loader
@@ -45,7 +51,8 @@ import grpc  # noqa: E402
 import kernels  # noqa: E402
 from client.api import spec_to_proto  # noqa: E402
 from client.errors import CorruptArtifact  # noqa: E402
-from client.loader import read_verified  # noqa: E402
+from client.loader import find_published, read_verified  # noqa: E402
+from proto import keys  # noqa: E402
 from compile_service.tools.launch import DaemonProcess  # noqa: E402
 from proto.kernelservice.v1 import kernel_service_pb2 as pb  # noqa: E402
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc  # noqa: E402
@@ -55,6 +62,112 @@ KINDS = ("rmsnorm", "softmax", "swiglu")
 
 def working_set(n: int, base: int) -> list[kernels.CanonicalSpec]:
     return [kernels.canonicalize(KINDS[i % 3], {"M": None, "N": base + 8 * i, "dtype": "float32"}, "c") for i in range(n)]
+
+
+def _summary(lat: list[float], wall: float, requests: int, threads: int, tally: dict, errors: list) -> dict:
+    lat = sorted(lat)
+
+    def pct(q: float) -> float:
+        return lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3 if lat else float("nan")
+
+    return {
+        "requests": requests,
+        "threads": threads,
+        "seconds": round(wall, 3),
+        "throughput_rps": round(requests / wall, 1),
+        "p50_ms": round(pct(0.50), 3),
+        "p99_ms": round(pct(0.99), 3),
+        "max_ms": round(lat[-1] * 1e3, 3) if lat else None,
+        **tally,
+        "error_samples": errors[:5],
+    }
+
+
+def direct_hits(cache_root: str, fingerprint: dict, spec_jsons: list[str], threads: int, per_thread: list[int], check_every: int, start, out) -> None:
+    """One process of the direct phase: `threads` threads finding entries on disk as the client does."""
+    import random as random_
+
+    expected = [json.loads(s) for s in spec_jsons]
+    root = Path(cache_root)
+    latencies: list[list[float]] = [[] for _ in range(threads)]
+    tally = {"errors": 0, "wrong": 0, "checked": 0, "gone": 0}
+    errors: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(threads + 1)
+
+    def worker(t: int) -> None:
+        rng = random_.Random(t)
+        key_of: dict[str, str] = {}  # the client memoizes keys per spec
+        mine, local = latencies[t], dict.fromkeys(tally, 0)
+        barrier.wait()
+        for n in range(per_thread[t]):
+            i = rng.randrange(len(spec_jsons))
+            t0 = time.perf_counter()
+            text = spec_jsons[i]
+            key = key_of.get(text)
+            if key is None:
+                key = key_of[text] = keys.cache_key(text, keys.toolchain(fingerprint, expected[i]["kind"], "c"))
+            found = find_published(root, key, expected[i])
+            if found is not None:
+                try:
+                    os.utime(found.path)
+                except OSError:
+                    found = None
+            mine.append(time.perf_counter() - t0)
+            if found is None:
+                local["errors"] += 1
+                with lock:
+                    errors.append(f"no entry found for {text}")
+            elif found.meta["spec"] != expected[i]:
+                local["wrong"] += 1
+            elif n % check_every == 0:
+                try:
+                    read_verified(found.path / found.library, found.library_sha256, found.library_size)
+                    local["checked"] += 1
+                except CorruptArtifact as exc:
+                    local["wrong"] += 1
+                    with lock:
+                        errors.append(f"wrong artifact: {exc}")
+        with lock:
+            for k, v in local.items():
+                tally[k] += v
+
+    pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    start.wait()  # every process starts together
+    barrier.wait()
+    for th in pool:
+        th.join()
+    out.put({"latencies": [x for part in latencies for x in part], "tally": tally, "errors": errors[:5]})
+
+
+def run_direct(address: str, specs, threads: int, processes: int, requests: int, check_every: int) -> dict:
+    with grpc.insecure_channel(address) as channel:  # the one RPC: what the client asks once
+        info = pb_grpc.KernelServiceStub(channel).GetServiceInfo(pb.GetServiceInfoRequest(), timeout=30)
+    fingerprint = json.loads(info.key_fingerprint_json)
+    per_thread = [requests // threads + (i < requests % threads) for i in range(threads)]
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Barrier(processes + 1), ctx.Queue()
+    share = [threads // processes + (p < threads % processes) for p in range(processes)]
+    procs, first = [], 0
+    for p in range(processes):
+        mine = per_thread[first : first + share[p]]
+        first += share[p]
+        args = (info.cache_dir, fingerprint, [s.to_json() for s in specs], share[p], mine, check_every, start, out)
+        procs.append(ctx.Process(target=direct_hits, args=args))
+        procs[-1].start()
+    start.wait()
+    t0 = time.perf_counter()
+    parts = [out.get(timeout=600) for _ in procs]
+    wall = time.perf_counter() - t0
+    for proc in procs:
+        proc.join(30)
+    tally = {k: sum(part["tally"][k] for part in parts) for k in parts[0]["tally"]}
+    lat = [x for part in parts for x in part["latencies"]]
+    result = _summary(lat, wall, requests, threads, tally, [e for part in parts for e in part["errors"]])
+    result["processes"] = processes
+    return result
 
 
 def run_phase(address: str, specs, pick, threads: int, requests: int, check_every: int) -> dict:
@@ -113,22 +226,7 @@ def run_phase(address: str, specs, pick, threads: int, requests: int, check_ever
     for th in pool:
         th.join()
     wall = time.perf_counter() - t0
-    lat = sorted(x for part in latencies for x in part)
-
-    def pct(q: float) -> float:
-        return lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3 if lat else float("nan")
-
-    return {
-        "requests": requests,
-        "threads": threads,
-        "seconds": round(wall, 3),
-        "throughput_rps": round(requests / wall, 1),
-        "p50_ms": round(pct(0.50), 3),
-        "p99_ms": round(pct(0.99), 3),
-        "max_ms": round(lat[-1] * 1e3, 3) if lat else None,
-        **tally,
-        "error_samples": errors[:5],
-    }
+    return _summary([x for part in latencies for x in part], wall, requests, threads, tally, errors)
 
 
 class CannedServicer(pb_grpc.KernelServiceServicer):
@@ -159,7 +257,7 @@ def serve_canned(socket: str, reply: bytes, ready) -> None:
 def stats(address: str) -> dict:
     with grpc.insecure_channel(address) as channel:
         s = pb_grpc.KernelServiceStub(channel).GetStats(pb.GetStatsRequest(), timeout=30)
-    return {name: getattr(s, name, 0) for name in ("hits", "misses", "compiles", "evictions", "entries", "corrupt", "failures")}
+    return {name: getattr(s, name, 0) for name in ("hits", "misses", "invalid", "compiles", "evictions", "entries", "corrupt", "failures")}
 
 
 def delta(before: dict, after: dict) -> dict:
@@ -179,6 +277,7 @@ def main() -> int:
     parser.add_argument("--check-every", type=int, default=50, help="verify the library of every Nth answer per thread (default 50)")
     parser.add_argument("--no-evict", action="store_true", help="skip the eviction phase")
     parser.add_argument("--no-floor", action="store_true", help="skip the canned-reply gRPC floor phase")
+    parser.add_argument("--direct-processes", default="1,4", help="direct phase: processes the threads are spread over, a comma-separated list to run it once per count (default 1,4)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     if args.max_entries >= args.hot + args.cold:
@@ -197,6 +296,11 @@ def main() -> int:
             before = stats(address)
             results["hits"] = run_phase(address, specs, lambda rng: rng.randrange(len(specs)), args.threads, args.requests, args.check_every)
             results["hits"]["daemon"] = delta(before, stats(address))
+            for count in [int(p) for p in args.direct_processes.split(",") if p.strip()]:
+                before = stats(address)
+                name = "direct" if count == 1 else f"direct_{count}p"
+                results[name] = run_direct(address, specs, args.threads, count, args.requests, args.check_every)
+                results[name]["daemon"] = delta(before, stats(address))  # hits and misses must not move: no GetKernel
             with grpc.insecure_channel(address) as channel:  # the floor's canned reply: a real hit
                 reply = pb_grpc.KernelServiceStub(channel).GetKernel(pb.GetKernelRequest(spec=spec_to_proto(specs[0])), timeout=60)
         finally:
@@ -237,11 +341,11 @@ def main() -> int:
                 daemon.stop()
 
     cols = ("requests", "threads", "seconds", "throughput_rps", "p50_ms", "p99_ms", "max_ms", "errors", "wrong", "checked", "gone")
-    print(f"{'phase':<6} " + " ".join(f"{c:>14}" for c in cols) + "   daemon")
+    print(f"{'phase':<10} " + " ".join(f"{c:>14}" for c in cols) + "   daemon")
     for phase, r in results.items():
         d = r["daemon"]
         counters = f"compiles={d['compiles']} evictions={d['evictions']} hits={d['hits']} entries={d['entries']}" if d else "(no daemon: canned replies)"
-        print(f"{phase:<6} " + " ".join(f"{r[c]!s:>14}" for c in cols) + f"   {counters}")
+        print(f"{phase:<10} " + " ".join(f"{r[c]!s:>14}" for c in cols) + f"   {counters}")
         for sample in r["error_samples"]:
             print(f"       error: {sample}")
     if args.json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import threading
@@ -14,7 +15,7 @@ import grpc
 from google.protobuf import json_format
 
 import kernels
-from proto import wire
+from proto import keys, wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 from proto.paths import default_socket, socket_address
@@ -24,38 +25,29 @@ from . import loader
 from .errors import CompileError, InvalidSpec, ServiceError, ServiceUnavailable
 from .inductor import InductorCache, use_shared_inductor_cache
 
+log = logging.getLogger(__name__)
+
 GET_TIMEOUT = 600.0  # a cold kernel can wait behind a queue of compiles
 STATS_TIMEOUT = 10.0
-RETRY_WINDOW = 30.0  # how long UNAVAILABLE is retried once a daemon has answered
+NO_DAEMON_WINDOW = 2.0  # how long UNAVAILABLE is retried when no daemon ever answered this client
+RECONNECT_WINDOW = 30.0  # ... and once one has (a restart takes seconds)
+SLOW_GET = 1.0  # a get_kernel that waits longer than this says why, at INFO
 
 
 def spec_to_proto(spec: kernels.CanonicalSpec) -> pb.KernelSpec:
     return wire.spec_to_proto(spec.kind, spec.params, str(spec.target))
 
 
-def _raise_for(err: grpc.RpcError, what: str):
+def _raise_for(err: grpc.RpcError, what: str, address: str = "", waited: float | None = None):
     code, details = err.code(), err.details() or ""
     if code == Status.INVALID_SPEC:
         raise wire.invalid_spec_from_details(details) from None
     if code == Status.COMPILE_FAILED:
         raise CompileError(f"{what} failed to compile:\n{details}") from None
-    if code == Status.UNAVAILABLE:
-        raise ServiceUnavailable(f"kernel service unavailable: {details}") from None
+    if code in Status.RETRYABLE:
+        tried = f" (retried for {waited:.1f} s)" if waited else ""
+        raise ServiceUnavailable(f"no kernel service answers at {address}{tried}: {details}; start one with `kernel-service serve`") from None
     raise ServiceError(f"{what}: {code.name}: {details}", code.name) from None
-
-
-def _request(kind: str, params: dict, target: str | None) -> tuple[str, pb.KernelSpec, kernels.CanonicalSpec | None]:
-    """(memo key, wire spec, canonical spec) of a request. Kinds this process knows are validated
-    here; others (a plugin the daemon serves, which the agent never imports) go as given and the
-    daemon validates them."""
-    if kind in kernels.kinds():
-        spec = kernels.canonicalize(kind, params, target)
-        return spec.to_json(), spec_to_proto(spec), spec
-    if not isinstance(kind, str) or not isinstance(params, dict):
-        raise InvalidSpec("kind", f"expected a kind name and a mapping of parameters, got {kind!r}")
-    params = {name: kernels.spec.plain_any(value) for name, value in params.items()}  # torch.float16 -> "float16", ...
-    proto = wire.spec_to_proto(kind, params, target)
-    return proto.SerializeToString(deterministic=True).hex(), proto, None
 
 
 class Client:
@@ -64,15 +56,33 @@ class Client:
     `fallback=True` compiles in this process, into the same cache, when no
     daemon answers (it then needs TileLang; a file lock per kernel still makes
     it compile once across processes).
+
+    A kernel already in the cache is found and loaded without a call to the
+    daemon (its key computed here from the fingerprint the daemon reports
+    once); `direct_hits=False` asks the daemon every time. When the daemon goes
+    away, calls are retried for `reconnect_window` seconds (a restart), or for
+    2 s if no daemon ever answered this client, then raise ServiceUnavailable.
     """
 
-    def __init__(self, socket: str | os.PathLike | None = None, *, fallback: bool = False, cache_dir: str | os.PathLike | None = None, timeout: float = GET_TIMEOUT):
+    def __init__(
+        self,
+        socket: str | os.PathLike | None = None,
+        *,
+        fallback: bool = False,
+        cache_dir: str | os.PathLike | None = None,
+        timeout: float = GET_TIMEOUT,
+        reconnect_window: float = RECONNECT_WINDOW,
+        direct_hits: bool = True,
+    ):
         self.address = socket_address(socket or default_socket())
         # The socket file, when the address is one: its absence means "no daemon" at once.
         self.socket_path = Path(self.address[len("unix:"):]) if self.address.startswith("unix:") else None
         self.fallback = fallback
         self.cache_dir = cache_dir
         self.timeout = timeout
+        self.reconnect_window = reconnect_window
+        self.direct_hits = direct_hits
+        self._service: dict | None = None  # GetServiceInfo, asked once: default target, cache root, key fingerprint
         self._channel = grpc.insecure_channel(self.address, options=wire.channel_options())
         self._stub = pb_grpc.KernelServiceStub(self._channel)
         self._memo: dict[str, loader.Kernel] = {}
@@ -98,7 +108,8 @@ class Client:
 
         With no socket at all and no daemon ever seen, fails fast.
         """
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, retry_until = start + timeout, None
         delay = 0.05
         while True:
             self._check_socket()
@@ -107,9 +118,11 @@ class Client:
                 self._answered = True
                 return result
             except grpc.RpcError as err:
-                retry_until = min(deadline, time.monotonic() + (RETRY_WINDOW if self._answered else 2.0))
-                if err.code() not in Status.RETRYABLE or time.monotonic() + delay >= retry_until:
-                    _raise_for(err, what)
+                now = time.monotonic()
+                if retry_until is None:  # the window opens at the first failure and never slides
+                    retry_until = min(deadline, now + (self.reconnect_window if self._answered else NO_DAEMON_WINDOW))
+                if err.code() not in Status.RETRYABLE or now + delay >= retry_until:
+                    _raise_for(err, what, self.address, now - start)
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 1.0)
 
@@ -126,8 +139,9 @@ class Client:
         kind : str
             The kernel family: one of the kinds listed below.
         target : str, optional
-            "auto" (default: the local GPU's arch, e.g. "sm_90a" on Hopper, else "c"),
-            "c" (the CPU), or a CUDA arch ("sm_90a", "sm_80", ...).
+            None (default): the daemon's default target (its --target; with no
+            daemon and fallback, "auto"); "auto": the local GPU's arch ("sm_90a"
+            on Hopper), else "c"; "c" (the CPU); or a CUDA arch ("sm_90a", ...).
         timeout : float, optional
             Seconds to wait for the daemon, a cold compile included (default 600).
         **params
@@ -149,35 +163,102 @@ class Client:
             raises RuntimeError. Under torch.compile and torch.export a call is
             the custom op torch.ops.kernel_service.<kind>, traced with no graph
             break. The same signature returns the same object (memoized per
-            process, no RPC).
+            process, no RPC). A kernel already in the cache is found there,
+            with no RPC either (see Client).
 
         Raises
         ------
         InvalidSpec (a ValueError; .field names the culprit), CompileError,
         ServiceUnavailable (a ConnectionError), ServiceError, CorruptArtifact.
         """
-        memo_key, proto, spec = _request(kind, params, target)
+        memo_key, proto, spec = self._request(kind, params, target)
         kernel = self._memo.get(memo_key)
         if kernel is not None:
             return kernel
+        started = time.monotonic()
         try:
-            reply = self._call(self._stub.GetKernel, pb.GetKernelRequest(spec=proto), timeout or self.timeout, f"kernel {kind}")
+            key = self._key(spec) if spec is not None and self.direct_hits else None
+            kernel = self._from_cache(key, spec) if key else None
+            if kernel is None:
+                reply = self._call(self._stub.GetKernel, pb.GetKernelRequest(spec=proto), timeout or self.timeout, f"kernel {kind}")
+                kernel = self._load(reply)
+                if key and kernel.key != key:  # the daemon's toolchain changed (a new daemon): ask again next time
+                    self._service = None
         except ServiceUnavailable:
             if not self.fallback or spec is None:
                 raise
             from .fallback import build_locally
 
             kernel = build_locally(spec, self.cache_dir)
-        else:
-            kernel = self._load(reply)
+        waited = time.monotonic() - started
+        if waited > SLOW_GET:  # a silent pause gets a reason
+            how = f"a copy of a shared build compiled in {kernel.shared_build['compile_seconds']:.1f} s" if kernel.shared_build else f"compile {kernel.compile_seconds:.1f} s"
+            log.info("get_kernel(%s) waited %.1f s: %s (%s)", kind, waited, kernel.outcome, how)
         with self._memo_lock:
             return self._memo.setdefault(memo_key, kernel)
+
+    def _request(self, kind: str, params: dict, target: str | None) -> tuple[str, pb.KernelSpec, kernels.CanonicalSpec | None]:
+        """(memo key, wire spec, canonical spec) of a request. Kinds this process knows are validated
+        here, with the daemon's default target for `target=None`; others (a plugin the daemon serves,
+        which the agent never imports) go as given, and the daemon validates them."""
+        if kind in kernels.kinds():
+            spec = kernels.canonicalize(kind, params, target if target is not None else self._default_target())
+            return spec.to_json(), spec_to_proto(spec), spec
+        if not isinstance(kind, str) or not isinstance(params, dict):
+            raise InvalidSpec("kind", f"expected a kind name and a mapping of parameters, got {kind!r}")
+        params = {name: kernels.spec.plain_any(value) for name, value in params.items()}  # torch.float16 -> "float16", ...
+        proto = wire.spec_to_proto(kind, params, target)
+        return proto.SerializeToString(deterministic=True).hex(), proto, None
+
+    def _info(self) -> dict:
+        """The daemon's ServiceInfo, asked once (raises ServiceUnavailable)."""
+        if self._service is None:
+            self._service = self.service_info()
+        return self._service
+
+    def _default_target(self) -> str:
+        try:
+            return self._info()["default_target"] or "auto"
+        except ServiceUnavailable:
+            if self.fallback:  # compiled here: this host's default
+                return "auto"
+            raise
+
+    def _key(self, spec: kernels.CanonicalSpec) -> str | None:
+        """The key the daemon files `spec` under (proto.keys), from the fingerprint it reports;
+        None when it reports none for this kind."""
+        info = self._info()
+        known = info.setdefault("_keys", {})  # spec JSON -> key, for this fingerprint
+        text = spec.to_json()
+        if text not in known:
+            fingerprint = json.loads(info.get("key_fingerprint_json") or "{}")
+            covered = spec.kind in fingerprint.get("kind_sources", {})
+            known[text] = keys.cache_key(text, keys.toolchain(fingerprint, spec.kind, spec.target.kind)) if covered else None
+        return known[text]
+
+    def _from_cache(self, key: str, spec: kernels.CanonicalSpec) -> loader.Kernel | None:
+        """A hit without a round trip: the entry the daemon published under `key`, found and checked
+        here, its directory's mtime set so the daemon's eviction counts the use. None: ask the daemon."""
+        kernel = loader.load_published(Path(self._info()["cache_dir"]), key, json.loads(spec.to_json()))
+        if kernel is None:
+            return None
+        try:
+            os.utime(kernel.path.parent)  # the clock eviction reads: this entry is in use
+        except PermissionError:  # a group member cannot: the daemon must see this process's uses
+            self.direct_hits = False
+            return None
+        except FileNotFoundError:  # evicted since: the bytes were read and checked, the kernel stands
+            pass
+        return kernel
 
     def _load(self, reply: pb.GetKernelResponse) -> loader.Kernel:
         a = reply.artifact
         kernel = loader.load(Path(a.entry_dir), a.library, a.library_sha256, a.library_size, json.loads(a.abi_json), json.loads(a.canonical_spec), a.key)
         kernel.outcome = Outcome.from_proto(reply.outcome)
         kernel.compile_seconds = reply.compile_seconds
+        if reply.HasField("shared_build"):
+            b = reply.shared_build
+            kernel.shared_build = {"key": b.key, "spec": json.loads(b.canonical_spec), "compile_seconds": b.compile_seconds}
         return kernel
 
     def prefetch(self, specs: Iterable[dict], *, timeout: float | None = None, progress: Callable[[int, int, dict], None] | None = None, load: bool = True) -> list:
@@ -192,7 +273,7 @@ class Client:
         for i, raw in enumerate(specs):
             raw = dict(raw)
             try:
-                canon.append(_request(raw.pop("kind", None), raw, raw.pop("target", None)))
+                canon.append(self._request(raw.pop("kind", None), raw, raw.pop("target", None)))
             except InvalidSpec as exc:
                 raise InvalidSpec(f"specs[{i}].{exc.field}", str(exc).split(": ", 1)[-1]) from None
         request = pb.PrefetchRequest(specs=[proto for _, proto, _ in canon])
@@ -212,7 +293,7 @@ class Client:
                 if progress:
                     progress(event.done, event.total, json_format.MessageToDict(event, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
         except grpc.RpcError as err:
-            _raise_for(err, "prefetch")
+            _raise_for(err, "prefetch", self.address)
         return results
 
     def service_info(self) -> dict:

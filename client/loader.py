@@ -33,8 +33,10 @@ import stat
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 from proto import abi as abi_schema
+from proto.paths import entry_dir
 
 from .errors import CorruptArtifact
 
@@ -65,8 +67,10 @@ def _plain_types() -> frozenset:
     return frozenset((torch.Tensor, torch.nn.Parameter))
 
 
-def read_verified(path: Path, sha256: str, size: int) -> bytes:
-    """The file's bytes, read through one descriptor after every check passed; raises CorruptArtifact."""
+def read_owned(path: Path, size: int | None = None, limit: int = 1 << 20) -> bytes:
+    """The bytes of a regular file (not a symlink) owned like its directory and not writable by
+    group or others, read through one descriptor after those checks; `size`, when given, must
+    be its size, else it may have at most `limit` bytes. Raises CorruptArtifact."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -80,15 +84,22 @@ def read_verified(path: Path, sha256: str, size: int) -> bytes:
             raise CorruptArtifact(f"{path} is owned by uid {st.st_uid}, not by the cache's owner (uid {owner})")
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise CorruptArtifact(f"{path} is writable by group or others (mode {stat.filemode(st.st_mode)})")
-        if st.st_size != size:
+        if size is not None and st.st_size != size:
             raise CorruptArtifact(f"{path} has {st.st_size} bytes, expected {size}")
+        if size is None and st.st_size > limit:
+            raise CorruptArtifact(f"{path} has {st.st_size} bytes, more than the {limit} expected")
         with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read()
-        if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
-            raise CorruptArtifact(f"{path} does not match its published sha256")
-        return data
+            return f.read()
     finally:
         os.close(fd)
+
+
+def read_verified(path: Path, sha256: str, size: int) -> bytes:
+    """The file's bytes, read through one descriptor after every check passed; raises CorruptArtifact."""
+    data = read_owned(path, size)
+    if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
+        raise CorruptArtifact(f"{path} does not match its published sha256")
+    return data
 
 
 @functools.cache
@@ -175,6 +186,9 @@ class Kernel:
         self.key = key
         self.path = path
         self.kind = spec["kind"]
+        self.outcome = "hit"  # how it was obtained: hit, compiled, joined (set by the client)
+        self.compile_seconds = 0.0
+        self.shared_build: dict | None = None  # for a copy of a shared build: that build's key, spec and compile seconds
         params = abi["params"]
         self._outputs = abi["outputs"]
         self._inputs = [i for i in range(len(params)) if i not in self._outputs]
@@ -410,3 +424,84 @@ def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec:
         module = _dlopen_bytes(data, key, tvm_ffi.load_module)
         return Kernel(module[abi["symbol"]], abi, spec, key, path, keepalive=module)
     raise CorruptArtifact(f"unknown loader {abi['loader']!r} in {path}")
+
+
+class Published(NamedTuple):
+    """A published entry found on disk, its record checked: what a GetKernel reply would say."""
+
+    path: Path
+    library: str
+    library_sha256: str
+    library_size: int
+    meta: dict  # entry.json: spec, abi, compile_seconds, shared_build, ...
+
+
+_RECORDS = (abi_schema.MANIFEST, abi_schema.ENTRY_META)
+_found: dict[str, tuple[Published, tuple]] = {}  # key -> (entry, its records' stat signature when checked)
+
+
+def _signature(entry: Path) -> tuple:
+    """What changes when an entry's manifest or entry.json is replaced, rewritten or truncated."""
+    out = []
+    for name in _RECORDS:
+        st = os.lstat(entry / name)
+        out.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode, st.st_uid))
+    return tuple(out)
+
+
+def find_published(cache_root: Path, key: str, spec: dict) -> Published | None:
+    """The entry published under `key` in the cache at `cache_root`, with its record checked as the
+    daemon checks it: a directory and files owned by the cache's owner, not writable by others, not
+    symlinks; a manifest of this key and schema; an entry.json of the manifest's size and sha256,
+    recording `spec` and a callable ABI. None when there is no such entry or a check fails (the
+    caller then asks the daemon, which rebuilds what is damaged). The library is checked by load().
+
+    As the daemon's index does, an entry checked before in this process is checked again only by
+    its records' stat signature (a few lstat calls), and read again when that changed."""
+    entry = entry_dir(cache_root, key)
+    try:
+        known = _found.get(key)
+        if known is not None and known[0].path == entry and known[0].meta["spec"] == spec:
+            return known[0] if _signature(entry) == known[1] else _check_published(cache_root, entry, key, spec)
+        return _check_published(cache_root, entry, key, spec)
+    except OSError:  # gone
+        return None
+
+
+def _check_published(cache_root: Path, entry: Path, key: str, spec: dict) -> Published | None:
+    try:
+        signature = _signature(entry)  # before reading: a change while we read shows next time
+        st = os.lstat(entry)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.lstat(cache_root).st_uid:
+            return None
+        manifest = json.loads(read_owned(entry / abi_schema.MANIFEST))
+        files, library = manifest["files"], manifest["library"]
+        if manifest.get("schema") != abi_schema.MANIFEST_SCHEMA or manifest.get("key") != key or "/" in library or library not in files:
+            return None
+        record = files[abi_schema.ENTRY_META]
+        meta = json.loads(read_verified(entry / abi_schema.ENTRY_META, record["sha256"], record["size"]))
+        abi_schema.check_entry_meta(meta)
+        if meta["spec"] != spec:
+            return None
+        found = Published(entry, library, files[library]["sha256"], files[library]["size"], meta)
+    except (OSError, ValueError, KeyError, TypeError):  # missing, CorruptArtifact, AbiError, garbage
+        _found.pop(key, None)
+        return None
+    if len(_found) >= 4096:
+        _found.clear()
+    _found[key] = (found, signature)
+    return found
+
+
+def load_published(cache_root: Path, key: str, spec: dict) -> Kernel | None:
+    """find_published, then load: None when the entry is missing or fails a check."""
+    found = find_published(cache_root, key, spec)
+    if found is None:
+        return None
+    try:
+        kernel = load(found.path, found.library, found.library_sha256, found.library_size, found.meta["abi"], found.meta["spec"], key)
+    except CorruptArtifact:
+        return None
+    kernel.compile_seconds = float(found.meta.get("compile_seconds", 0.0))
+    kernel.shared_build = found.meta.get("shared_build")
+    return kernel

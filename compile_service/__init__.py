@@ -7,8 +7,9 @@ Modules, in the order a request flows through them:
     nvrtc      CUDA device code -> cubin in process, with precompiled headers
     store      on-disk entries: staging, atomic publish, integrity checks
     keys       canonical spec + toolchain fingerprint -> key
-    server     process lifecycle: socket, health, signals, drain
-    config, paths, cpus, inductor, launch, demo, cli
+    server     process lifecycle: socket, health, signals, drain, workers spawned after SERVING
+    metrics    the one metrics object (counters kept across restarts); exporter: its Prometheus view
+    config, cpus, inductor, embedded, tools (launch, demo), cli
 """
 
 __version__ = "0.1.0"

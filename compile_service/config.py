@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from proto.paths import default_cache_dir, default_socket
@@ -32,12 +32,25 @@ class ServiceConfig:
     evict_min_age: float = 300.0  # never evict an entry handed out this many seconds ago or less
     mode: int = 0o700  # cache and socket directories: 0o700 owner only, 0o750 group may read
     tcp: str | None = None  # "host:port" to listen on besides the Unix socket (None: no TCP)
+    cuda_compiler: str = devices.NVCC  # "nvrtc" or "nvcc": how CUDA device code is compiled (resolved from "auto")
+    metrics_address: str | None = None  # "host:port" of the Prometheus endpoint (None: none)
+    sources: dict = field(default_factory=dict, compare=False)  # field -> where its value came from (describe)
 
     @property
     def plugin_args(self) -> dict:
         """What the daemon and each compile worker load beyond the zoo (kernels.plugins.load)."""
         return {"modules": self.kernel_modules, "entry_points": self.entry_points, "allow": self.plugins}
-    cuda_compiler: str = devices.NVCC  # "nvrtc" or "nvcc": how CUDA device code is compiled (resolved from "auto")
+
+    def describe(self) -> dict:
+        """Every setting with where it came from: {"name": {"value": ..., "source": ...}} (`kernel-service info`)."""
+        out = {}
+        for f in fields(self):
+            if f.name == "sources":
+                continue
+            value = getattr(self, f.name)
+            value = f"{value:04o}" if f.name == "mode" else str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
+            out[f.name] = {"value": value, "source": self.sources.get(f.name, "default")}
+        return out
 
     @classmethod
     def resolve(
@@ -48,7 +61,10 @@ class ServiceConfig:
         env=os.environ,
         **rest,
     ) -> ServiceConfig:
-        """Flags win, then KERNEL_SERVICE_* variables, then the XDG defaults."""
+        """Flags win, then KERNEL_SERVICE_* variables, then the XDG defaults. Raises ValueError
+        naming the flag and what to give instead."""
+        defaults = {f.name: f.default for f in fields(cls)}
+        sources = {name: f"--{name.replace('_', '-')}" for name, value in rest.items() if value is not None and name in defaults and value != defaults[name]}
         if workers is not None and workers < 1:
             raise ValueError(f"--workers must be at least 1, got {workers}")
         if rest.get("mode") not in (None, 0o700, 0o750):
@@ -56,16 +72,48 @@ class ServiceConfig:
         for name in ("failure_ttl", "evict_min_age", "max_bytes", "max_entries"):
             if rest.get(name) is not None and rest[name] < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {rest[name]}")
+        allow_remote = rest.pop("allow_remote", False)
         if rest.get("tcp") is not None:
-            rest["tcp"] = tcp_address(rest["tcp"], rest.pop("allow_remote", False))
-        rest.pop("allow_remote", None)
+            rest["tcp"] = tcp_address(rest["tcp"], allow_remote)
+        if rest.get("metrics_address") is not None:
+            rest["metrics_address"] = tcp_address(rest["metrics_address"], allow_remote, flag="--metrics-address")
+        if rest.get("target") not in (None, "auto"):
+            check_target(rest["target"])
+        requested = rest.get("cuda_compiler") or env.get(devices.ENV) or "auto"
         rest["cuda_compiler"] = devices.choose(rest.get("cuda_compiler"), env).name
-        return cls(
+        sources.setdefault("cuda_compiler", f"${devices.ENV}" if env.get(devices.ENV) else "default")
+        if requested == "auto":
+            sources["cuda_compiler"] += " (auto: NVRTC where it can run)"
+        sources["socket"] = "--socket" if socket else "$KERNEL_SERVICE_SOCKET" if env.get("KERNEL_SERVICE_SOCKET") else "default"
+        sources["cache_dir"] = "--cache-dir" if cache_dir else "$KERNEL_SERVICE_CACHE_DIR" if env.get("KERNEL_SERVICE_CACHE_DIR") else "default"
+        sources["workers"] = "--workers" if workers else "CPUs usable here (affinity and cgroup quota)"
+        config = cls(
             socket=Path(socket) if socket else default_socket(env),
             cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(env),
             workers=workers or usable_cpus(),
+            sources=sources,
             **{k: v for k, v in rest.items() if v is not None},
         )
+        check_socket_path(config.socket)
+        return config
+
+
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket path, the terminating NUL excluded (sun_path is 108)
+
+
+def check_socket_path(path: Path) -> None:
+    length = len(os.fsencode(os.path.abspath(path)))
+    if length > MAX_SOCKET_PATH:
+        raise ValueError(f"--socket {path}: {length} bytes, but a Unix socket path may have at most {MAX_SOCKET_PATH}; choose a shorter path (e.g. under /tmp)")
+
+
+def check_target(text: str) -> None:
+    import kernels
+
+    try:
+        kernels.parse_target(text)
+    except kernels.InvalidSpec as exc:
+        raise ValueError(f"--target: {str(exc).removeprefix('target: ')}") from None
 
 
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -79,17 +127,17 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _SUFFIXES[match.group(2).upper()])
 
 
-def tcp_address(text: str, allow_remote: bool = False) -> str:
-    """A gRPC listen address from "PORT", ":PORT", "HOST:PORT" or "[V6]:PORT"; the host
+def tcp_address(text: str, allow_remote: bool = False, flag: str = "--tcp") -> str:
+    """A listen address from "PORT", ":PORT", "HOST:PORT" or "[V6]:PORT"; the host
     defaults to 127.0.0.1 and must be loopback unless `allow_remote`."""
     host, _, port = text.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--tcp {text!r}: expected HOST:PORT with a port from 1 to 65535")
+        raise ValueError(f"{flag} {text!r}: expected HOST:PORT with a port from 1 to 65535")
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
     if not loopback and not allow_remote:
-        raise ValueError(f"--tcp {text!r}: {host} is not a loopback address; the service has no authentication, pass --allow-remote to expose it anyway")
+        raise ValueError(f"{flag} {text!r}: {host} is not a loopback address; the service has no authentication, pass --allow-remote to expose it anyway")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

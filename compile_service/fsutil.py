@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -53,3 +55,22 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Has the kernel SIGKILL this process when its parent dies (Linux), and exits now if the
+    parent is already gone: a compile worker must never outlive a killed daemon.
+
+    The signal follows the parent *thread* that spawned this process, so spawn from a thread
+    that lives as long as the parent (the daemon's main thread does).
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: nothing ties us to the parent
+        return
+    if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+        os._exit(1)

@@ -1,22 +1,21 @@
-"""Cache keys: the canonical spec plus a fingerprint of everything that shapes the binary.
+"""The daemon's side of cache keys: its toolchain fingerprint (proto.keys defines the key).
 
-Pure and cheap: a key never traces the TileLang DSL. It holds no path, host
-name, user or process id, so every host with the same toolchain computes the
-same keys. Bump SCHEMA when the layout or meaning of an entry changes.
+Never traces the TileLang DSL. The fingerprint is what GetServiceInfo reports, so
+that clients compute the same keys.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import platform
 from importlib import metadata
 
 import kernels
 from kernels.spec import CanonicalSpec
+from proto import keys
+from proto.keys import SCHEMA
 
-SCHEMA = 3  # 3: each kind's own source digest; entry files stored once as blobs
+__all__ = ["SCHEMA", "cache_key", "describe_toolchain", "fingerprint", "tilelang_version", "toolchain"]
 
 
 @functools.cache
@@ -27,16 +26,19 @@ def tilelang_version() -> str:
         return "none"
 
 
+def _base(cuda_compiler: str | None) -> dict:
+    return {"schema": SCHEMA, "tilelang": tilelang_version(), "cuda_compiler": cuda_compiler, "machine": platform.machine()}
+
+
+def fingerprint(cuda_compiler: str) -> dict:
+    """Everything besides the spec that goes into this daemon's keys, for every registered kind."""
+    return {**_base(cuda_compiler), "kind_sources": {kind: kernels.source_digest(kind)[:16] for kind in sorted(kernels.kinds())}}
+
+
 def toolchain(kind: str, target_kind: str, cuda_compiler: str | None) -> dict:
     """What besides the spec decides the compiled bytes of one kind on one target kind.
     `cuda_compiler`: the device compiler's id ("nvrtc-13.0"), recorded for CUDA only."""
-    return {
-        "schema": SCHEMA,
-        "tilelang": tilelang_version(),
-        "cuda_compiler": cuda_compiler if target_kind == "cuda" else None,
-        "machine": platform.machine(),
-        "kind_source": kernels.source_digest(kind)[:16],
-    }
+    return keys.toolchain({**_base(cuda_compiler), "kind_sources": {kind: kernels.source_digest(kind)[:16]}}, kind, target_kind)
 
 
 def describe_toolchain(cuda_compiler: str) -> str:
@@ -45,5 +47,4 @@ def describe_toolchain(cuda_compiler: str) -> str:
 
 def cache_key(spec: CanonicalSpec, cuda_compiler: str) -> str:
     """Hex sha256 of the canonical spec and the toolchain fingerprint."""
-    blob = json.dumps({"spec": spec.to_json(), "toolchain": toolchain(spec.kind, spec.target.kind, cuda_compiler)}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return keys.cache_key(spec.to_json(), toolchain(spec.kind, spec.target.kind, cuda_compiler))

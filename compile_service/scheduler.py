@@ -15,6 +15,12 @@
   failure for `failure_ttl` seconds instead of compiling again for every caller.
 - The budget: after each publish the driver evicts least recently used entries
   down to `max_bytes` / `max_entries` (see Store.evict).
+- Publishing (hashes, fsyncs, a rename) runs on a few publisher threads, not on
+  the driver: a worker takes its next job as soon as its build is done.
+- Warm-up in the background: every worker is spawned at once (its TileLang import
+  runs in it, not in the daemon), and with NVRTC each builds its precompiled
+  headers one prelude per task (compiler.warm_step), only when no compile is
+  waiting; one worker is always left free for a request while others warm.
 """
 
 from __future__ import annotations
@@ -39,12 +45,14 @@ from proto.wire import Outcome
 
 from . import metrics as metrics_
 from .build import compiler, devices
+from .fsutil import die_with_parent
 from .keys import cache_key
 from .store import Budget, Entry, Storage, StoreError
 
 log = logging.getLogger(__name__)
 
 URGENT, BACKGROUND = 0, 1
+_WARM, _STOP = 2, 3  # below every request: a worker's warm-up step; a driver's shutdown sentinel
 
 
 class ShuttingDown(Exception):
@@ -65,9 +73,14 @@ class _Job:
 
 
 def process_pool(workers: int, initargs: tuple) -> cf.Executor:
-    """The daemon's pool: worker processes, each importing TileLang once. Spawned, not forked:
-    the daemon runs gRPC threads, which fork does not survive."""
-    return cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=compiler.worker_init, initargs=initargs)
+    """The daemon's pool: worker processes, each importing TileLang once, each dying with the
+    daemon. Spawned, not forked: the daemon runs gRPC threads, which fork does not survive."""
+    return cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=(os.getpid(), *initargs))
+
+
+def _start_worker(daemon_pid: int, *initargs) -> None:
+    die_with_parent(daemon_pid)  # a killed daemon must not leave 500 MB workers behind
+    compiler.worker_init(*initargs)
 
 
 def in_process_pool(workers: int, initargs: tuple) -> cf.Executor:
@@ -88,10 +101,12 @@ class Scheduler:
         warm_target: str | None = None,
         metrics: metrics_.Metrics | None = None,
         pool=process_pool,
+        start: bool = True,
     ):
         """`plugins`: what each worker loads beyond the zoo (kernels.plugins.load's arguments);
         `device`: the CUDA device compiler; `warm_target`: the CUDA arch whose NVRTC headers
-        each worker parses at start; `pool(workers, initargs)`: the executor compiles run on."""
+        each worker parses at start; `pool(workers, initargs)`: the executor compiles run on;
+        `start=False`: no worker starts, and nothing is compiled, until start_workers()."""
         self.store = store
         self.workers = workers
         self.queue_limit = queue_limit
@@ -109,26 +124,61 @@ class Scheduler:
         self._queue: queue.PriorityQueue[_Job] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._closing = False
+        self._running = 0  # builds a driver is waiting on
+        self._warm: set[int] = set()  # pids of workers done warming up
+        self._started = threading.Event()  # drivers submit nothing before start_workers()
         self._pool = self._new_pool()
+        self._publisher = cf.ThreadPoolExecutor(max(2, min(8, workers // 2)), thread_name_prefix="publish")
         self._drivers = [threading.Thread(target=self._drive, name=f"compile-driver-{i}", daemon=True) for i in range(workers)]
         for t in self._drivers:
             t.start()
+        if start:
+            self.start_workers()
+
+    def start_workers(self) -> None:
+        """Spawns every worker now, from the calling thread, without waiting for their imports,
+        and starts their warm-up. A worker dies with the thread that spawned it (die_with_parent):
+        the daemon calls this from its main thread, right after it says SERVING."""
+        with self._lock:
+            self._spawn(self._pool)
+        self._started.set()
+
+    def _spawn(self, pool: cf.Executor) -> None:
+        """Under self._lock."""
+        for _ in range(self.workers):
+            pool.submit(os.getpid)  # each submit to a pool without an idle worker spawns one
+        # Warm-up steps circulate below every request, leaving one worker free for a request.
+        for _ in range(max(1, self.workers - 1)):
+            self._queue.put(_Job(_WARM, next(self._seq), "", None, None))
 
     def _new_pool(self) -> cf.Executor:
         initargs = (self.plugins, str(self.store.root), self.device.name, self.warm_target, logging.getLogger().getEffectiveLevel())
         return self._pool_factory(self.workers, initargs)
-
-    def warm_up(self) -> None:
-        """Starts every worker now, not on the first cold request: each pays TileLang's import
-        once and, with NVRTC and a CUDA default target, parses the zoo's headers once."""
-        futures = [self._pool.submit(time.sleep, 0.05) for _ in range(self.workers)]
-        cf.wait(futures)
 
     # ----- requests
     @property
     def in_flight(self) -> int:
         with self._lock:
             return len(self._inflight)
+
+    @property
+    def running(self) -> int:
+        """Builds running in workers now."""
+        with self._lock:
+            return self._running
+
+    @property
+    def queued(self) -> int:
+        """Builds waiting for a worker."""
+        with self._lock:
+            return max(0, len(self._inflight) - self._running)
+
+    @property
+    def workers_ready(self) -> int:
+        """Workers that have started and finished their warm-up (TileLang imported; with NVRTC,
+        their precompiled headers built)."""
+        with self._lock:
+            return len(self._warm)
 
     def request(self, spec: CanonicalSpec, priority: int = URGENT, counted: bool = True) -> tuple[cf.Future, Outcome]:
         """A future of the kernel's Entry, and how it is being satisfied.
@@ -185,8 +235,19 @@ class Scheduler:
                 self._inflight.pop(key, None)
             future.set_exception(exc)
             raise
-        # Runs on the thread that finishes `base` (a driver), or here when it is already done.
-        base.add_done_callback(lambda done: self._settle(key, spec, future, lambda staging: _derive(done.result(), spec, fixed, staging), derived=True))
+        # Published by a publisher thread once `base` is done (at once when it already is).
+        base.add_done_callback(lambda done: self._publish(self._publish_copy, key, spec, future, done, fixed))
+
+    def _publish_copy(self, key: str, spec: CanonicalSpec, future: cf.Future, base: cf.Future, fixed: dict) -> None:
+        staging, built = None, None
+        try:
+            if self._closing:
+                raise ShuttingDown("the kernel service shut down before this kernel was compiled")
+            staging = self.store.new_staging(key)
+            built = _derive(base.result(), spec, fixed, staging)
+        except BaseException as exc:  # noqa: BLE001 - settled below
+            built = exc
+        self._settle(key, spec, future, staging, built, derived=True)
 
     def key_of(self, spec: CanonicalSpec) -> str:
         return self._key_of(spec)[0]
@@ -204,37 +265,76 @@ class Scheduler:
 
     # ----- the drivers
     def _drive(self) -> None:
+        self._started.wait()
         while True:
             job = self._queue.get()
-            if job.spec is None:  # shutdown sentinel
+            if job.priority == _STOP:
                 return
-            self._run(job)
+            if job.priority == _WARM:
+                if not self._closing:
+                    self._warm_step()
+            else:
+                self._run(job)
+
+    def _warm_step(self) -> None:
+        """One warm-up step on whichever worker is idle; the step goes round again until every
+        worker is warm (a step that lands on a warm worker returns at once)."""
+        try:
+            pid, warm = self._submit(compiler.warm_step).result()
+        except Exception as exc:  # noqa: BLE001 - a failed warm-up costs only speed
+            if not self._closing:
+                log.warning("worker warm-up step failed: %s: %s", type(exc).__name__, exc)
+            return
+        with self._lock:
+            if warm:
+                self._warm.add(pid)
+            if len(self._warm) < self.workers and not self._closing:
+                self._queue.put(_Job(_WARM, next(self._seq), "", None, None))
 
     def _run(self, job: _Job) -> None:
-        def build(staging: Path) -> tuple[str, dict]:
+        """Builds one job in a worker, then hands the result to a publisher thread."""
+        staging, built = None, None
+        with self._lock:
+            self._running += 1
+        try:
+            if self._closing:
+                raise ShuttingDown("the kernel service shut down before this kernel was compiled")
+            staging = self.store.new_staging(job.key)
             try:
                 result = self._submit(compiler.build, job.spec.to_json(), str(staging)).result()
             except OSError as exc:  # the worker could not write the staging dir (disk full)
                 raise StoreError(exc.errno, f"cannot write the built kernel into {staging}: {exc.strerror or exc}") from exc
-            return result["library"], result["meta"]
+            built = (result["library"], result["meta"])
+        except BaseException as exc:  # settled (and logged) by _settle
+            built = exc
+        finally:
+            with self._lock:
+                self._running -= 1
+        self._publish(self._settle, job.key, job.spec, job.future, staging, built)
 
-        self._settle(job.key, job.spec, job.future, build)
-
-    def _settle(self, key: str, spec: CanonicalSpec, future: cf.Future, produce, derived: bool = False) -> None:
-        """Fills a staging dir with `produce(staging) -> (library, meta)`, publishes it as `key`,
-        and settles `future` with the entry or the error; never leaves a waiter hanging.
-        `derived`: `produce` copies a shared build (counted apart from compiles)."""
-        staging = None
+    def _publish(self, fn, *args) -> None:
         try:
-            if self._closing:
-                raise ShuttingDown("the kernel service shut down before this kernel was compiled")
-            staging = self.store.new_staging(key)
-            library, meta = produce(staging)
+            self._publisher.submit(fn, *args)
+        except RuntimeError:  # the publishers are shutting down: publish on this thread
+            fn(*args)
+
+    def _settle(self, key: str, spec: CanonicalSpec, future: cf.Future, staging: Path | None, built, derived: bool = False) -> None:
+        """Publishes `built` = (library, meta) from `staging` as `key`, or takes `built` as the
+        error it is, and settles `future` with the entry or the error; never leaves a waiter
+        hanging. `derived`: `built` is a copy of a shared build (counted apart from compiles)."""
+        try:
+            if isinstance(built, BaseException):
+                raise built
+            library, meta = built
             outcome: Entry | BaseException = self.store.put(key, staging, library, meta)
             if derived:
                 self.metrics.add(derived=1)
+                log.info("published %s as a copy of the shared build %s", spec.to_json(), meta["shared_build"]["key"][:16])
             else:
                 self.metrics.add(compiles=1, compile_seconds=meta["compile_seconds"], device_compile_seconds=meta["phases"]["device"])
+                self.metrics.observe_compile(spec.kind, meta["compile_seconds"], meta["phases"])
+                phases = " ".join(f"{name} {seconds:.2f}" for name, seconds in meta["phases"].items())
+                log.info("compiled %s in %.2f s (%s)", spec.to_json(), meta["compile_seconds"], phases)
             self.enforce_budget(protect=key)
         except BrokenProcessPool:
             if self._closing:
@@ -284,6 +384,8 @@ class Scheduler:
             if self._closing:
                 return
             broken, self._pool = self._pool, self._new_pool()
+            self._warm.clear()  # the new workers warm up as the first ones did
+            self._spawn(self._pool)
         broken.shutdown(wait=False, cancel_futures=True)
 
     # ----- shutdown
@@ -292,8 +394,9 @@ class Scheduler:
         then kills the workers. Queued jobs fail with ShuttingDown; no staging is left."""
         with self._lock:
             self._closing = True
+        self._started.set()  # drivers that never started can stop
         for _ in self._drivers:
-            self._queue.put(_Job(BACKGROUND + 1, next(self._seq), "", None, cf.Future()))
+            self._queue.put(_Job(_STOP, next(self._seq), "", None, None))
         deadline = time.monotonic() + grace
         for t in self._drivers:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -302,6 +405,7 @@ class Scheduler:
             _kill_workers(self._pool)
             for t in self._drivers:
                 t.join(10)
+        self._publisher.shutdown(wait=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
+import json
 import logging
+import time
 
 import grpc
 
@@ -16,6 +19,7 @@ from proto.wire import Outcome, Status
 
 from . import __version__
 from .build.compiler import CompileFailed
+from . import keys
 from .keys import describe_toolchain
 from .metrics import Metrics
 from .scheduler import BACKGROUND, URGENT, QueueFull, Scheduler, ShuttingDown
@@ -36,12 +40,18 @@ def response(entry: Entry, outcome: Outcome) -> pb.GetKernelResponse:
         abi_json=entry.abi_json,
         canonical_spec=entry.spec_json,
     )
-    return pb.GetKernelResponse(
+    reply = pb.GetKernelResponse(
         artifact=artifact,
         cached_result=outcome == Outcome.HIT,
         outcome=outcome.value,
         compile_seconds=float(entry.meta.get("compile_seconds", 0.0)),
     )
+    shared = entry.meta.get("shared_build")
+    if shared:  # a copy: say which build it copies, and what that build cost
+        reply.shared_build.key = shared["key"]
+        reply.shared_build.canonical_spec = json.dumps(shared["spec"], sort_keys=True, separators=(",", ":"))
+        reply.shared_build.compile_seconds = float(shared["compile_seconds"])
+    return reply
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -63,13 +73,22 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 class KernelServicer(pb_grpc.KernelServiceServicer):
-    def __init__(self, scheduler: Scheduler, metrics: Metrics, info: dict):
-        """`info`: the ServiceInfo fields (cache_dir, inductor_dir, default_target, ...)."""
+    def __init__(self, scheduler: Scheduler, metrics: Metrics, info: dict, zero_stats=None):
+        """`info`: the ServiceInfo fields (cache_dir, inductor_dir, default_target, config_json, ...);
+        `zero_stats()`: what ZeroStats does (zero the counters and save them)."""
         self.scheduler = scheduler
         self.metrics = metrics
         self.default_target = info["default_target"]
-        self.info = pb.ServiceInfo(**info, version=__version__, toolchain=describe_toolchain(scheduler.device.id), cuda_compiler=scheduler.device.id)
+        self.zero_stats = zero_stats or metrics.zero
+        self._info_fields = info
         self._valid: dict[bytes, kernels.CanonicalSpec] = {}
+
+    @functools.cached_property
+    def info(self) -> pb.ServiceInfo:
+        # Built on first use, not at start: the kinds' source digests take a moment to read.
+        device = self.scheduler.device.id
+        fingerprint = json.dumps(keys.fingerprint(device), sort_keys=True)
+        return pb.ServiceInfo(**self._info_fields, version=__version__, toolchain=describe_toolchain(device), cuda_compiler=device, key_fingerprint_json=fingerprint)
 
     def _validate(self, spec: pb.KernelSpec) -> kernels.CanonicalSpec:
         # Hits repeat the same few specs: remember the valid ones by their wire bytes.
@@ -89,13 +108,18 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         return canonical
 
     def GetKernel(self, request, context):
+        start = time.perf_counter()
         try:
             spec = self._validate(request.spec)
             future, outcome = self.scheduler.request(spec, URGENT)
             entry = future.result(timeout=context.time_remaining())
-            return response(entry, outcome)
+            reply = response(entry, outcome)
         except Exception as exc:  # noqa: BLE001 - every domain error becomes a status
-            context.abort(*status_of(exc))
+            code, message = status_of(exc)
+            self.metrics.observe("request_duration_seconds", code.name.lower(), time.perf_counter() - start)
+            context.abort(code, message)
+        self.metrics.observe("request_duration_seconds", outcome.label, time.perf_counter() - start)
+        return reply
 
     def Prefetch(self, request, context):
         if len(request.specs) > wire.MAX_BATCH:
@@ -131,6 +155,11 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
 
     def GetStats(self, request, context):
         return pb.Stats(**self.metrics.read())
+
+    def ZeroStats(self, request, context):
+        before = pb.Stats(**self.metrics.read())
+        self.zero_stats()
+        return before
 
     def GetServiceInfo(self, request, context):
         return self.info

@@ -46,7 +46,7 @@ class Attention(KernelKind):
             # The scores and output tiles are C stack arrays; keep them well under a thread's stack.
             scratch = 4 * p["block_M"] * (p["block_N"] + p["head_dim"])
             if scratch > CPU_SCRATCH:
-                raise InvalidSpec("head_dim", f"block_M*(block_N+head_dim) fp32 scratch is {scratch // 1024} KiB, over {CPU_SCRATCH // 1024} KiB on target 'c'; use a smaller block_M")
+                raise InvalidSpec("head_dim", f"block_M*(block_N+head_dim) fp32 scratch is {scratch // 1024} KiB, over {CPU_SCRATCH // 1024} KiB on target {target.describe()}; use a smaller block_M")
             return p
         d = p["head_dim"]
         if d % 16 or d > 256:

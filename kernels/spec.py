@@ -13,7 +13,7 @@ import math
 import numbers
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 __all__ = ["InvalidSpec", "Target", "parse_target", "Param", "KernelKind", "CanonicalSpec", "REQUIRED"]
@@ -42,9 +42,16 @@ class Target:
 
     kind: str  # "c" or "cuda"
     arch: str | None = None  # "sm_90a" for cuda
+    auto: bool = field(default=False, compare=False)  # chosen by "auto" (this host's GPU, else the CPU)
 
     def __str__(self) -> str:
         return self.arch if self.kind == "cuda" else "c"
+
+    def describe(self) -> str:
+        """The target as error messages name it, saying when "auto" chose the CPU."""
+        if self.auto and self.is_cpu:
+            return "'c' (what target 'auto' chose: no GPU is visible on this host; name a CUDA target such as 'sm_90a' to build for one)"
+        return f"'{self}'"
 
     @property
     def is_cpu(self) -> bool:
@@ -81,7 +88,7 @@ def detect_local_target() -> Target:
 def parse_target(text: str | None) -> Target:
     """Accepts "c", "auto" (or None) and CUDA arch names such as "sm_90a" or "sm_80"."""
     if text is None or text == "auto":
-        return detect_local_target()
+        return replace(detect_local_target(), auto=True)
     if not isinstance(text, str):
         raise InvalidSpec("target", f"expected a string such as 'c', 'auto' or 'sm_90a', got {type(text).__name__}")
     if text == "c":
@@ -242,7 +249,7 @@ class KernelKind:
             else:
                 values[p.name] = p.default
         if target.is_cpu and values.get("dtype") in DTYPES_16:
-            raise InvalidSpec("dtype", f"{values['dtype']} is not supported on target 'c'; use float32")
+            raise InvalidSpec("dtype", f"{values['dtype']} is not supported on target {target.describe()}; use float32")
         values = self.check(values, target) or values
         return CanonicalSpec(self.name, values, target)
 

@@ -28,7 +28,7 @@ def cuda_only(p, target, *names):
     if target.is_cpu:
         for name in names:
             if p[name] is not None:
-                raise InvalidSpec(name, "applies only to CUDA targets")
+                raise InvalidSpec(name, f"applies only to CUDA targets, not {target.describe()}")
 
 
 def default_row_threads(n, dtype):

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 LIBRARY = "kernel.so"  # the host shared object (device binary embedded for CUDA)
 ENTRY_META = "entry.json"  # spec, abi, toolchain, compile seconds, how it was built
-MANIFEST = "manifest.json"  # size and sha256 of every file of the entry
+MANIFEST = "manifest.json"  # size and sha256 of every file of the entry:
+# {"schema": MANIFEST_SCHEMA, "key": KEY, "library": LIBRARY, "files": {name: {"size": N, "sha256": HEX}}}
+MANIFEST_SCHEMA = 1
 SOURCES = ("kernel.c", "kernel.cu")  # the generated source, CPU or CUDA, kept for humans
 
 LOADERS = {"c": "cpu", "tvm_ffi": "cuda"}  # loader -> the device its tensors live on

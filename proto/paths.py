@@ -1,4 +1,4 @@
-"""Default locations of the daemon's socket and cache root.
+"""Default locations of the daemon's socket and cache root, and where an entry lies under it.
 
 Part of the contract: the daemon listens and keeps its cache where clients look.
 """
@@ -44,3 +44,8 @@ def socket_address(path: Path | str) -> str:
     if text.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) or (":" in text and "/" not in text):
         return text
     return f"unix:{os.path.abspath(text)}"
+
+
+def entry_dir(cache_root: Path | str, key: str) -> Path:
+    """A published entry's directory: <cache root>/entries/<key[:2]>/<key>."""
+    return Path(cache_root) / "entries" / key[:2] / key

@@ -2,15 +2,62 @@
 
 `cpu_kernel(kind, **params)` asks the session's daemon for a target-"c" kernel
 through the real client and returns the loaded callable.
+
+The session fails when any process it started outlives it (a daemon, a compile
+worker orphaned by a killed daemon, a client subprocess): see `no_process_left`.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from compile_service.tools.launch import DaemonProcess
+
+SESSION_MARK = "KERNEL_SERVICE_TEST_SESSION"  # inherited by every process the session starts, and theirs
+
+
+def _ours_alive(mark: bytes) -> dict[int, str]:
+    """Live processes carrying this session's mark in their environment: its daemons, their
+    workers, its client subprocesses, orphans included (a process's environment is fixed at
+    its start, so the mark shows even when it was reparented)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if mark not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # a zombie is dead; only its parent's wait is missing
+            found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left():
+    """Fails the session, loudly, if a process it started is still alive at its end (after the
+    other session fixtures stopped their daemons), and kills what it finds."""
+    os.environ[SESSION_MARK] = f"{os.getpid()}-{time.time_ns()}"
+    mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
+    yield
+    deadline = time.monotonic() + 10  # a daemon told to stop may take a moment to exit
+    left = _ours_alive(mark)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _ours_alive(mark)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, "processes started by the test session outlived it:\n" + "\n".join(f"  pid {pid}: {cmd}" for pid, cmd in left.items())
 
 
 @pytest.fixture

@@ -109,7 +109,7 @@ def test_an_installed_plugin_is_served_to_a_client_that_never_imports_it(make_da
 
 def _comparable(entry_dir: Path) -> dict:
     meta = json.loads((entry_dir / "entry.json").read_text())
-    for volatile in ("created", "compile_seconds", "phases", "device_compiled"):
+    for volatile in ("created", "compile_seconds", "phases", "device_compiled", "worker"):
         meta.pop(volatile, None)
     manifest = json.loads((entry_dir / "manifest.json").read_text())
     return {"meta": meta, "files": sorted(manifest["files"]), "library": manifest["library"]}

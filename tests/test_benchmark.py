@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmark" / "compile_speed.py"
-MODES = ("baseline", "tilelang", "service", "stampede_tilelang", "stampede_service", "warm_tilelang", "warm_service", "service_under_load")
+MODES = ("baseline", "tilelang", "service", "from_serve", "stampede_tilelang", "stampede_service", "warm_tilelang", "warm_service", "service_under_load")
 
 sys.path.insert(0, str(ROOT / "benchmark"))
 import zoo  # noqa: E402
@@ -85,7 +85,7 @@ def test_quick_run_builds_every_kernel_in_every_mode(tmp_path):
         assert mode["kernels"] == n, f"{name} built {mode['kernels']} of {n} kernels"
 
     modes = report["modes"]
-    for name in ("baseline", "tilelang", "service", "service_under_load"):  # each on a fresh cache
+    for name in ("baseline", "tilelang", "service", "from_serve", "service_under_load"):  # each on a fresh cache
         assert modes[name]["compiles"] == n, name
     for name in ("warm_tilelang", "warm_service"):
         assert modes[name]["compiles"] == 0, name
@@ -102,18 +102,24 @@ def test_quick_run_builds_every_kernel_in_every_mode(tmp_path):
     for name in ("first_s", "all_s", "first_after_import_s", "all_after_import_s"):
         assert modes["warm_service"][name] >= 0 and modes["warm_tilelang"][name] >= 0
     assert modes["service_under_load"]["hit_requests"] > 0
+    serve = modes["from_serve"]
+    assert 0 < serve["startup_s"] <= serve["first_from_start_s"] <= serve["all_from_start_s"] and serve["ready_s"] > 0
+    assert modes["tilelang"]["first_from_start_s"] <= modes["tilelang"]["all_from_start_s"]
+    assert set(modes["service"]["idle_s"]) == {"ramp", "between", "tail", "workers_used"}
     assert set(report["goals"]) >= {"service_parallel_efficiency", "stampede_service_compiles_once", "service_throughput_under_load"}
 
 
 def test_hit_load_runs_every_phase_without_errors(tmp_path):
     out_json = tmp_path / "hits.json"
-    args = ["--requests", "400", "--threads", "4", "--kernels", "2", "--hot", "2", "--cold", "2", "--max-entries", "3", "--cold-fraction", "0.05", "--json", str(out_json)]
+    args = ["--requests", "400", "--threads", "4", "--direct-processes", "1,2", "--kernels", "2", "--hot", "2", "--cold", "2", "--max-entries", "3", "--cold-fraction", "0.05", "--json", str(out_json)]
     proc = subprocess.run([sys.executable, str(ROOT / "benchmark" / "hit_load.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out_json.read_text())
-    assert set(report) == {"hits", "floor", "evict"}
+    assert set(report) == {"hits", "direct", "direct_2p", "floor", "evict"}
     for phase, r in report.items():
         assert r["requests"] == 400 and r["errors"] == 0 and r["wrong"] == 0, (phase, r)
         assert r["throughput_rps"] > 0 and r["p50_ms"] <= r["p99_ms"]
     assert report["hits"]["daemon"]["hits"] == 400 and report["hits"]["daemon"]["compiles"] == 0
+    for phase in ("direct", "direct_2p"):  # no GetKernel reached the daemon
+        assert (report[phase]["daemon"]["hits"], report[phase]["daemon"]["misses"], report[phase]["checked"]) == (0, 0, 8), phase
     assert report["evict"]["daemon"]["evictions"] > 0  # cold kernels pushed others out of a 3-entry budget

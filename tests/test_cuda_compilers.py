@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -112,21 +113,33 @@ def test_asking_for_nvrtc_where_it_cannot_run_stops_the_daemon(make_daemon, tmp_
         assert "no CUDA headers" in d.log()
 
 
+def _wait_ready(d, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while (stats := d.client().stats())["workers_ready"] < stats["workers"]:
+        assert time.monotonic() < deadline, "workers never finished warming up"
+        time.sleep(0.2)
+
+
 @needs_nvrtc
-def test_nvrtc_workers_parse_the_zoo_headers_at_start(make_daemon, tmp_path):
+def test_nvrtc_workers_parse_the_zoo_headers_in_the_background(make_daemon, tmp_path):
     cache = tmp_path / "cache"
-    first = make_daemon("--target", "sm_90a", "--cuda-compiler", "nvrtc", cache_dir=cache, workers=1)  # CUDA default: warm-up on
+    first = make_daemon("--target", "sm_90a", "--cuda-compiler", "nvrtc", cache_dir=cache, workers=2)  # CUDA default: warm-up on
+    # Serving at once: a request goes to a worker that is not warming up, and is not held behind the warm-up.
+    k = first.client().get_kernel("rmsnorm", M=None, N=64, dtype="float32", target="c")
+    assert k.outcome == "compiled" and first.client().stats()["workers_ready"] < 2
+    _wait_ready(first)
     preludes = list(cache.glob("device-binaries/nvrtc-*/nvrtc-preludes-sm_90a-*.json"))
     assert len(preludes) == 1 and len(json.loads(preludes[0].read_text())) >= 4  # GEMM, attention, elementwise, softmax
-    assert "lowering the kinds' warm-up examples" in first.log() and "precompiled headers for" in first.log()
+    assert "lowering the kinds' warm-up examples" in first.log() and first.log().count("precompiled headers for") == 2
     # Each worker keeps its PCH files (hundreds of MB) in a private directory, removed when it exits.
     pch_root = Path(tempfile.gettempdir()) / f"kernel-service-nvrtc-pch-{os.getuid()}"
     children = [p for t in Path(f"/proc/{first.proc.pid}/task").iterdir() for p in (t / "children").read_text().split()]
     workers = [w for w in children if (pch_root / w).is_dir()]  # not the resource tracker
-    assert len(workers) == 1 and any((pch_root / workers[0]).iterdir())
+    assert len(workers) == 2 and all(any((pch_root / w).iterdir()) for w in workers)
     first.stop()
-    assert not (pch_root / workers[0]).exists()
+    assert not any((pch_root / w).exists() for w in workers)
     again = make_daemon("--target", "sm_90a", "--cuda-compiler", "nvrtc", cache_dir=cache, workers=1)
+    _wait_ready(again)
     assert "lowering the kinds' warm-up examples" not in again.log() and "precompiled headers for" in again.log()
 
 

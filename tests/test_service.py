@@ -85,11 +85,11 @@ def test_second_process_is_served_without_compiling(make_daemon):
     assert not list(Path(tempfile.gettempdir()).glob(f"kernel-service-load-{second['pid']}-*"))
     assert d.client().stats()["compiles"] == compiles == 3
 
-    # A restarted daemon on the same cache serves them from disk too.
+    # A restarted daemon on the same cache serves them from disk too; its counters go on from the last daemon's.
     d.stop()
     d2 = make_daemon(cache_dir=d.cache_dir)
     assert run_fresh(d2.socket, [dict(s) for s in SPECS])["outcomes"] == ["hit"] * 3
-    assert d2.client().stats()["compiles"] == 0
+    assert d2.client().stats()["compiles"] == 3
 
 
 def test_stampede_of_8_processes_compiles_each_kernel_once(make_daemon):
@@ -325,13 +325,14 @@ def test_cache_budget_evicts_least_recently_used_but_not_recent_ones(make_daemon
     fresh = d.client()
     assert fresh.get_kernel("rmsnorm", **specs[0]).outcome == "hit"
     assert fresh.get_kernel("rmsnorm", **specs[1]).outcome == "compiled"
+    evicted = fresh.stats()["evictions"]
     d.stop()
 
     # A restart with the default min-age keeps everything handed out in the last minutes.
     d2 = make_daemon("--max-entries", "1", cache_dir=d.cache_dir)
     assert d2.client().get_kernel("rmsnorm", **specs[2]).outcome in ("hit", "compiled")
     stats = d2.client().stats()
-    assert stats["evictions"] == 0 and stats["entries"] >= 2
+    assert stats["evictions"] == evicted and stats["entries"] >= 2  # the counters go on; no eviction since
 
 
 def _mode(path) -> int:

@@ -23,7 +23,7 @@ import shutil
 import time
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from proto import abi as call_abi_schema
 from proto.abi import LIBRARY, SOURCES
@@ -50,7 +50,9 @@ def device_binary_dir(cache_root: Path, cuda_compiler: str) -> Path:
 
 # This worker's device compiler: which one, the seconds its last call took (waiting for another
 # worker's compile of the same source included), and whether it compiled (NVRTC; None: not known).
-_device = {"compiler": devices.get(devices.NVCC), "seconds": 0.0, "compiled": None}
+_device = {"compiler": devices.get(devices.NVCC), "callback": None, "seconds": 0.0, "compiled": None}
+# This worker's warm-up (warm_step): the target whose NVRTC headers it parses, and the preludes done.
+_warm = {"target": None, "done": set()}
 
 
 def worker_init(
@@ -71,8 +73,8 @@ def worker_init(
     whole-kernel cache stays unused: build() calls JITKernel directly, and the
     daemon's store owns the entries.
 
-    `warm_target` ("sm_90a"): with NVRTC, build the precompiled headers of every
-    kind's `warm_up` examples now, so no request pays for parsing them.
+    `warm_target` ("sm_90a", "auto"): with NVRTC, the target whose precompiled headers
+    warm_step builds, one prelude at a time, when the scheduler has nothing else to do.
     `log_level`: log like the daemon (a spawned process starts with no logging set up).
     """
     if log_level is not None:
@@ -94,8 +96,7 @@ def worker_init(
     logging.getLogger("tilelang").setLevel(logging.WARNING)
 
     compile_device = device.callback()
-    if warm_target and cuda_compiler == devices.NVRTC:
-        _warm_precompiled_headers(device, warm_target)
+    _warm["target"] = warm_target if cuda_compiler == devices.NVRTC else None
 
     locks = Path(env.TILELANG_CACHE_DIR) / "locks"
     locks.mkdir(parents=True, exist_ok=True)
@@ -113,39 +114,53 @@ def worker_init(
             _device["compiled"] = device.compiles > before if before is not None else None
 
     tvm_ffi.register_global_func("tilelang_callback_cuda_compile", f=compile_once, override=True)
-    _device["compiler"] = device
+    _device["compiler"], _device["callback"] = device, compile_once
 
 
-def _warm_precompiled_headers(device, target_text: str) -> None:
-    """Has NVRTC parse, once in this worker, each header prelude TileLang generates for the
-    registered kinds' warm-up examples.
+def warm_step() -> tuple[int, bool]:
+    """One short unit of this worker's warm-up; returns (this worker's pid, whether it is warm).
 
-    Finding the preludes means lowering the examples (seconds); the first worker
-    does it and leaves them in the device-binary directory, keyed by everything
-    that shapes them, so the other workers and later daemons only read them.
+    With NVRTC and a CUDA warm target, NVRTC parses each header prelude TileLang
+    generates for the registered kinds' warm-up examples once per worker (a PCH lives
+    in the process that made it), one prelude per call, so a request never waits
+    behind more than one. Finding the preludes means lowering the examples (seconds);
+    the first worker to get there does it and leaves them in the device-binary
+    directory, keyed by everything that shapes them, for the others and later daemons.
     """
-    from tilelang.env import env
-
     import kernels
+    from tilelang.env import env
 
     from ..keys import tilelang_version
 
-    target = kernels.parse_target(target_text)
+    pid = os.getpid()
+    text = _warm["target"]
+    target = kernels.parse_target(text) if text else None
+    if target is None or target.is_cpu:
+        return pid, True
     sources_digest = hashlib.sha256("".join(kernels.source_digest(k) for k in sorted(kernels.kinds())).encode()).hexdigest()
     known = Path(env.TILELANG_CACHE_DIR) / f"nvrtc-preludes-{target.arch}-{tilelang_version()}-{sources_digest[:16]}.json"
-    known.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(known) + ".lock"):
+    try:
+        preludes = json.loads(known.read_text())
+    except (OSError, ValueError):
         try:
-            sources = json.loads(known.read_text())
-        except (OSError, ValueError):
-            log.info("lowering the kinds' warm-up examples to find the headers their CUDA source includes")
-            sources = [nvrtc.prelude(code) for code in _warm_up_sources(target)]
-            staged = known.with_name(f".{known.name}.{os.getpid()}")
-            staged.write_text(json.dumps(sorted(set(sources))))
-            staged.replace(known)
-    start = time.perf_counter()
-    count = device.warm(sources, str(target.arch))
-    log.info("NVRTC precompiled headers for %d preludes built in %.1f s", count, time.perf_counter() - start)
+            with FileLock(str(known) + ".lock", timeout=0):
+                if not known.exists():
+                    log.info("lowering the kinds' warm-up examples to find the headers their CUDA source includes")
+                    found = sorted({nvrtc.prelude(code) for code in _warm_up_sources(target)})
+                    staged = known.with_name(f".{known.name}.{pid}")
+                    staged.write_text(json.dumps(found))
+                    staged.replace(known)
+        except Timeout:
+            time.sleep(0.2)  # another worker is finding them; this one stays free meanwhile
+        return pid, False
+    todo = [p for p in preludes if p not in _warm["done"]]
+    if todo:
+        start = time.perf_counter()
+        _device["compiler"].warm(todo[:1], str(target.arch))
+        _warm["done"].add(todo[0])
+        if len(todo) == 1:
+            log.info("NVRTC precompiled headers for %d preludes built (the last in %.1f s)", len(preludes), time.perf_counter() - start)
+    return pid, len(todo) <= 1
 
 
 def _warm_up_sources(target) -> list[str]:
@@ -162,13 +177,16 @@ def _warm_up_sources(target) -> list[str]:
         return bytearray()  # never loaded: the kernel is dropped
 
     tvm_ffi.register_global_func("tilelang_callback_cuda_compile", f=capture, override=True)
-    for kind in kernels.kinds().values():
-        for params in kind.warm_up:
-            try:
-                spec = kind.canonicalize(dict(params), target)
-                tilelang.JITKernel(kind.build(dict(spec.params), target), target=target.tilelang_target(), execution_backend="auto")
-            except Exception as exc:  # a bad example only costs its warm-up
-                log.warning("warm-up example of %s skipped: %s: %s", kind.name, type(exc).__name__, exc)
+    try:
+        for kind in kernels.kinds().values():
+            for params in kind.warm_up:
+                try:
+                    spec = kind.canonicalize(dict(params), target)
+                    tilelang.JITKernel(kind.build(dict(spec.params), target), target=target.tilelang_target(), execution_backend="auto")
+                except Exception as exc:  # a bad example only costs its warm-up
+                    log.warning("warm-up example of %s skipped: %s: %s", kind.name, type(exc).__name__, exc)
+    finally:  # builds go through the real device compiler again
+        tvm_ffi.register_global_func("tilelang_callback_cuda_compile", f=_device["callback"], override=True)
     return sources
 
 
@@ -276,6 +294,7 @@ def build(spec_json: str, staging: str) -> dict:
         },
         "toolchain": toolchain(kind.name, target.kind, _device["compiler"].id),
         "created": time.time(),
+        "worker": os.getpid(),  # which worker built it (timelines: benchmark/compile_speed.py)
     }
     if _device["compiled"] is not None:
         meta["device_compiled"] = _device["compiled"]  # False: the device binary was already built

@@ -2,11 +2,15 @@
 
 Every byte under the cache counts: entries' own records, the blobs they link
 (each once, however many entries share it) and the device-binary cache the
-compile workers keep (store.extra_usage). Recency is the store's: when an
-entry was last handed out (in memory, or its directory's mtime after a
-restart); a device binary's is its mtime. Eviction renames an entry away
-before deleting it, under the lock lookups mark use under, and never takes
-one handed out within `min_age` seconds: a client may be about to load it.
+compile workers keep (store.extra_usage). Recency: when an entry was last
+handed out, from this store's memory and from its directory's mtime, which
+clients that find entries themselves set, and which a store sets at most once
+a minute (TOUCH_EVERY) on a hit: where this process never handed an entry out
+(another daemon, `kernel-service prune`), its last use may lie up to
+TOUCH_EVERY past the mtime, and is taken to. A device binary's is its mtime.
+Eviction renames an entry away before deleting it, under the lock lookups mark
+use under, and never takes one used within `min_age` seconds: a client may be
+about to load it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from pathlib import Path
 from proto.abi import ENTRY_META, MANIFEST
 
 from .base import Budget
+
+TOUCH_EVERY = 60.0  # seconds between a store's mtime touches of an entry it hands out (store.local)
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +76,11 @@ def usage(store) -> tuple[int, int]:
 
 
 def _last_used(store, key: str, path: Path) -> float:
-    with store._lock:
-        used = store._used.get(key)
-    return used if used is not None else path.stat().st_mtime  # set at publish, touched on hits
+    """When the entry was last used, at the latest. Call under store._lock or not: a stale
+    read only makes an entry look older than it is by the time the rename checks again."""
+    mtime = path.stat().st_mtime  # set at publish; touched by hits and by clients that load it themselves
+    used = store._used.get(key)
+    return max(used, mtime) if used is not None else mtime + TOUCH_EVERY
 
 
 def _take_unused(store, key: str, cutoff: float) -> bool:
@@ -82,7 +90,7 @@ def _take_unused(store, key: str, cutoff: float) -> bool:
     trash = store.staging_dir / f"{os.getpid()}.trash.{key}.{os.urandom(4).hex()}"
     with store._lock:
         try:
-            if store._used.get(key, path.stat().st_mtime) > cutoff:
+            if _last_used(store, key, path) > cutoff:
                 return False
             os.rename(path, trash)
         except OSError:
@@ -111,7 +119,9 @@ def evict(store, budget: Budget, protect: str | None = None) -> int:
         for key in store.keys():
             path = store.entry_path(key)
             with contextlib.suppress(OSError):  # vanished meanwhile
-                items.append((_last_used(store, key, path), "entry", key, 0))
+                with store._lock:
+                    used = _last_used(store, key, path)
+                items.append((used, "entry", key, 0))
         removed = 0
         cutoff = time.time() - budget.min_age
         for used, what, item, size in sorted(items, key=lambda i: i[0]):

@@ -35,17 +35,17 @@ import threading
 import time
 from pathlib import Path
 
-from proto.abi import ENTRY_META, MANIFEST, check_entry_meta
+from proto.abi import ENTRY_META, MANIFEST, MANIFEST_SCHEMA, check_entry_meta
+from proto.paths import entry_dir
 
 from ..fsutil import fsync_path, pid_alive, sha256_file, write_json_atomic
 from . import budget
+from .budget import TOUCH_EVERY  # seconds between mtime touches of a hit entry (the on-disk LRU clock)
 from .base import Budget, Entry, Storage, StoreError
 from .blobs import Blobs
 
 log = logging.getLogger(__name__)
 
-MANIFEST_SCHEMA = 1
-TOUCH_EVERY = 60.0  # seconds between mtime touches of a hit entry (the on-disk LRU clock)
 
 
 class LocalStore(Storage):
@@ -81,7 +81,7 @@ class LocalStore(Storage):
 
     # ----- paths
     def entry_path(self, key: str) -> Path:
-        return self.entries_dir / key[:2] / key
+        return entry_dir(self.root, key)
 
     # ----- reading
     def lookup(self, key: str, spec: dict | None = None) -> Entry | None:

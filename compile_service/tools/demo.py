@@ -8,6 +8,7 @@ CPU ones against torch, prints the daemon's counters and stops what it started.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
@@ -37,6 +38,19 @@ def _label(spec) -> str:
     return f"{spec['kind']}({params}) @ {spec['target']}"
 
 
+def how_served(kernel: dict) -> str:
+    """What happened to one kernel, from a Prefetch event's `kernel` (GetKernelResponse as a dict)."""
+    outcome = kernel["outcome"].removeprefix("OUTCOME_").lower()
+    shared = kernel.get("shared_build")
+    if shared:  # no compile of its own: published as a copy of the build that leaves its sizes to run time
+        build = json.loads(shared["canonical_spec"])
+        runtime = ", ".join(k for k, v in build["params"].items() if v is None)
+        return f"{outcome} as a copy of the shared build with {runtime} at run time (that build took {shared['compile_seconds']:.2f}s)"
+    if outcome == "hit":
+        return f"hit (built earlier in {kernel['compile_seconds']:.2f}s)"
+    return f"{outcome} (built in {kernel['compile_seconds']:.2f}s)"
+
+
 def run_demo(cache_dir: str | None = None, socket: str | None = None) -> int:
     import torch
 
@@ -62,8 +76,7 @@ def run_demo(cache_dir: str | None = None, socket: str | None = None) -> int:
             if event["error_code"]:
                 print(f"  [{done}/{total}] {label}: FAILED {event['error_code']}")
             else:
-                k = event["kernel"]
-                print(f"  [{done}/{total}] {label}: {k['outcome'].removeprefix('OUTCOME_').lower()} (built in {k['compile_seconds']:.2f}s)")
+                print(f"  [{done}/{total}] {label}: {how_served(event['kernel'])}")
 
         results = client.connect(socket_path).prefetch(specs, progress=progress, load=False)
         print(f"  round 1 took {time.perf_counter() - t0:.2f}s")

@@ -75,16 +75,28 @@ class KernelArtifact(_message.Message):
     def __init__(self, key: _Optional[str] = ..., entry_dir: _Optional[str] = ..., library: _Optional[str] = ..., library_sha256: _Optional[str] = ..., library_size: _Optional[int] = ..., abi_json: _Optional[str] = ..., canonical_spec: _Optional[str] = ...) -> None: ...
 
 class GetKernelResponse(_message.Message):
-    __slots__ = ("artifact", "cached_result", "outcome", "compile_seconds")
+    __slots__ = ("artifact", "cached_result", "outcome", "compile_seconds", "shared_build")
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     CACHED_RESULT_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BUILD_FIELD_NUMBER: _ClassVar[int]
     artifact: KernelArtifact
     cached_result: bool
     outcome: Outcome
     compile_seconds: float
-    def __init__(self, artifact: _Optional[_Union[KernelArtifact, _Mapping]] = ..., cached_result: _Optional[bool] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., compile_seconds: _Optional[float] = ...) -> None: ...
+    shared_build: SharedBuild
+    def __init__(self, artifact: _Optional[_Union[KernelArtifact, _Mapping]] = ..., cached_result: _Optional[bool] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., compile_seconds: _Optional[float] = ..., shared_build: _Optional[_Union[SharedBuild, _Mapping]] = ...) -> None: ...
+
+class SharedBuild(_message.Message):
+    __slots__ = ("key", "canonical_spec", "compile_seconds")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CANONICAL_SPEC_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    canonical_spec: str
+    compile_seconds: float
+    def __init__(self, key: _Optional[str] = ..., canonical_spec: _Optional[str] = ..., compile_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("specs",)
@@ -113,7 +125,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes", "joined", "corrupt", "invalid", "compile_seconds", "cpu_quota", "cache_dir", "address", "uptime_seconds", "version", "toolchain", "inductor_dir", "inductor_entries", "inductor_bytes", "evictions", "failures_cached", "cuda_compiler", "device_compile_seconds", "derived")
+    __slots__ = ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes", "joined", "corrupt", "invalid", "compile_seconds", "cpu_quota", "cache_dir", "address", "uptime_seconds", "version", "toolchain", "inductor_dir", "inductor_entries", "inductor_bytes", "evictions", "failures_cached", "cuda_compiler", "device_compile_seconds", "derived", "stats_since", "workers_ready", "running", "queued")
     COMPILES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +152,10 @@ class Stats(_message.Message):
     CUDA_COMPILER_FIELD_NUMBER: _ClassVar[int]
     DEVICE_COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DERIVED_FIELD_NUMBER: _ClassVar[int]
+    STATS_SINCE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_READY_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     compiles: int
     hits: int
     misses: int
@@ -166,27 +182,39 @@ class Stats(_message.Message):
     cuda_compiler: str
     device_compile_seconds: float
     derived: int
-    def __init__(self, compiles: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., failures: _Optional[int] = ..., in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., joined: _Optional[int] = ..., corrupt: _Optional[int] = ..., invalid: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., cpu_quota: _Optional[int] = ..., cache_dir: _Optional[str] = ..., address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., inductor_entries: _Optional[int] = ..., inductor_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., failures_cached: _Optional[int] = ..., cuda_compiler: _Optional[str] = ..., device_compile_seconds: _Optional[float] = ..., derived: _Optional[int] = ...) -> None: ...
+    stats_since: float
+    workers_ready: int
+    running: int
+    queued: int
+    def __init__(self, compiles: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., failures: _Optional[int] = ..., in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., joined: _Optional[int] = ..., corrupt: _Optional[int] = ..., invalid: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., cpu_quota: _Optional[int] = ..., cache_dir: _Optional[str] = ..., address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., inductor_entries: _Optional[int] = ..., inductor_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., failures_cached: _Optional[int] = ..., cuda_compiler: _Optional[str] = ..., device_compile_seconds: _Optional[float] = ..., derived: _Optional[int] = ..., stats_since: _Optional[float] = ..., workers_ready: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
+
+class ZeroStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class GetServiceInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServiceInfo(_message.Message):
-    __slots__ = ("cache_dir", "inductor_dir", "version", "toolchain", "default_target", "cuda_compiler")
+    __slots__ = ("cache_dir", "inductor_dir", "version", "toolchain", "default_target", "cuda_compiler", "key_fingerprint_json", "config_json")
     CACHE_DIR_FIELD_NUMBER: _ClassVar[int]
     INDUCTOR_DIR_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOOLCHAIN_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_TARGET_FIELD_NUMBER: _ClassVar[int]
     CUDA_COMPILER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FINGERPRINT_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     cache_dir: str
     inductor_dir: str
     version: str
     toolchain: str
     default_target: str
     cuda_compiler: str
-    def __init__(self, cache_dir: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., default_target: _Optional[str] = ..., cuda_compiler: _Optional[str] = ...) -> None: ...
+    key_fingerprint_json: str
+    config_json: str
+    def __init__(self, cache_dir: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., default_target: _Optional[str] = ..., cuda_compiler: _Optional[str] = ..., key_fingerprint_json: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class ListKindsRequest(_message.Message):
     __slots__ = ()

@@ -52,6 +52,11 @@ class KernelServiceStub:
                 request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.Stats.FromString,
                 _registered_method=True)
+        self.ZeroStats = channel.unary_unary(
+                '/kernelservice.v1.KernelService/ZeroStats',
+                request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ZeroStatsRequest.SerializeToString,
+                response_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.Stats.FromString,
+                _registered_method=True)
         self.GetServiceInfo = channel.unary_unary(
                 '/kernelservice.v1.KernelService/GetServiceInfo',
                 request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetServiceInfoRequest.SerializeToString,
@@ -121,10 +126,19 @@ class KernelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ZeroStats(self, request, context):
+        """Sets every counter (and histogram) back to zero, counting from now, and
+        returns the stats as they were just before. Errors: UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetServiceInfo(self, request, context):
-        """Where the daemon keeps things, cheaply (no directory walks): clients use
-        it to point torch.compile at the shared Inductor directory.
-        Errors: UNAVAILABLE.
+        """Where the daemon keeps things and how it computes keys, cheaply (no
+        directory walks): clients use it to point torch.compile at the shared
+        Inductor directory, and to find published entries themselves (see
+        ServiceInfo.key_fingerprint_json). Errors: UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,6 +170,11 @@ def add_KernelServiceServicer_to_server(servicer, server):
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
                     request_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetStatsRequest.FromString,
+                    response_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.Stats.SerializeToString,
+            ),
+            'ZeroStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.ZeroStats,
+                    request_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ZeroStatsRequest.FromString,
                     response_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.Stats.SerializeToString,
             ),
             'GetServiceInfo': grpc.unary_unary_rpc_method_handler(
@@ -252,6 +271,33 @@ class KernelService:
             target,
             '/kernelservice.v1.KernelService/GetStats',
             proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetStatsRequest.SerializeToString,
+            proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ZeroStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kernelservice.v1.KernelService/ZeroStats',
+            proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ZeroStatsRequest.SerializeToString,
             proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.Stats.FromString,
             options,
             channel_credentials,
