@@ -209,3 +209,10 @@ def test_client_prefetch_takes_a_manifest(make_daemon, tmp_path):
     assert kernel.spec["params"]["N"] == 24
     with pytest.raises(manifest.ManifestError, match="not a kernel-service manifest"):
         c.prefetch({"kernels": []})
+
+
+def test_a_strict_client_without_a_daemon_only_reads_the_cache(tmp_path):
+    c = client.connect(tmp_path / "no-daemon.sock", fallback=True, strict=True, cache_dir=tmp_path / "cache")
+    with pytest.raises(client.KernelNotReady, match=r"no daemon answered\); no entry of kind rmsnorm"):
+        c.get_kernel("rmsnorm", target="c", M=None, N=64, dtype="float32")
+    assert not list((tmp_path / "cache" / "entries").iterdir())  # nothing compiled
