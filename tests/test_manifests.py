@@ -216,3 +216,17 @@ def test_a_strict_client_without_a_daemon_only_reads_the_cache(tmp_path):
     with pytest.raises(client.KernelNotReady, match=r"no daemon answered\); no entry of kind rmsnorm"):
         c.get_kernel("rmsnorm", target="c", M=None, N=64, dtype="float32")
     assert not list((tmp_path / "cache" / "entries").iterdir())  # nothing compiled
+
+
+def test_serving_only_still_copies_a_shared_build_that_is_there(make_daemon):
+    builder = make_daemon("--kernel-module", "tests.shared_kind")
+    builder.client().get_kernel("row_double", target="c", M=None, N=8)  # the runtime-M build
+    builder.stop()
+    serving = make_daemon("--no-compile", "--kernel-module", "tests.shared_kind", cache_dir=builder.cache_dir)
+    c = serving.client(strict=True)
+    copy = c.get_kernel("row_double", target="c", M=5, N=8)  # its own entry: a copy, nothing compiled
+    assert copy.abi["fixed"] == {"M": 5}
+    with pytest.raises(client.KernelNotReady, match="N=16 vs 8"):  # no build of N=16 to copy
+        c.get_kernel("row_double", target="c", M=5, N=16)
+    stats = c.stats()
+    assert (stats["compiles"], stats["derived"], stats["not_ready"]) == (0, 1, 1)
