@@ -74,6 +74,12 @@ class BundleError(Exception):
     """A bundle that cannot be written or imported; the message names the problem and the fix."""
 
 
+def shared_toolchain(cuda_compiler: str) -> dict:
+    """The toolchain parts every entry of a bundle shares (each kind's source digest is in its
+    entry's own toolchain): what bundle.json records and an importer checks first."""
+    return {part: value for part, value in fingerprint(cuda_compiler).items() if part != "kind_sources"}
+
+
 # ----- export
 
 
@@ -104,7 +110,7 @@ def export(store: LocalStore, specs: list[CanonicalSpec], cuda_compiler: str, ou
         "version": VERSION,
         "kernel_service": __version__,
         "created": time.time(),
-        "toolchain": fingerprint(cuda_compiler),
+        "toolchain": shared_toolchain(cuda_compiler),
         "entries": sorted(entries.values(), key=lambda e: e["key"]),
     }
     out = Path(out)
@@ -277,7 +283,7 @@ def _check(index, blobs: dict[str, Path], cuda_compiler: str, name: str) -> list
     if not isinstance(entries, list) or not isinstance(index.get("toolchain"), dict):
         raise BundleError(f"{name}: {INDEX} lacks its entries or toolchain")
     cuda = any(isinstance(e, dict) and isinstance(e.get("spec"), dict) and str(e["spec"].get("target", "c")) != "c" for e in entries)
-    _same_toolchain(index["toolchain"], fingerprint(cuda_compiler), cuda, name)
+    _same_toolchain(index["toolchain"], shared_toolchain(cuda_compiler), cuda, name)
     used, keys, out = set(), set(), []
     for i, entry in enumerate(entries):
         where = f"{name}: entries[{i}]"

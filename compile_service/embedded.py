@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import threading
 from pathlib import Path
 
 from filelock import FileLock
@@ -19,9 +20,9 @@ from filelock import FileLock
 from kernels.spec import CanonicalSpec
 from proto.wire import Outcome
 
+from . import explain
 from .build import devices
 from .build.compiler import DEVICE_BINARIES, CompileFailed
-from . import explain
 from .keys import toolchain
 from .scheduler import NotReady, Scheduler, in_process_pool
 from .store import Entry, LocalStore, StoreError, existing_mode
@@ -35,7 +36,9 @@ class EmbeddedService:
         self.store = LocalStore(root, existing_mode(root), extra_usage=(root / DEVICE_BINARIES,))
         self.locks = root / "locks"
         self.locks.mkdir(mode=0o700, exist_ok=True)
-        self.scheduler = Scheduler(self.store, workers=1, device=devices.choose(cuda_compiler), pool=in_process_pool)
+        # The worker (TileLang's import) starts with the first compile: a strict client never needs it.
+        self.scheduler = Scheduler(self.store, workers=1, device=devices.choose(cuda_compiler), pool=in_process_pool, start=False)
+        self._started = threading.Lock()
         atexit.register(self.scheduler.shutdown, 10.0)  # idle drivers stop at once; a running compile gets 10 s
 
     def get(self, spec: CanonicalSpec, compile: bool = True) -> tuple[Entry, str]:
@@ -48,6 +51,8 @@ class EmbeddedService:
         if not compile:
             why = explain.explain(self.store, spec, key, toolchain(spec.kind, spec.target.kind, self.scheduler.device.id)).reason
             raise NotReady(spec, key, f"the request asked for no compile (a strict client; no daemon answered); {why}")
+        if self._started.acquire(blocking=False):  # held for good once taken: start once
+            self.scheduler.start_workers()
         with FileLock(str(self.locks / f"{key}.lock")):
             future, outcome = self.scheduler.request(spec)
             return future.result(), outcome.label

@@ -8,8 +8,9 @@ import json
 import os
 
 import kernels
-from compile_service.keys import key_of, toolchain
+from compile_service.keys import toolchain
 from compile_service.store import LocalStore
+from proto import keys
 from proto.abi import LIBRARY
 
 
@@ -32,6 +33,11 @@ def spec_of(kind: str, target: str, **params) -> dict:
 
 def host_toolchain(spec: dict, cuda_compiler: str) -> dict:
     return toolchain(spec["kind"], "c" if spec["target"] == "c" else "cuda", cuda_compiler)
+
+
+def key_of(spec: dict, toolchain_: dict) -> str:
+    """The key of a spec (as entry.json records it) built with `toolchain_`."""
+    return keys.cache_key(json.dumps(spec, sort_keys=True, separators=(",", ":")), toolchain_)
 
 
 def plant(store: LocalStore, spec: dict, toolchain_: dict, library: bytes | None = None) -> str:

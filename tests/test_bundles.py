@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 import client
-from compile_service.bundle import BundleError, import_
-from compile_service.keys import fingerprint, key_of, tilelang_version
+from compile_service.bundle import BundleError, import_, shared_toolchain
+from compile_service.keys import tilelang_version
 from compile_service.store import LocalStore
 from compile_service.tools.launch import DaemonProcess
 from kernels import reference
 from tests.marks import needs_nvrtc
-from tests.plant import abi, host_toolchain, spec_of
+from tests.plant import abi, host_toolchain, key_of, spec_of
 
 ROOT = Path(__file__).resolve().parent.parent
 CC = "nvrtc-13.0"
@@ -132,7 +132,7 @@ def members(entries: list[dict], index_changes: dict | None = None, cc: str = CC
             blobs[sha] = data
             files[name] = {"size": len(data), "sha256": sha}
         index_entries.append({"key": e["key"], "spec": e["spec"], "library": "kernel.so", "files": files})
-    index = {"format": "kernel-service-bundle", "version": 1, "toolchain": fingerprint(cc), "entries": index_entries, **(index_changes or {})}
+    index = {"format": "kernel-service-bundle", "version": 1, "toolchain": shared_toolchain(cc), "entries": index_entries, **(index_changes or {})}
     return [file("bundle.json", json.dumps(index).encode())] + [file(f"blobs/{sha}", data) for sha, data in blobs.items()]
 
 
@@ -268,7 +268,7 @@ def test_the_command_refuses_a_hostile_bundle_in_one_line(place, tmp_path):
 def test_a_foreign_toolchain_is_refused_naming_the_field(place, tmp_path):
     store, _ = place
     old = entry(*GOOD[0], toolchain_changes={"tilelang": "0.1.14"})
-    bundle = write(tmp_path / "old.tar", members([old], {"toolchain": {**fingerprint(CC), "tilelang": "0.1.14"}}))
+    bundle = write(tmp_path / "old.tar", members([old], {"toolchain": {**shared_toolchain(CC), "tilelang": "0.1.14"}}))
     with pytest.raises(BundleError, match=rf"built with another toolchain: tilelang 0.1.14 \(bundle\) vs {tilelang_version()} \(this host\); its keys would never"):
         import_(store, bundle, CC)
 

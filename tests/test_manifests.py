@@ -158,6 +158,9 @@ def test_applications_are_recorded_once_per_spec_across_restarts(make_daemon):
     d2 = make_daemon(cache_dir=d.cache_dir)
     d2.client(app="svc").get_kernel("rmsnorm", target="c", M=None, N=64, dtype="float32")  # known after a restart
     d2.client(app="svc").get_kernel("softmax", target="c", M=None, N=16, dtype="float32")
+    # In the cache already: a client without an app would load it without asking; one with an app asks.
+    d2.client(app="late").get_kernel("rmsnorm", target="c", M=None, N=64, dtype="float32")
+    assert [json.loads(line)["kind"] for line in (d.cache_dir / "apps" / "late.jsonl").read_text().splitlines()] == ["rmsnorm"]
     lines = (d.cache_dir / "apps" / "svc.jsonl").read_text().splitlines()
     assert [json.loads(line)["kind"] for line in lines] == ["rmsnorm", "softmax", "softmax"]
     assert oct((d.cache_dir / "apps" / "svc.jsonl").stat().st_mode & 0o777) == oct(0o600)
@@ -167,10 +170,10 @@ def test_applications_are_recorded_once_per_spec_across_restarts(make_daemon):
         with pytest.raises(grpc.RpcError) as err:
             pb_grpc.KernelServiceStub(channel).GetKernel(pb.GetKernelRequest(spec=pb.KernelSpec(kind="rmsnorm"), app="../../x"), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("app: ")
-    assert sorted(p.name for p in (d.cache_dir / "apps").iterdir()) == ["other.jsonl", "svc.jsonl"]
+    assert sorted(p.name for p in (d.cache_dir / "apps").iterdir()) == ["late.jsonl", "other.jsonl", "svc.jsonl"]
 
     missing = cli("manifest", "--app", "nobody", "--cache-dir", str(d.cache_dir))
-    assert missing.returncode == 1 and "recorded: other, svc" in missing.stderr
+    assert missing.returncode == 1 and "recorded: late, other, svc" in missing.stderr
     printed = cli("manifest", "--app", "other", "--cache-dir", str(d.cache_dir))
     assert printed.returncode == 0 and manifest.specs(json.loads(printed.stdout)) == [{"kind": "rmsnorm", "target": "c", "M": None, "N": 64, "dtype": "float32", "eps": 1e-6, "threads": None}]
 
@@ -212,9 +215,19 @@ def test_client_prefetch_takes_a_manifest(make_daemon, tmp_path):
 
 
 def test_a_strict_client_without_a_daemon_only_reads_the_cache(tmp_path):
-    c = client.connect(tmp_path / "no-daemon.sock", fallback=True, strict=True, cache_dir=tmp_path / "cache")
-    with pytest.raises(client.KernelNotReady, match=r"no daemon answered\); no entry of kind rmsnorm"):
-        c.get_kernel("rmsnorm", target="c", M=None, N=64, dtype="float32")
+    code = textwrap.dedent(
+        """
+        import sys, client
+        c = client.connect(sys.argv[1], fallback=True, strict=True, cache_dir=sys.argv[2])
+        try:
+            c.get_kernel("rmsnorm", target="c", M=None, N=64, dtype="float32")
+        except client.KernelNotReady as exc:
+            print(exc, "| tilelang imported:", "tilelang" in sys.modules)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "no-daemon.sock"), str(tmp_path / "cache")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "(a strict client; no daemon answered); no entry of kind rmsnorm" in out.stdout and out.stdout.strip().endswith("tilelang imported: False")
     assert not list((tmp_path / "cache" / "entries").iterdir())  # nothing compiled
 
 
