@@ -10,10 +10,10 @@ See README for the full API.
 
 import sys
 
-from .api import Client, connect, default_client, get_kernel, kinds, prefetch, stats
+from .api import Client, connect, default_client, explain, get_kernel, kinds, prefetch, stats
 from .api import use_shared_inductor_cache_default as use_shared_inductor_cache
 from .inductor import InductorCache
-from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelServiceError, ServiceError, ServiceUnavailable
+from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable
 from .loader import Kernel
 
 if "torch" in sys.modules:  # the kernels' torch ops (torch.compile, torch.export); else when a kernel loads
@@ -26,11 +26,13 @@ __all__ = [
     "InductorCache",
     "InvalidSpec",
     "Kernel",
+    "KernelNotReady",
     "KernelServiceError",
     "ServiceError",
     "ServiceUnavailable",
     "connect",
     "default_client",
+    "explain",
     "get_kernel",
     "kinds",
     "prefetch",

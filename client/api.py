@@ -15,14 +15,14 @@ import grpc
 from google.protobuf import json_format
 
 import kernels
-from proto import keys, wire
+from proto import keys, manifest, wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 from proto.paths import default_socket, socket_address
 from proto.wire import Outcome, Status
 
 from . import loader
-from .errors import CompileError, InvalidSpec, ServiceError, ServiceUnavailable
+from .errors import CompileError, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable
 from .inductor import InductorCache, use_shared_inductor_cache
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ STATS_TIMEOUT = 10.0
 NO_DAEMON_WINDOW = 2.0  # how long UNAVAILABLE is retried when no daemon ever answered this client
 RECONNECT_WINDOW = 30.0  # ... and once one has (a restart takes seconds)
 SLOW_GET = 1.0  # a get_kernel that waits longer than this says why, at INFO
+APP_ENV = "KERNEL_SERVICE_APP"  # the application name, when connect() is given none
+STRICT_ENV = "KERNEL_SERVICE_STRICT"  # "1": strict, when connect() is not told
 
 
 def spec_to_proto(spec: kernels.CanonicalSpec) -> pb.KernelSpec:
@@ -47,6 +49,8 @@ def _raise_for(err: grpc.RpcError, what: str, address: str = "", waited: float |
     if code in Status.RETRYABLE:
         tried = f" (retried for {waited:.1f} s)" if waited else ""
         raise ServiceUnavailable(f"no kernel service answers at {address}{tried}: {details}; start one with `kernel-service serve`") from None
+    if code == Status.NOT_READY:
+        raise KernelNotReady(details, wire.not_ready_key(details)) from None
     raise ServiceError(f"{what}: {code.name}: {details}", code.name) from None
 
 
@@ -62,6 +66,12 @@ class Client:
     once); `direct_hits=False` asks the daemon every time. When the daemon goes
     away, calls are retried for `reconnect_window` seconds (a restart), or for
     2 s if no daemon ever answered this client, then raise ServiceUnavailable.
+    `app`: this application's name (default $KERNEL_SERVICE_APP): the daemon
+    records every kernel it asks for, for `kernel-service manifest --app`; such
+    a client asks the daemon for every kernel (once per process), so that it
+    sees them all. `strict=True` (default: $KERNEL_SERVICE_STRICT=1): nothing
+    compiles for this client; a kernel not in the cache raises KernelNotReady
+    at once.
     """
 
     def __init__(
@@ -73,7 +83,12 @@ class Client:
         timeout: float = GET_TIMEOUT,
         reconnect_window: float = RECONNECT_WINDOW,
         direct_hits: bool = True,
+        app: str | None = None,
+        strict: bool | None = None,
     ):
+        app = app or os.environ.get(APP_ENV)
+        self.app = manifest.check_app(app) if app else ""
+        self.strict = strict if strict is not None else os.environ.get(STRICT_ENV, "") == "1"
         self.address = socket_address(socket or default_socket())
         # The socket file, when the address is one: its absence means "no daemon" at once.
         self.socket_path = Path(self.address[len("unix:"):]) if self.address.startswith("unix:") else None
@@ -81,7 +96,7 @@ class Client:
         self.cache_dir = cache_dir
         self.timeout = timeout
         self.reconnect_window = reconnect_window
-        self.direct_hits = direct_hits
+        self.direct_hits = direct_hits and not self.app  # a recorded application's every kernel goes by the daemon
         self._service: dict | None = None  # GetServiceInfo, asked once: default target, cache root, key fingerprint
         self._channel = grpc.insecure_channel(self.address, options=wire.channel_options())
         self._stub = pb_grpc.KernelServiceStub(self._channel)
@@ -169,7 +184,9 @@ class Client:
         Raises
         ------
         InvalidSpec (a ValueError; .field names the culprit), CompileError,
-        ServiceUnavailable (a ConnectionError), ServiceError, CorruptArtifact.
+        KernelNotReady (not in the cache, and this client is strict or the daemon
+        serves only), ServiceUnavailable (a ConnectionError), ServiceError,
+        CorruptArtifact.
         """
         memo_key, proto, spec = self._request(kind, params, target)
         kernel = self._memo.get(memo_key)
@@ -180,7 +197,8 @@ class Client:
             key = self._key(spec) if spec is not None and self.direct_hits else None
             kernel = self._from_cache(key, spec) if key else None
             if kernel is None:
-                reply = self._call(self._stub.GetKernel, pb.GetKernelRequest(spec=proto), timeout or self.timeout, f"kernel {kind}")
+                request = pb.GetKernelRequest(spec=proto, app=self.app, no_compile=self.strict)
+                reply = self._call(self._stub.GetKernel, request, timeout or self.timeout, f"kernel {kind}")
                 kernel = self._load(reply)
                 if key and kernel.key != key:  # the daemon's toolchain changed (a new daemon): ask again next time
                     self._service = None
@@ -189,7 +207,7 @@ class Client:
                 raise
             from .fallback import build_locally
 
-            kernel = build_locally(spec, self.cache_dir)
+            kernel = build_locally(spec, self.cache_dir, compile=not self.strict)
         waited = time.monotonic() - started
         if waited > SLOW_GET:  # a silent pause gets a reason
             how = f"a copy of a shared build compiled in {kernel.shared_build['compile_seconds']:.1f} s" if kernel.shared_build else f"compile {kernel.compile_seconds:.1f} s"
@@ -261,14 +279,20 @@ class Client:
             kernel.shared_build = {"key": b.key, "spec": json.loads(b.canonical_spec), "compile_seconds": b.compile_seconds}
         return kernel
 
-    def prefetch(self, specs: Iterable[dict], *, timeout: float | None = None, progress: Callable[[int, int, dict], None] | None = None, load: bool = True) -> list:
+    def prefetch(
+        self, specs: Iterable[dict] | str | os.PathLike | dict, *, timeout: float | None = None, progress: Callable[[int, int, dict], None] | None = None, load: bool = True
+    ) -> list:
         """Makes many kernels ready at once (cold ones compile in parallel).
 
-        `specs` are dicts like {"kind": "gemm", "M": 128, ..., "target": "c"}.
+        `specs` are dicts like {"kind": "gemm", "M": 128, ..., "target": "c"}, or a
+        manifest (`kernel-service manifest`): its path, or the loaded dict.
         Returns, in request order, the loaded Kernel (or, with load=False, the
         outcome string) or the exception for each spec. `progress(done, total,
-        event)` is called as each finishes.
+        event)` is called as each finishes. A strict client compiles nothing: what
+        is not in the cache comes back as KernelNotReady.
         """
+        if isinstance(specs, (str, os.PathLike, dict)):
+            specs = manifest.specs(specs)
         canon = []
         for i, raw in enumerate(specs):
             raw = dict(raw)
@@ -276,14 +300,13 @@ class Client:
                 canon.append(self._request(raw.pop("kind", None), raw, raw.pop("target", None)))
             except InvalidSpec as exc:
                 raise InvalidSpec(f"specs[{i}].{exc.field}", str(exc).split(": ", 1)[-1]) from None
-        request = pb.PrefetchRequest(specs=[proto for _, proto, _ in canon])
+        request = pb.PrefetchRequest(specs=[proto for _, proto, _ in canon], app=self.app, no_compile=self.strict)
         results: list = [None] * len(canon)
         self._check_socket()
         try:
             for event in self._stub.Prefetch(request, timeout=timeout or self.timeout):
                 if event.error_code:
-                    exc = CompileError(event.error_message) if event.error_code == "FAILED_PRECONDITION" else ServiceError(event.error_message, event.error_code)
-                    results[event.index] = exc
+                    results[event.index] = _event_error(event)
                 elif load:
                     kernel = self._load(event.kernel)
                     with self._memo_lock:
@@ -295,6 +318,14 @@ class Client:
         except grpc.RpcError as err:
             _raise_for(err, "prefetch", self.address)
         return results
+
+    def explain(self, kind: str, *, target: str | None = None, **params) -> dict:
+        """Whether the kernel is in the cache, and why not: {"hit", "key", "spec", "toolchain"
+        (each part of the fingerprint), "reason", "nearest": [{"key", "spec", "differences":
+        [{"part", "field", "wanted", "found", "text"}]}]}. Compiles nothing."""
+        _, proto, _ = self._request(kind, params, target)
+        reply = self._call(self._stub.Explain, pb.ExplainRequest(spec=proto), STATS_TIMEOUT, f"explain {kind}")
+        return wire.explanation_from_proto(reply)
 
     def service_info(self) -> dict:
         """Where the daemon keeps things and how it builds: cache_dir, inductor_dir, version, toolchain, default_target, cuda_compiler."""
@@ -319,13 +350,23 @@ class Client:
         return {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}  # native ints, unlike MessageToDict
 
 
+def _event_error(event: pb.PrefetchEvent) -> Exception:
+    """The exception a failed Prefetch event stands for, as GetKernel would raise it."""
+    if event.error_code == Status.COMPILE_FAILED.name:
+        return CompileError(event.error_message)
+    if event.error_code == Status.NOT_READY.name:
+        return KernelNotReady(event.error_message, wire.not_ready_key(event.error_message))
+    return ServiceError(event.error_message, event.error_code)
+
+
 # ----- module-level API on a default connection
 _default: Client | None = None
 _default_lock = threading.Lock()
 
 
 def connect(socket: str | os.PathLike | None = None, **options) -> Client:
-    """A new client for the daemon at `socket` (default: $KERNEL_SERVICE_SOCKET or the XDG path)."""
+    """A new client for the daemon at `socket` (default: $KERNEL_SERVICE_SOCKET or the XDG path).
+    Options: fallback, cache_dir, timeout, reconnect_window, direct_hits, app, strict (see Client)."""
     return Client(socket, **options)
 
 
@@ -373,8 +414,12 @@ def kinds() -> list[dict]:
     return default_client().kinds()
 
 
+def explain(kind: str, *, target: str | None = None, **params) -> dict:
+    return default_client().explain(kind, target=target, **params)
+
+
 def use_shared_inductor_cache_default() -> InductorCache:
     return default_client().use_shared_inductor_cache()
 
 
-__all__ = ["Client", "connect", "default_client", "get_kernel", "kinds", "prefetch", "stats", "use_shared_inductor_cache_default"]
+__all__ = ["Client", "connect", "default_client", "explain", "get_kernel", "kinds", "prefetch", "stats", "use_shared_inductor_cache_default"]

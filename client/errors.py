@@ -23,8 +23,17 @@ class ServiceError(KernelServiceError, RuntimeError):
         self.code = code
 
 
+class KernelNotReady(KernelServiceError, LookupError):
+    """Not in the cache, and nothing may compile it: this client is strict, or the daemon serves
+    only (`serve --no-compile`). The message names the spec, its key (`.key`) and why it missed."""
+
+    def __init__(self, message: str, key: str = ""):
+        super().__init__(message)
+        self.key = key
+
+
 class CorruptArtifact(KernelServiceError, OSError):
     """A cache file failed its checks (digest, size, owner, permissions, symlink); it is not loaded."""
 
 
-__all__ = ["InvalidSpec", "KernelServiceError", "CompileError", "ServiceUnavailable", "ServiceError", "CorruptArtifact"]
+__all__ = ["InvalidSpec", "KernelServiceError", "CompileError", "ServiceUnavailable", "ServiceError", "KernelNotReady", "CorruptArtifact"]

@@ -14,15 +14,18 @@ import kernels
 from proto.paths import default_cache_dir
 
 from . import loader
-from .errors import CompileError, ServiceError
+from .errors import CompileError, KernelNotReady, ServiceError
 
 
-def build_locally(spec: kernels.CanonicalSpec, cache_dir: str | os.PathLike | None = None) -> loader.Kernel:
-    from compile_service.embedded import CompileFailed, StoreError, embedded
+def build_locally(spec: kernels.CanonicalSpec, cache_dir: str | os.PathLike | None = None, compile: bool = True) -> loader.Kernel:
+    """The kernel from the cache, built here first if it is not there and `compile`."""
+    from compile_service.embedded import CompileFailed, NotReady, StoreError, embedded
 
     service = embedded(str(Path(cache_dir) if cache_dir else default_cache_dir()))
     try:
-        entry, outcome = service.get(spec)
+        entry, outcome = service.get(spec, compile)
+    except NotReady as exc:
+        raise KernelNotReady(str(exc), exc.key) from None
     except CompileFailed as exc:
         raise CompileError(f"kernel {spec.kind} failed to compile:\n{exc}") from None
     except StoreError as exc:

@@ -1,4 +1,5 @@
-"""`kernel-service`: serve, stop, info, stats, zero-stats, kinds, ls, prune, clear, verify, demo.
+"""`kernel-service`: serve, stop, info, stats, zero-stats, kinds, ls, prune, clear, verify, demo;
+manifest, prewarm, bundle export|import, explain (no compiling while serving).
 
 Commands that ask a running daemon (stats, zero-stats, kinds, info) speak the
 wire contract (proto/) directly: the daemon's package never imports the client
@@ -13,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -48,6 +50,8 @@ def _resolve(args):
         allow_remote=args.allow_remote,
         cuda_compiler=args.cuda_compiler,
         metrics_address=args.metrics_address,
+        no_compile=args.no_compile,
+        cuda_compiler_id=args.cuda_compiler_id,
     )
 
 
@@ -99,7 +103,8 @@ class NoDaemon(ConnectionError):
 
 def _ask(socket: str | None, rpc: str, request, timeout: float = 10):
     """One call to the daemon at `socket` (default: the default socket) through the contract's
-    stubs. Raises NoDaemon at once when none answers, ConnectionError on any other failure."""
+    stubs. Raises NoDaemon at once when none answers, ValueError when it refuses the request as
+    invalid, ConnectionError on any other failure."""
     import grpc
 
     from proto import wire
@@ -117,6 +122,8 @@ def _ask(socket: str | None, rpc: str, request, timeout: float = 10):
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 gone = " (its socket file is there, left by a daemon that was killed)" if address.startswith("unix:") else ""
                 raise NoDaemon(f"no kernel-service daemon answers at {where}{gone}; start one with `kernel-service serve`") from None
+            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(err.details()) from None
             raise ConnectionError(f"the daemon at {where} failed: {err.code().name}: {err.details()}") from None
 
 
@@ -143,7 +150,7 @@ def _stats(args) -> int:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
     print(f"counters since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(stats['stats_since']))} ({_ago(stats['stats_since'])}; `kernel-service zero-stats` resets them):")
-    for name in ("compiles", "derived", "hits", "misses", "joined", "failures", "failures_cached", "invalid", "corrupt", "evictions"):
+    for name in ("compiles", "derived", "hits", "misses", "joined", "failures", "failures_cached", "invalid", "corrupt", "evictions", "not_ready"):
         print(f"{name:>16}: {stats[name]}")
     print(f"{'compile_seconds':>16}: {stats['compile_seconds']:.2f} (device code: {stats['device_compile_seconds']:.2f})")
     print("now:")
@@ -326,6 +333,250 @@ def _kinds(args) -> int:
     return 0
 
 
+def _os_error(exc: OSError) -> str:
+    return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror or str(exc)
+
+
+def _manifest(args) -> int:
+    from kernels.spec import InvalidSpec
+    from proto import manifest
+    from proto.paths import default_cache_dir
+
+    from . import apps
+    from .fsutil import write_text_atomic
+
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    try:
+        specs = apps.read(cache_dir, args.app)
+    except InvalidSpec as exc:
+        return _fail(str(exc), 2)
+    if not specs:
+        known = ", ".join(apps.recorded(cache_dir)) or "none"
+        return _fail(
+            f"no kernels recorded for application {args.app!r} in {cache_dir} (recorded: {known}); "
+            "clients name their application with client.connect(app=NAME) or KERNEL_SERVICE_APP=NAME"
+        )
+    text = manifest.dumps(manifest.make(args.app, specs))
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        write_text_atomic(Path(args.output), text, mode=0o644)  # meant to be read, shared, committed
+        print(f"wrote {len(specs)} kernels of {args.app} to {args.output}", file=sys.stderr)
+    return 0
+
+
+def _load_manifests(paths: list[str]) -> list[dict]:
+    """The distinct specs of the manifests, in order; raises ManifestError."""
+    from proto import manifest
+
+    seen, specs = set(), []
+    for path in paths:
+        for spec in manifest.specs(path):
+            text = json.dumps(spec, sort_keys=True)
+            if text not in seen:
+                seen.add(text)
+                specs.append(spec)
+    return specs
+
+
+def _show(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _label(spec: dict) -> str:
+    params = " ".join(f"{k}={_show(v)}" for k, v in spec.items() if k not in ("kind", "target"))
+    return f"{spec['kind']} {params} on {spec['target']}"
+
+
+def _prewarm(args) -> int:
+    import grpc
+
+    from proto import wire
+    from proto.kernelservice.v1 import kernel_service_pb2 as pb
+    from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+    from proto.manifest import ManifestError
+    from proto.paths import default_socket, socket_address
+
+    try:
+        specs = _load_manifests(args.manifests)
+    except ManifestError as exc:
+        return _fail(str(exc), 2)
+    address = socket_address(args.socket or default_socket())
+    built, present, failed = [], [], []  # failed: (spec, reason)
+    bar = _progress(len(specs))
+    todo = list(range(len(specs)))
+    with grpc.insecure_channel(address, options=wire.channel_options()) as channel:
+        stub = pb_grpc.KernelServiceStub(channel)
+        while todo:
+            batch = todo[: wire.MAX_BATCH]
+            request = pb.PrefetchRequest(specs=[wire.spec_to_proto(specs[i]["kind"], _params(specs[i]), specs[i]["target"]) for i in batch])
+            try:
+                for event in stub.Prefetch(request, timeout=args.timeout):
+                    spec = specs[batch[event.index]]
+                    if event.error_code:
+                        failed.append((spec, f"{event.error_code}: {event.error_message}"))
+                        word = "FAILED"
+                    elif event.kernel.outcome == pb.OUTCOME_HIT:
+                        present.append(spec)
+                        word = "already there"
+                    else:
+                        built.append(spec)
+                        word = "built"
+                    bar(f"{word:<13} {_label(spec)}")
+            except grpc.RpcError as err:
+                # One invalid spec fails a whole batch before any work ("specs[i].field: ..."):
+                # report it, and prewarm the rest.
+                bad = re.match(r"specs\[(\d+)\]", err.details() or "") if err.code() == grpc.StatusCode.INVALID_ARGUMENT else None
+                if bad is None or int(bad.group(1)) >= len(batch):
+                    return _fail(f"prewarm stopped: the daemon at {address} answered {err.code().name}: {err.details()}")
+                i = batch[int(bad.group(1))]
+                failed.append((specs[i], f"INVALID_ARGUMENT: {(err.details() or '').split(': ', 1)[-1]}"))
+                bar(f"{'FAILED':<13} {_label(specs[i])}")
+                todo.remove(i)
+                continue
+            todo = todo[len(batch):]
+    print(f"built {len(built)}, already there {len(present)}, failed {len(failed)} (of {len(specs)} kernels)")
+    for spec, reason in failed:
+        print(f"failed: {_label(spec)}: {reason.splitlines()[0] if reason else ''}")
+    return 1 if failed else 0
+
+
+def _params(spec: dict) -> dict:
+    return {k: v for k, v in spec.items() if k not in ("kind", "target")}
+
+
+def _progress(total: int):
+    """`step(line)` per finished kernel: a tqdm bar when tqdm is installed and the output is a
+    terminal, else one plain line each."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None and sys.stderr.isatty():
+        bar = tqdm(total=total, unit="kernel", file=sys.stderr)
+
+        def step(line: str) -> None:
+            bar.update(1)
+            bar.set_postfix_str(line[:60])
+
+        return step
+    done = 0
+
+    def step(line: str) -> None:
+        nonlocal done
+        done += 1
+        print(f"[{done:>{len(str(total))}}/{total}] {line}", flush=True)
+
+    return step
+
+
+def _keying_compiler(args) -> str:
+    """The device compiler id CUDA keys are made with: --cuda-compiler-id (a host that does not
+    compile, serving a builder's entries), else the compiler --cuda-compiler picks here."""
+    import os
+
+    from .build import devices
+
+    named = args.cuda_compiler_id or os.environ.get(devices.ID_ENV)
+    return devices.named(named).id if named else devices.choose(args.cuda_compiler).id
+
+
+def _bundle_export(args) -> int:
+    import kernels
+    from kernels import plugins
+    from proto.paths import default_cache_dir
+
+    from .bundle import BundleError, export
+    from .store import LocalStore
+
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    try:
+        compiler = _keying_compiler(args)
+        plugins.load(tuple(args.kernel_module), entry_points=True)
+        specs = _load_manifests([args.manifest])
+    except ValueError as exc:  # a bad --cuda-compiler(-id), or no manifest (ManifestError)
+        return _fail(str(exc), 2)
+    try:
+        canonical = [kernels.canonicalize(s["kind"], _params(s), s["target"]) for s in specs]
+    except ValueError as exc:  # InvalidSpec: "<field>: <message>"
+        return _fail(f"{args.manifest}: {exc}", 2)
+    try:
+        summary = export(LocalStore(cache_dir, create=False), canonical, compiler, Path(args.output))
+    except BundleError as exc:
+        return _fail(str(exc))
+    except OSError as exc:  # no cache there
+        return _fail(_os_error(exc))
+    print(f"wrote {args.output}: {summary['entries']} entries, {summary['blobs']} files, {_human_bytes(summary['bytes'])}")
+    return 0
+
+
+def _bundle_import(args) -> int:
+    from kernels import plugins
+    from proto.paths import default_cache_dir
+
+    from .bundle import BundleError, import_
+    from .store import LocalStore, existing_mode
+
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    try:
+        plugins.load(tuple(args.kernel_module), entry_points=True)
+        compiler = _keying_compiler(args)
+        report = import_(LocalStore(cache_dir, existing_mode(cache_dir)), Path(args.bundle), compiler)
+    except ValueError as exc:
+        return _fail(str(exc), 2)
+    except BundleError as exc:
+        return _fail(str(exc))
+    except OSError as exc:  # the cache refused a write (StoreError), or cannot be created
+        return _fail(_os_error(exc))
+    print(f"imported {report.imported} entries into {cache_dir} ({report.present} already there; {report.digests_checked} files' sha256 checked, {_human_bytes(report.bytes)})")
+    return 0
+
+
+def _value(text: str):
+    """A parameter value from the command line: none/null, true/false, an int, a float, else a string."""
+    if text.lower() in ("none", "null"):
+        return None
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _explain(args) -> int:
+    from proto import wire
+    from proto.kernelservice.v1 import kernel_service_pb2 as pb
+
+    params = {}
+    for item in args.params:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            return _fail(f"{item!r}: parameters are NAME=VALUE, e.g. N=4096 dtype=float16 M=none", 2)
+        params[name] = _value(value)
+    try:
+        request = pb.ExplainRequest(spec=wire.spec_to_proto(args.kind, params, args.target))
+        answer = wire.explanation_from_proto(_ask(args.socket, "Explain", request))
+    except ValueError as exc:  # InvalidSpec included: "<field>: <message>"
+        return _fail(str(exc), 2)
+    except ConnectionError as exc:
+        return _fail(str(exc))
+    if args.json:
+        print(json.dumps(answer, indent=2))
+        return 0 if answer["hit"] else 1
+    spec = answer["spec"]
+    print(f"{'HIT' if answer['hit'] else 'MISS'}  {_label({**spec['params'], 'kind': spec['kind'], 'target': spec['target']})}")
+    print(f"  key        {answer['key']}")
+    print(f"  toolchain  {' '.join(f'{k}={_show(v)}' for k, v in answer['toolchain'].items())}")
+    if not answer["hit"]:
+        print(f"  why        {answer['reason']}")
+        for near in answer["nearest"]:
+            print(f"  near       {near['key'][:16]}  differs in {', '.join(d['text'] for d in near['differences']) or 'nothing (keyed by another version)'}")
+    return 0 if answer["hit"] else 1
+
+
 def _demo(args) -> int:
     from .tools.demo import run_demo
 
@@ -361,6 +612,12 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
         "--cuda-compiler",
         choices=("auto", "nvrtc", "nvcc"),
         help="how CUDA device code is compiled: nvrtc in process (fast), nvcc as a subprocess; auto (default, or $KERNEL_SERVICE_CUDA_COMPILER) takes NVRTC where it can run",
+    )
+    p.add_argument("--no-compile", action="store_true", help="serve only what the cache holds (fed by `bundle import` or another daemon): a miss answers NOT_FOUND with why; no compile workers start")
+    p.add_argument(
+        "--cuda-compiler-id",
+        metavar="ID",
+        help="with --no-compile: key CUDA kernels as if built by this compiler, e.g. nvrtc-13.0 (the builder's, as its bundle records it; default $KERNEL_SERVICE_CUDA_COMPILER_ID); no compiler is looked for",
     )
 
 
@@ -430,6 +687,40 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("--repair", action="store_true", help="remove damaged entries and dead writers' staging dirs (safe while a daemon runs)")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     verify.set_defaults(run=_verify)
+
+    manifest = sub.add_parser("manifest", help="write the kernels an application asked for (recorded by the daemon) as a manifest")
+    manifest.add_argument("--app", required=True, help="the application's name, as its clients pass it (client.connect(app=NAME), KERNEL_SERVICE_APP)")
+    manifest.add_argument("-o", "--output", metavar="FILE", help="write here (atomically) instead of to stdout")
+    manifest.add_argument("--cache-dir", help=cache_help)
+    manifest.set_defaults(run=_manifest)
+
+    prewarm = sub.add_parser("prewarm", help="build what the manifests list and the cache lacks, at prefetch priority; exit 1 if any failed")
+    prewarm.add_argument("manifests", nargs="+", metavar="MANIFEST", help="manifest files (`kernel-service manifest -o FILE`)")
+    prewarm.add_argument("--socket", help=socket_help)
+    prewarm.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole prewarm may take (default 3600)")
+    prewarm.set_defaults(run=_prewarm)
+
+    bundle = sub.add_parser("bundle", help="pack cache entries for another host, or import such a pack").add_subparsers(dest="bundle_command", required=True)
+    keying = argparse.ArgumentParser(add_help=False)
+    keying.add_argument("--cache-dir", help=cache_help)
+    keying.add_argument("--cuda-compiler", choices=("auto", "nvrtc", "nvcc"), help="the CUDA compiler whose keys to use, as for serve (default auto)")
+    keying.add_argument("--cuda-compiler-id", metavar="ID", help="key CUDA kernels as if built by this compiler (e.g. nvrtc-13.0): for a host that does not compile")
+    keying.add_argument("--kernel-module", action="append", default=[], metavar="MODULE[:ATTR]", help="also know these modules' kinds (repeatable)")
+    export = bundle.add_parser("export", parents=[keying], help="pack exactly the manifest's entries, with their digests and toolchain, into one file")
+    export.add_argument("--manifest", required=True, metavar="FILE", help="the kernels to pack (`kernel-service manifest -o FILE`)")
+    export.add_argument("-o", "--output", required=True, metavar="BUNDLE", help="the bundle to write (.tar, or .tar.gz/.tgz compressed)")
+    export.set_defaults(run=_bundle_export)
+    import_ = bundle.add_parser("import", parents=[keying], help="check every digest and the toolchain, then publish the bundle's entries into the cache")
+    import_.add_argument("bundle", metavar="BUNDLE", help="a file made by `kernel-service bundle export`")
+    import_.set_defaults(run=_bundle_import)
+
+    explain = sub.add_parser("explain", help="say whether a kernel is in the cache, what its key is made of, and for a miss which fields the nearest entries differ in; exit 1 on a miss")
+    explain.add_argument("kind", help="kernel kind, e.g. gemm")
+    explain.add_argument("params", nargs="*", metavar="NAME=VALUE", help="parameters, e.g. N=4096 dtype=float16 M=none")
+    explain.add_argument("--target", help="c, auto or a CUDA arch such as sm_90a (default: the daemon's)")
+    explain.add_argument("--socket", help=socket_help)
+    explain.add_argument("--json", action="store_true", help="machine-readable output")
+    explain.set_defaults(run=_explain)
 
     demo = sub.add_parser("demo", help="start a daemon, ask it for a few kernels twice, run them, stop")
     demo.add_argument("--socket", help="Unix socket path (default: the daemon's default)")

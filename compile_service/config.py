@@ -34,12 +34,19 @@ class ServiceConfig:
     tcp: str | None = None  # "host:port" to listen on besides the Unix socket (None: no TCP)
     cuda_compiler: str = devices.NVCC  # "nvrtc" or "nvcc": how CUDA device code is compiled (resolved from "auto")
     metrics_address: str | None = None  # "host:port" of the Prometheus endpoint (None: none)
+    no_compile: bool = False  # serve only: a miss answers NOT_FOUND, no compile workers run
+    cuda_compiler_id: str | None = None  # with no_compile: CUDA keys as if built by this compiler ("nvrtc-13.0")
     sources: dict = field(default_factory=dict, compare=False)  # field -> where its value came from (describe)
 
     @property
     def plugin_args(self) -> dict:
         """What the daemon and each compile worker load beyond the zoo (kernels.plugins.load)."""
         return {"modules": self.kernel_modules, "entry_points": self.entry_points, "allow": self.plugins}
+
+    @property
+    def device(self) -> devices.DeviceCompiler:
+        """The device compiler CUDA keys name: the named one on a serve-only host, else the one that runs."""
+        return devices.named(self.cuda_compiler_id) if self.cuda_compiler_id else devices.get(self.cuda_compiler)
 
     def describe(self) -> dict:
         """Every setting with where it came from: {"name": {"value": ..., "source": ...}} (`kernel-service info`)."""
@@ -80,10 +87,18 @@ class ServiceConfig:
         if rest.get("target") not in (None, "auto"):
             check_target(rest["target"])
         requested = rest.get("cuda_compiler") or env.get(devices.ENV) or "auto"
-        rest["cuda_compiler"] = devices.choose(rest.get("cuda_compiler"), env).name
-        sources.setdefault("cuda_compiler", f"${devices.ENV}" if env.get(devices.ENV) else "default")
-        if requested == "auto":
-            sources["cuda_compiler"] += " (auto: NVRTC where it can run)"
+        rest["cuda_compiler_id"] = rest.get("cuda_compiler_id") or env.get(devices.ID_ENV) or None
+        if rest["cuda_compiler_id"]:
+            if not rest.get("no_compile"):
+                raise ValueError("--cuda-compiler-id needs --no-compile: a daemon that compiles keys its entries by the compiler it runs")
+            sources.setdefault("cuda_compiler_id", f"${devices.ID_ENV}")
+            rest["cuda_compiler"] = devices.named(rest["cuda_compiler_id"]).name  # named, never looked for: nothing compiles
+            sources["cuda_compiler"] = "--cuda-compiler-id"
+        else:
+            rest["cuda_compiler"] = devices.choose(rest.get("cuda_compiler"), env).name
+            sources.setdefault("cuda_compiler", f"${devices.ENV}" if env.get(devices.ENV) else "default")
+            if requested == "auto":
+                sources["cuda_compiler"] += " (auto: NVRTC where it can run)"
         sources["socket"] = "--socket" if socket else "$KERNEL_SERVICE_SOCKET" if env.get("KERNEL_SERVICE_SOCKET") else "default"
         sources["cache_dir"] = "--cache-dir" if cache_dir else "$KERNEL_SERVICE_CACHE_DIR" if env.get("KERNEL_SERVICE_CACHE_DIR") else "default"
         sources["workers"] = "--workers" if workers else "CPUs usable here (affinity and cgroup quota)"

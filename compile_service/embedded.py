@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import atexit
 import functools
-import os
+import threading
 from pathlib import Path
 
 from filelock import FileLock
@@ -20,35 +20,39 @@ from filelock import FileLock
 from kernels.spec import CanonicalSpec
 from proto.wire import Outcome
 
+from . import explain
 from .build import devices
 from .build.compiler import DEVICE_BINARIES, CompileFailed
-from .scheduler import Scheduler, in_process_pool
-from .store import Entry, LocalStore, StoreError
+from .keys import toolchain
+from .scheduler import NotReady, Scheduler, in_process_pool
+from .store import Entry, LocalStore, StoreError, existing_mode
 
-__all__ = ["CompileFailed", "EmbeddedService", "StoreError", "embedded"]
+__all__ = ["CompileFailed", "EmbeddedService", "NotReady", "StoreError", "embedded"]
 
 
 class EmbeddedService:
     def __init__(self, cache_dir: Path | str, cuda_compiler: str | None = None):
         root = Path(cache_dir)
-        # Keep the mode the daemon gave an existing cache (0750 when configured group-shared).
-        try:
-            mode = 0o750 if os.stat(root).st_mode & 0o777 == 0o750 else 0o700
-        except FileNotFoundError:
-            mode = 0o700
-        self.store = LocalStore(root, mode, extra_usage=(root / DEVICE_BINARIES,))
+        self.store = LocalStore(root, existing_mode(root), extra_usage=(root / DEVICE_BINARIES,))
         self.locks = root / "locks"
         self.locks.mkdir(mode=0o700, exist_ok=True)
-        self.scheduler = Scheduler(self.store, workers=1, device=devices.choose(cuda_compiler), pool=in_process_pool)
+        # The worker (TileLang's import) starts with the first compile: a strict client never needs it.
+        self.scheduler = Scheduler(self.store, workers=1, device=devices.choose(cuda_compiler), pool=in_process_pool, start=False)
+        self._started = threading.Lock()
         atexit.register(self.scheduler.shutdown, 10.0)  # idle drivers stop at once; a running compile gets 10 s
 
-    def get(self, spec: CanonicalSpec) -> tuple[Entry, str]:
-        """The entry of `spec` (built here if no process has built it) and how it was satisfied:
-        "hit" or "compiled". Raises CompileFailed or StoreError."""
+    def get(self, spec: CanonicalSpec, compile: bool = True) -> tuple[Entry, str]:
+        """The entry of `spec` (built here if no process has built it, and `compile`) and how it
+        was satisfied: "hit" or "compiled". Raises CompileFailed, StoreError or NotReady."""
         key = self.scheduler.key_of(spec)
         entry = self.store.lookup(key)
         if entry is not None:
             return entry, Outcome.HIT.label
+        if not compile:
+            why = explain.explain(self.store, spec, key, toolchain(spec.kind, spec.target.kind, self.scheduler.device.id)).reason
+            raise NotReady(spec, key, f"the request asked for no compile (a strict client; no daemon answered); {why}")
+        if self._started.acquire(blocking=False):  # held for good once taken: start once
+            self.scheduler.start_workers()
         with FileLock(str(self.locks / f"{key}.lock")):
             future, outcome = self.scheduler.request(spec)
             return future.result(), outcome.label

@@ -31,19 +31,25 @@ def fsync_path(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Temp file in the same directory, fsync, os.replace."""
+def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    """Temp file in the same directory (0600, or `mode`), fsync, os.replace."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def pid_alive(pid: int) -> bool:

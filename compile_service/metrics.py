@@ -24,7 +24,7 @@ from .fsutil import write_json_atomic
 
 log = logging.getLogger(__name__)
 
-COUNTERS = ("compiles", "hits", "misses", "failures", "failures_cached", "joined", "derived", "invalid", "corrupt", "evictions")
+COUNTERS = ("compiles", "hits", "misses", "failures", "failures_cached", "joined", "derived", "invalid", "corrupt", "evictions", "not_ready")
 SECONDS = ("compile_seconds", "device_compile_seconds")
 STATS_FILE = "stats.json"
 SAVE_EVERY = 30.0  # seconds between saves of the counters while the daemon runs

@@ -21,6 +21,10 @@
   runs in it, not in the daemon), and with NVRTC each builds its precompiled
   headers one prelude per task (compiler.warm_step), only when no compile is
   waiting; one worker is always left free for a request while others warm.
+- Serving only: a request that may not compile (a strict client), or any request
+  to a scheduler made with `compiles=False` (`serve --no-compile`: no workers at
+  all), is answered from the cache or raises NotReady at once; a shared build's
+  copy is still made when the build is there, since copying compiles nothing.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from pathlib import Path
 from kernels import get_kind
 from kernels.spec import CanonicalSpec
 from proto import abi
-from proto.wire import Outcome
+from proto.wire import Outcome, not_ready_details
 
 from . import metrics as metrics_
 from .build import compiler, devices
@@ -61,6 +65,14 @@ class ShuttingDown(Exception):
 
 class QueueFull(Exception):
     """More compiles are waiting than the queue allows."""
+
+
+class NotReady(Exception):
+    """Not in the cache, and nothing may compile it."""
+
+    def __init__(self, spec: CanonicalSpec, key: str, why: str):
+        super().__init__(not_ready_details(spec.to_json(), key, why))
+        self.spec, self.key, self.why = spec, key, why
 
 
 @dataclass(order=True)
@@ -102,11 +114,13 @@ class Scheduler:
         metrics: metrics_.Metrics | None = None,
         pool=process_pool,
         start: bool = True,
+        compiles: bool = True,
     ):
         """`plugins`: what each worker loads beyond the zoo (kernels.plugins.load's arguments);
-        `device`: the CUDA device compiler; `warm_target`: the CUDA arch whose NVRTC headers
-        each worker parses at start; `pool(workers, initargs)`: the executor compiles run on;
-        `start=False`: no worker starts, and nothing is compiled, until start_workers()."""
+        `device`: the CUDA device compiler (its id is in every CUDA key); `warm_target`: the
+        CUDA arch whose NVRTC headers each worker parses at start; `pool(workers, initargs)`:
+        the executor compiles run on; `start=False`: no worker starts, and nothing is
+        compiled, until start_workers(); `compiles=False`: serve only, with no workers."""
         self.store = store
         self.workers = workers
         self.queue_limit = queue_limit
@@ -127,9 +141,10 @@ class Scheduler:
         self._running = 0  # builds a driver is waiting on
         self._warm: set[int] = set()  # pids of workers done warming up
         self._started = threading.Event()  # drivers submit nothing before start_workers()
-        self._pool = self._new_pool()
-        self._publisher = cf.ThreadPoolExecutor(max(2, min(8, workers // 2)), thread_name_prefix="publish")
-        self._drivers = [threading.Thread(target=self._drive, name=f"compile-driver-{i}", daemon=True) for i in range(workers)]
+        self.compiles = compiles
+        self._pool = self._new_pool() if compiles else None
+        self._publisher = cf.ThreadPoolExecutor(max(2, min(8, workers // 2)), thread_name_prefix="publish")  # copies too
+        self._drivers = [threading.Thread(target=self._drive, name=f"compile-driver-{i}", daemon=True) for i in range(workers if compiles else 0)]
         for t in self._drivers:
             t.start()
         if start:
@@ -139,6 +154,8 @@ class Scheduler:
         """Spawns every worker now, from the calling thread, without waiting for their imports,
         and starts their warm-up. A worker dies with the thread that spawned it (die_with_parent):
         the daemon calls this from its main thread, right after it says SERVING."""
+        if self._pool is None:  # serving only
+            return
         with self._lock:
             self._spawn(self._pool)
         self._started.set()
@@ -180,10 +197,11 @@ class Scheduler:
         with self._lock:
             return len(self._warm)
 
-    def request(self, spec: CanonicalSpec, priority: int = URGENT, counted: bool = True) -> tuple[cf.Future, Outcome]:
+    def request(self, spec: CanonicalSpec, priority: int = URGENT, counted: bool = True, compile: bool = True) -> tuple[cf.Future, Outcome]:
         """A future of the kernel's Entry, and how it is being satisfied.
 
-        Raises ShuttingDown or QueueFull. The future raises CompileFailed or StoreError.
+        Raises ShuttingDown, QueueFull, or NotReady (a miss where `compile` is False or the
+        scheduler compiles nothing). The future raises CompileFailed or StoreError.
         `counted`: False for the service's own requests (a shared build), kept out of the stats.
         """
         tally = self.metrics.add if counted else metrics_.ignore
@@ -195,6 +213,10 @@ class Scheduler:
             tally(hits=1)
             return _done(entry), Outcome.HIT
         shared = get_kind(spec.kind).shared_build(spec)  # the build that serves this spec, if not its own
+        if not (compile and self.compiles) and (shared is None or self.store.lookup(*self._key_of(shared[0])) is None):
+            tally(not_ready=1)
+            why = "this daemon compiles nothing (serve --no-compile)" if not self.compiles else "the request asked for no compile (a strict client)"
+            raise NotReady(spec, key, why)
         with self._lock:
             if self._closing:
                 raise ShuttingDown("the kernel service is shutting down")
@@ -221,16 +243,16 @@ class Scheduler:
                 self._queue.put(_Job(priority, next(self._seq), key, spec, future))
         tally(misses=1)
         if shared is not None:
-            self._serve_from_shared_build(key, spec, shared, priority, future)
+            self._serve_from_shared_build(key, spec, shared, priority, future, compile)
         return future, Outcome.COMPILED
 
-    def _serve_from_shared_build(self, key: str, spec: CanonicalSpec, shared: tuple[CanonicalSpec, dict], priority: int, future: cf.Future) -> None:
+    def _serve_from_shared_build(self, key: str, spec: CanonicalSpec, shared: tuple[CanonicalSpec, dict], priority: int, future: cf.Future, compile: bool = True) -> None:
         """`spec` is published as a copy of the build that leaves its host-side dims to run
         time, once that is built (or found): no lowering, no device compile of its own."""
         build_spec, fixed = shared
         try:
-            base, _ = self.request(build_spec, priority, counted=False)
-        except (ShuttingDown, QueueFull) as exc:  # refused like the request itself; joiners learn why
+            base, _ = self.request(build_spec, priority, counted=False, compile=compile)
+        except (ShuttingDown, QueueFull, NotReady) as exc:  # refused like the request itself; joiners learn why
             with self._lock:
                 self._inflight.pop(key, None)
             future.set_exception(exc)
@@ -406,7 +428,8 @@ class Scheduler:
             for t in self._drivers:
                 t.join(10)
         self._publisher.shutdown(wait=True)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _derive(base: Entry, spec: CanonicalSpec, fixed: dict, staging: Path) -> tuple[str, dict]:

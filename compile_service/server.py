@@ -37,6 +37,7 @@ from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 from proto.paths import socket_address
 
 from . import __version__, inductor
+from .apps import AppRecorder
 from .build import devices
 from .build.compiler import DEVICE_BINARIES
 from .config import ServiceConfig
@@ -139,7 +140,7 @@ def _yield_to_compiles() -> None:
 def _warm_target(cfg: ServiceConfig) -> str | None:
     """The target whose headers NVRTC workers parse as they warm up: the default target, when
     it is CUDA (a GPU host, or a daemon told to build for one; the workers resolve "auto")."""
-    return cfg.target if cfg.cuda_compiler == devices.NVRTC and cfg.warm_up else None
+    return cfg.target if cfg.cuda_compiler == devices.NVRTC and cfg.warm_up and not cfg.no_compile else None
 
 
 class Daemon:
@@ -167,7 +168,9 @@ class Daemon:
             cfg.socket.unlink()
 
         plugins.load(**cfg.plugin_args)
-        device = devices.get(cfg.cuda_compiler)
+        device = cfg.device
+        if cfg.no_compile:
+            log.info("serving only (--no-compile): misses answer NOT_FOUND; CUDA keys name the compiler %s", device.id)
         self.metrics = Metrics()
         self.metrics.load(cfg.cache_dir / STATS_FILE)  # totals go on from the last daemon's
         self.store = store = LocalStore(cfg.cache_dir, cfg.mode, metrics=self.metrics, extra_usage=(cfg.cache_dir / DEVICE_BINARIES,))
@@ -183,6 +186,7 @@ class Daemon:
             _warm_target(cfg),
             self.metrics,
             start=False,  # the spawner starts them once SERVING
+            compiles=not cfg.no_compile,
         )
         threading.Thread(target=self._spawn_workers, name="spawner", daemon=True).start()  # at nice 0, as its workers
         # From here on this thread only starts gRPC: lowering its priority now makes
@@ -201,7 +205,7 @@ class Daemon:
             in_flight=lambda: self.scheduler.in_flight,
             running=lambda: self.scheduler.running,
             queued=lambda: self.scheduler.queued,
-            workers=lambda: cfg.workers,
+            workers=lambda: 0 if cfg.no_compile else cfg.workers,
             workers_ready=lambda: self.scheduler.workers_ready,
             cpu_quota=usable_cpus,
             cache_dir=lambda: str(cfg.cache_dir),
@@ -223,7 +227,7 @@ class Daemon:
             "default_target": cfg.target,
             "config_json": json.dumps(cfg.describe(), sort_keys=True),
         }
-        self.servicer = KernelServicer(self.scheduler, self.metrics, info, zero_stats=self.zero_stats)
+        self.servicer = KernelServicer(self.scheduler, self.metrics, info, AppRecorder(cfg.cache_dir, cfg.mode), zero_stats=self.zero_stats)
         pb_grpc.add_KernelServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(address)

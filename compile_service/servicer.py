@@ -15,14 +15,15 @@ from kernels.spec import InvalidSpec
 from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+from proto.manifest import check_app
 from proto.wire import Outcome, Status
 
-from . import __version__
+from . import __version__, explain, keys
+from .apps import AppRecorder
 from .build.compiler import CompileFailed
-from . import keys
-from .keys import describe_toolchain
+from .keys import describe_toolchain, toolchain
 from .metrics import Metrics
-from .scheduler import BACKGROUND, URGENT, QueueFull, Scheduler, ShuttingDown
+from .scheduler import BACKGROUND, URGENT, NotReady, QueueFull, Scheduler, ShuttingDown
 from .store import Entry, StoreError
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return Status.INVALID_SPEC, wire.clip(wire.invalid_spec_details(exc))
     if isinstance(exc, CompileFailed):
         return Status.COMPILE_FAILED, wire.clip(str(exc))
+    if isinstance(exc, NotReady):
+        return Status.NOT_READY, str(exc)
     if isinstance(exc, QueueFull):
         return Status.BUSY, str(exc)
     if isinstance(exc, ShuttingDown):
@@ -72,12 +75,27 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"unexpected {type(exc).__name__}: {exc}"
 
 
+def explanation_to_proto(e: explain.Explanation) -> pb.ExplainResponse:
+    def value(v) -> str:
+        return json.dumps(None if v is explain.MISSING else v)
+
+    reply = pb.ExplainResponse(hit=e.hit, key=e.key, canonical_spec=json.dumps(e.spec, sort_keys=True), reason=e.reason)
+    reply.toolchain.update({name: json.dumps(v) for name, v in e.toolchain.items()})
+    for near in e.nearest:
+        n = reply.nearest.add(key=near.key, canonical_spec=json.dumps(near.spec, sort_keys=True))
+        for d in near.differences:
+            n.differences.add(part=d.part, field=d.field, wanted=value(d.wanted), found=value(d.found), text=d.text)
+    return reply
+
+
 class KernelServicer(pb_grpc.KernelServiceServicer):
-    def __init__(self, scheduler: Scheduler, metrics: Metrics, info: dict, zero_stats=None):
+    def __init__(self, scheduler: Scheduler, metrics: Metrics, info: dict, apps: AppRecorder, zero_stats=None):
         """`info`: the ServiceInfo fields (cache_dir, inductor_dir, default_target, config_json, ...);
+        `apps`: where the specs each named application asks for are recorded;
         `zero_stats()`: what ZeroStats does (zero the counters and save them)."""
         self.scheduler = scheduler
         self.metrics = metrics
+        self.apps = apps
         self.default_target = info["default_target"]
         self.zero_stats = zero_stats or metrics.zero
         self._info_fields = info
@@ -107,11 +125,34 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         self._valid[wire_bytes] = canonical
         return canonical
 
+    def _app(self, app: str) -> str | None:
+        """The checked application name of a request, or None when it names none."""
+        try:
+            return check_app(app) if app else None
+        except InvalidSpec:
+            self.metrics.add(invalid=1)
+            raise
+
+    def _explain(self, spec: kernels.CanonicalSpec, key: str, records=None) -> explain.Explanation:
+        return explain.explain(self.scheduler.store, spec, key, toolchain(spec.kind, spec.target.kind, self.scheduler.device.id), records)
+
+    def _request(self, spec: kernels.CanonicalSpec, priority: int, compile: bool, records=None):
+        """scheduler.request, with a NotReady's reason completed by Explain's nearest entries.
+        `records()`: the store's entries, read once for a batch of misses."""
+        try:
+            return self.scheduler.request(spec, priority, compile=compile)
+        except NotReady as exc:
+            reason = self._explain(exc.spec, exc.key, records() if records else None).reason
+            raise NotReady(exc.spec, exc.key, f"{exc.why}; {reason}") from None
+
     def GetKernel(self, request, context):
         start = time.perf_counter()
         try:
+            app = self._app(request.app)
             spec = self._validate(request.spec)
-            future, outcome = self.scheduler.request(spec, URGENT)
+            if app:
+                self.apps.record(app, spec.to_json())
+            future, outcome = self._request(spec, URGENT, compile=not request.no_compile)
             entry = future.result(timeout=context.time_remaining())
             reply = response(entry, outcome)
         except Exception as exc:  # noqa: BLE001 - every domain error becomes a status
@@ -125,16 +166,25 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         if len(request.specs) > wire.MAX_BATCH:
             context.abort(Status.INVALID_SPEC, f"specs: at most {wire.MAX_BATCH} per Prefetch, got {len(request.specs)}")
         try:
+            app = self._app(request.app)
             specs = []
             for i, raw in enumerate(request.specs):
                 try:
                     specs.append(self._validate(raw))
                 except InvalidSpec as exc:
                     raise InvalidSpec(f"specs[{i}].{exc.field}", str(exc).split(": ", 1)[-1]) from None
+            if app:
+                for spec in specs:
+                    self.apps.record(app, spec.to_json())
             pending = {}
+            records = functools.cache(lambda: list(self.scheduler.store.records()))
             # Longest compiles first (the kinds' cost hints): the batch then ends with short ones filling the workers.
             for i, spec in sorted(enumerate(specs), key=lambda item: -kernels.get_kind(item[1].kind).compile_cost):
-                future, outcome = self.scheduler.request(spec, BACKGROUND)
+                try:
+                    future, outcome = self._request(spec, BACKGROUND, compile=not request.no_compile, records=records)
+                except NotReady as exc:  # reported in its own event, like a failed compile
+                    future, outcome = cf.Future(), Outcome.COMPILED
+                    future.set_exception(exc)
                 pending[future] = pending.get(future, []) + [(i, outcome)]
         except Exception as exc:  # noqa: BLE001
             context.abort(*status_of(exc))
@@ -163,6 +213,13 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
 
     def GetServiceInfo(self, request, context):
         return self.info
+
+    def Explain(self, request, context):
+        try:
+            spec = self._validate(request.spec)
+        except Exception as exc:  # noqa: BLE001
+            context.abort(*status_of(exc))
+        return explanation_to_proto(self._explain(spec, self.scheduler.key_of(spec)))
 
     def ListKinds(self, request, context):
         return pb.ListKindsResponse(kinds=[wire.kind_to_proto(kind.describe(), kernels.origin(name)) for name, kind in sorted(kernels.kinds().items())])

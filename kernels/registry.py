@@ -82,9 +82,11 @@ def _local_imports(path: str, package: str) -> set[str]:
 
 @functools.cache
 def _digest_of_files(files: tuple[str, ...]) -> str:
+    # Ordered by name and bytes, never by path: a kind and the framework installed under other
+    # roots (a plugin in /opt, kernels in site-packages) digest the same on every host.
     digest = hashlib.sha256()
-    for path in files:
-        digest.update(Path(path).name.encode() + b"\0" + Path(path).read_bytes() + b"\0")
+    for name, data in sorted((Path(path).name.encode(), Path(path).read_bytes()) for path in files):
+        digest.update(name + b"\0" + data + b"\0")
     return digest.hexdigest()
 
 

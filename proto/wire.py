@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 
 import grpc
 from google.protobuf import struct_pb2
@@ -56,6 +57,7 @@ class Status:
     UNAVAILABLE = grpc.StatusCode.UNAVAILABLE  # shutting down, or not started
     CACHE_FAILED = grpc.StatusCode.INTERNAL  # the cache could not be written (disk full)
     DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED  # still compiling when the deadline passed
+    NOT_READY = grpc.StatusCode.NOT_FOUND  # a miss where nothing may compile; details: not_ready_details
     # A blocking call cannot be cancelled by its caller: CANCELLED means the daemon went
     # away mid-call (a drain cuts calls that arrived as it stopped); retried like UNAVAILABLE.
     RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -108,6 +110,17 @@ def spec_from_proto(spec: pb.KernelSpec) -> tuple[str, dict, str]:
     return spec.kind, params, spec.target
 
 
+def not_ready_details(spec_json: str, key: str, why: str) -> str:
+    """What a NOT_FOUND answer says: the spec, its key (as "(key <hex>)") and why it missed."""
+    return f"kernel {spec_json} (key {key}) is not in the cache and {why}"
+
+
+def not_ready_key(details: str) -> str:
+    """The key a NOT_FOUND answer names ("" if none)."""
+    match = re.search(r"\(key ([0-9a-f]{64})\)", details)
+    return match.group(1) if match else ""
+
+
 def invalid_spec_details(exc: InvalidSpec) -> str:
     return str(exc)  # "<field>: <message>", split back by invalid_spec_from_details
 
@@ -158,3 +171,23 @@ def kind_from_proto(info: pb.KindInfo) -> dict:
                 out[bound] = getattr(p, bound)
         params.append(out)
     return {"name": info.name, "doc": info.doc, "origin": info.origin, "params": params}
+
+
+def explanation_from_proto(reply: pb.ExplainResponse) -> dict:
+    """An Explain answer as plain data: hit, key, spec, toolchain (parts as values), reason,
+    and nearest: [{key, spec, differences: [{part, field, wanted, found, text}]}]."""
+    return {
+        "hit": reply.hit,
+        "key": reply.key,
+        "spec": json.loads(reply.canonical_spec),
+        "toolchain": {name: json.loads(value) for name, value in sorted(reply.toolchain.items())},
+        "reason": reply.reason,
+        "nearest": [
+            {
+                "key": n.key,
+                "spec": json.loads(n.canonical_spec),
+                "differences": [{"part": d.part, "field": d.field, "wanted": json.loads(d.wanted), "found": json.loads(d.found), "text": d.text} for d in n.differences],
+            }
+            for n in reply.nearest
+        ],
+    }

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 NVCC, NVRTC = "nvcc", "nvrtc"
 ENV = "KERNEL_SERVICE_CUDA_COMPILER"
+ID_ENV = "KERNEL_SERVICE_CUDA_COMPILER_ID"  # a serve-only host's stand-in for the builder's compiler
 
 
 class DeviceCompiler:
@@ -100,6 +101,34 @@ class Nvrtc(DeviceCompiler):
     @property
     def compiles(self) -> int | None:
         return self._compiler.compiles if self._compiler else None
+
+
+class Named(DeviceCompiler):
+    """A device compiler known only by its id ("nvrtc-13.0"): keys are computed as if it built
+    them, and nothing is compiled. For a serve-only host (`serve --no-compile
+    --cuda-compiler-id ID`) fed by bundles from a builder that used that compiler."""
+
+    def __init__(self, compiler_id: str):
+        self.name, _, self._release = compiler_id.partition("-")
+
+    def release(self) -> str:
+        return self._release
+
+    def unavailable_reason(self) -> str | None:
+        return f"{self.id} is only named (--cuda-compiler-id): this process compiles nothing"
+
+    def callback(self) -> Callable:
+        raise RuntimeError(self.unavailable_reason())
+
+
+_ID = re.compile(r"(nvrtc|nvcc)-\d+(\.\d+)*")
+
+
+def named(compiler_id: str) -> DeviceCompiler:
+    """The compiler whose id keys carry; raises ValueError for what is no compiler id."""
+    if not _ID.fullmatch(compiler_id or ""):
+        raise ValueError(f"--cuda-compiler-id must be a compiler and its release as keys record it, e.g. nvrtc-13.0 or nvcc-13.0.88; got {compiler_id!r}")
+    return Named(compiler_id)
 
 
 _COMPILERS: dict[str, type[DeviceCompiler]] = {NVCC: Nvcc, NVRTC: Nvrtc}

@@ -8,6 +8,6 @@
 """
 
 from .base import Budget, Entry, Storage, StoreError
-from .local import LocalStore
+from .local import LocalStore, existing_mode
 
-__all__ = ["Budget", "Entry", "LocalStore", "Storage", "StoreError"]
+__all__ = ["Budget", "Entry", "LocalStore", "Storage", "StoreError", "existing_mode"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import functools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +83,14 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def keys(self) -> list[str]: ...
+
+    def records(self) -> Iterator[tuple[str, dict]]:
+        """Every entry's key and metadata (entry.json: spec, toolchain), for diagnostics
+        (explain). A store may read them unverified; this default verifies each."""
+        for key in self.keys():
+            entry = self.lookup(key)
+            if entry is not None:
+                yield key, entry.meta
 
     @abc.abstractmethod
     def usage(self) -> tuple[int, int]:

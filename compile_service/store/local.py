@@ -261,6 +261,17 @@ class LocalStore(Storage):
     def keys(self) -> list[str]:
         return [p.name for shard in self.entries_dir.iterdir() if shard.is_dir() for p in shard.iterdir() if p.is_dir()]
 
+    def records(self):
+        """Every entry's key and entry.json, read without verifying the entry (explain only
+        compares specs and toolchains; serving always goes through lookup)."""
+        for key in self.keys():
+            try:
+                meta = json.loads((self.entry_path(key) / ENTRY_META).read_text())
+            except (OSError, ValueError):
+                continue  # evicted meanwhile, or damaged: lookup deals with it
+            if isinstance(meta, dict):
+                yield key, meta
+
     def clean_staging(self) -> int:
         """Removes staging directories whose writer process is gone; returns how many."""
         removed = 0
@@ -270,6 +281,15 @@ class LocalStore(Storage):
             shutil.rmtree(item, ignore_errors=True)
             removed += 1
         return removed
+
+
+def existing_mode(root: Path | str) -> int:
+    """The mode a daemon gave an existing cache (0750 when configured group-shared), else 0700:
+    a process other than the daemon opening the cache keeps it."""
+    try:
+        return 0o750 if os.stat(root).st_mode & 0o777 == 0o750 else 0o700
+    except FileNotFoundError:
+        return 0o700
 
 
 def _writer_alive(name: str) -> bool:

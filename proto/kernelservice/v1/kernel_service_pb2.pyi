@@ -51,10 +51,14 @@ class ParamValue(_message.Message):
     def __init__(self, int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., bool_value: _Optional[bool] = ..., string_value: _Optional[str] = ..., null_value: _Optional[_Union[_struct_pb2.NullValue, str]] = ...) -> None: ...
 
 class GetKernelRequest(_message.Message):
-    __slots__ = ("spec",)
+    __slots__ = ("spec", "app", "no_compile")
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    APP_FIELD_NUMBER: _ClassVar[int]
+    NO_COMPILE_FIELD_NUMBER: _ClassVar[int]
     spec: KernelSpec
-    def __init__(self, spec: _Optional[_Union[KernelSpec, _Mapping]] = ...) -> None: ...
+    app: str
+    no_compile: bool
+    def __init__(self, spec: _Optional[_Union[KernelSpec, _Mapping]] = ..., app: _Optional[str] = ..., no_compile: _Optional[bool] = ...) -> None: ...
 
 class KernelArtifact(_message.Message):
     __slots__ = ("key", "entry_dir", "library", "library_sha256", "library_size", "abi_json", "canonical_spec")
@@ -99,10 +103,14 @@ class SharedBuild(_message.Message):
     def __init__(self, key: _Optional[str] = ..., canonical_spec: _Optional[str] = ..., compile_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("specs",)
+    __slots__ = ("specs", "app", "no_compile")
     SPECS_FIELD_NUMBER: _ClassVar[int]
+    APP_FIELD_NUMBER: _ClassVar[int]
+    NO_COMPILE_FIELD_NUMBER: _ClassVar[int]
     specs: _containers.RepeatedCompositeFieldContainer[KernelSpec]
-    def __init__(self, specs: _Optional[_Iterable[_Union[KernelSpec, _Mapping]]] = ...) -> None: ...
+    app: str
+    no_compile: bool
+    def __init__(self, specs: _Optional[_Iterable[_Union[KernelSpec, _Mapping]]] = ..., app: _Optional[str] = ..., no_compile: _Optional[bool] = ...) -> None: ...
 
 class PrefetchEvent(_message.Message):
     __slots__ = ("index", "done", "total", "kernel", "error_code", "error_message")
@@ -125,7 +133,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes", "joined", "corrupt", "invalid", "compile_seconds", "cpu_quota", "cache_dir", "address", "uptime_seconds", "version", "toolchain", "inductor_dir", "inductor_entries", "inductor_bytes", "evictions", "failures_cached", "cuda_compiler", "device_compile_seconds", "derived", "stats_since", "workers_ready", "running", "queued")
+    __slots__ = ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes", "joined", "corrupt", "invalid", "compile_seconds", "cpu_quota", "cache_dir", "address", "uptime_seconds", "version", "toolchain", "inductor_dir", "inductor_entries", "inductor_bytes", "evictions", "failures_cached", "cuda_compiler", "device_compile_seconds", "derived", "stats_since", "workers_ready", "running", "queued", "not_ready")
     COMPILES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +164,7 @@ class Stats(_message.Message):
     WORKERS_READY_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    NOT_READY_FIELD_NUMBER: _ClassVar[int]
     compiles: int
     hits: int
     misses: int
@@ -186,7 +195,8 @@ class Stats(_message.Message):
     workers_ready: int
     running: int
     queued: int
-    def __init__(self, compiles: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., failures: _Optional[int] = ..., in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., joined: _Optional[int] = ..., corrupt: _Optional[int] = ..., invalid: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., cpu_quota: _Optional[int] = ..., cache_dir: _Optional[str] = ..., address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., inductor_entries: _Optional[int] = ..., inductor_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., failures_cached: _Optional[int] = ..., cuda_compiler: _Optional[str] = ..., device_compile_seconds: _Optional[float] = ..., derived: _Optional[int] = ..., stats_since: _Optional[float] = ..., workers_ready: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
+    not_ready: int
+    def __init__(self, compiles: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., failures: _Optional[int] = ..., in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., joined: _Optional[int] = ..., corrupt: _Optional[int] = ..., invalid: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., cpu_quota: _Optional[int] = ..., cache_dir: _Optional[str] = ..., address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., inductor_entries: _Optional[int] = ..., inductor_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., failures_cached: _Optional[int] = ..., cuda_compiler: _Optional[str] = ..., device_compile_seconds: _Optional[float] = ..., derived: _Optional[int] = ..., stats_since: _Optional[float] = ..., workers_ready: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., not_ready: _Optional[int] = ...) -> None: ...
 
 class ZeroStatsRequest(_message.Message):
     __slots__ = ()
@@ -259,3 +269,56 @@ class ParamInfo(_message.Message):
     min: float
     max: float
     def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., doc: _Optional[str] = ..., required: _Optional[bool] = ..., default_json: _Optional[str] = ..., nullable: _Optional[bool] = ..., choices_json: _Optional[str] = ..., min: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
+
+class ExplainRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: KernelSpec
+    def __init__(self, spec: _Optional[_Union[KernelSpec, _Mapping]] = ...) -> None: ...
+
+class ExplainResponse(_message.Message):
+    __slots__ = ("hit", "key", "canonical_spec", "toolchain", "nearest", "reason")
+    class ToolchainEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CANONICAL_SPEC_FIELD_NUMBER: _ClassVar[int]
+    TOOLCHAIN_FIELD_NUMBER: _ClassVar[int]
+    NEAREST_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    hit: bool
+    key: str
+    canonical_spec: str
+    toolchain: _containers.ScalarMap[str, str]
+    nearest: _containers.RepeatedCompositeFieldContainer[NearEntry]
+    reason: str
+    def __init__(self, hit: _Optional[bool] = ..., key: _Optional[str] = ..., canonical_spec: _Optional[str] = ..., toolchain: _Optional[_Mapping[str, str]] = ..., nearest: _Optional[_Iterable[_Union[NearEntry, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class NearEntry(_message.Message):
+    __slots__ = ("key", "canonical_spec", "differences")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CANONICAL_SPEC_FIELD_NUMBER: _ClassVar[int]
+    DIFFERENCES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    canonical_spec: str
+    differences: _containers.RepeatedCompositeFieldContainer[FieldDifference]
+    def __init__(self, key: _Optional[str] = ..., canonical_spec: _Optional[str] = ..., differences: _Optional[_Iterable[_Union[FieldDifference, _Mapping]]] = ...) -> None: ...
+
+class FieldDifference(_message.Message):
+    __slots__ = ("part", "field", "wanted", "found", "text")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    WANTED_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    part: str
+    field: str
+    wanted: str
+    found: str
+    text: str
+    def __init__(self, part: _Optional[str] = ..., field: _Optional[str] = ..., wanted: _Optional[str] = ..., found: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...

@@ -67,6 +67,11 @@ class KernelServiceStub:
                 request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ListKindsRequest.SerializeToString,
                 response_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ListKindsResponse.FromString,
                 _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/kernelservice.v1.KernelService/Explain',
+                request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ExplainResponse.FromString,
+                _registered_method=True)
 
 
 class KernelServiceServicer:
@@ -77,14 +82,23 @@ class KernelServiceServicer:
 
     def GetKernel(self, request, context):
         """Returns the cache entry of one kernel, compiling it first if needed.
-        Concurrent requests for the same kernel share one compile.
+        Concurrent requests for the same kernel share one compile. With `app`
+        set, the spec is recorded in that application's manifest (see
+        GetKernelRequest.app).
 
         Errors:
         INVALID_ARGUMENT: the spec is malformed (unknown kind, missing, extra or
         ill-typed parameter, absurd size, dtype unsupported on the target,
         unknown target, more than 64 parameters, a name over 64 or a string
-        value over 256 characters). Nothing is compiled or cached. The
-        message starts with the offending field's name, then a colon.
+        value over 256 characters), or `app` is not a valid application
+        name. Nothing is compiled or cached. The message starts with the
+        offending field's name, then a colon.
+        NOT_FOUND: the kernel is not in the cache and nothing may compile it:
+        the request set `no_compile` (a strict client), or the daemon serves
+        only (`serve --no-compile`). Answered at once, without joining a
+        compile in flight. The message names the spec, its key (as
+        "(key <64 hex digits>)") and why it missed: the nearest entry and
+        the fields it differs in, as Explain gives them.
         FAILED_PRECONDITION: the kernel failed to compile; the message holds
         the compiler's output. Nothing is cached. The failure is remembered:
         requests for the same spec get it again, without a compile, for the
@@ -109,8 +123,9 @@ class KernelServiceServicer:
         The whole batch is validated before any work: one bad spec (or more than
         4096 specs) fails the call with INVALID_ARGUMENT and nothing is compiled.
         A kernel that fails to compile, or whose entry cannot be written, is
-        reported in its own event (FAILED_PRECONDITION, INTERNAL); the stream
-        goes on.
+        reported in its own event (FAILED_PRECONDITION, INTERNAL), and so is one
+        that is missing where nothing may compile (NOT_FOUND, as for GetKernel);
+        the stream goes on. Prefetched work queues behind every GetKernel.
 
         Errors: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE,
         DEADLINE_EXCEEDED, as for GetKernel.
@@ -154,6 +169,18 @@ class KernelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Explain(self, request, context):
+        """Whether a spec would hit, and why not: the key's inputs (the canonical
+        spec and each part of the toolchain fingerprint) and, for a miss, the
+        nearest entries in the cache (same kind, fewest differing fields) with
+        exactly the fields that differ. Compiles nothing and records nothing.
+
+        Errors: INVALID_ARGUMENT (as for GetKernel), UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KernelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +213,11 @@ def add_KernelServiceServicer_to_server(servicer, server):
                     servicer.ListKinds,
                     request_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ListKindsRequest.FromString,
                     response_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ListKindsResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ExplainRequest.FromString,
+                    response_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ExplainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +385,33 @@ class KernelService:
             '/kernelservice.v1.KernelService/ListKinds',
             proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ListKindsRequest.SerializeToString,
             proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ListKindsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kernelservice.v1.KernelService/Explain',
+            proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ExplainRequest.SerializeToString,
+            proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,
