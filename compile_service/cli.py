@@ -14,6 +14,8 @@ from pathlib import Path
 
 
 def _serve(args) -> int:
+    from proto.trust import UntrustedPath
+
     from .config import ServiceConfig, parse_size
     from .server import AlreadyRunning, Daemon
 
@@ -43,7 +45,8 @@ def _serve(args) -> int:
     try:
         Daemon(config).serve_forever()
     except (AlreadyRunning, OSError, ImportError, LookupError, TypeError, RuntimeError) as exc:  # plugins included
-        print(f"kernel-service: {exc}", file=sys.stderr)
+        # UntrustedPath (an OSError) says in one line what is wrong and what to do about it.
+        print(f"kernel-service: {exc.strerror if isinstance(exc, UntrustedPath) else exc}", file=sys.stderr)
         return 1
     return 0
 

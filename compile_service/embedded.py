@@ -49,7 +49,7 @@ class EmbeddedService:
         entry = self.store.lookup(key)
         if entry is not None:
             return entry, Outcome.HIT.label
-        with FileLock(str(self.locks / f"{key}.lock")):
+        with FileLock(str(self.locks / f"{key}.lock"), mode=0o600):  # filelock would chmod 0644
             future, outcome = self.scheduler.request(spec)
             return future.result(), outcome.label
 

@@ -6,6 +6,8 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -53,3 +55,20 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(path.lstat().st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def remove_tree(path: Path) -> None:
+    """Deletes a directory tree, or a link or file as itself: never what a link points to
+    (shutil.rmtree opens every level with O_NOFOLLOW)."""
+    if real_dir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()

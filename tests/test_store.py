@@ -21,6 +21,7 @@ from compile_service.config import parse_size, tcp_address
 from compile_service.metrics import Metrics
 from compile_service.store import Budget, LocalStore, StoreError
 from compile_service.store.check import verify
+from proto.trust import UntrustedPath
 
 ROOT = Path(__file__).resolve().parent.parent
 ABI = {"loader": "c", "symbol": "call", "device": "cpu", "params": [{"name": "Y", "dtype": "float32", "shape": [4]}], "outputs": [0], "dynamic": []}
@@ -237,3 +238,35 @@ def test_the_budget_counts_and_evicts_device_binaries(tmp_path):
     assert not old.exists() and fresh.exists() and store.entry_path(key).is_dir()
     assert store.evict(Budget(parse_size("10K"), None, 600)) == 1  # then the entry (fresh stays: within min_age)
     assert fresh.exists() and store.usage()[0] == 0
+
+
+def test_untrusted_directories_and_links_are_refused_never_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "keep").mkdir(parents=True)
+    (tmp_path / "open").mkdir(mode=0o777)
+    os.chmod(tmp_path / "open", 0o777)
+    with pytest.raises(UntrustedPath, match="writable by group or others"):
+        Store(tmp_path / "open")
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "staging").symlink_to(elsewhere)
+    with pytest.raises(UntrustedPath, match="staging is a symbolic link"):
+        Store(tmp_path / "linked")
+    if os.geteuid() == 0:
+        (tmp_path / "theirs").mkdir()
+        os.chown(tmp_path / "theirs", 12345, -1)
+        with pytest.raises(UntrustedPath, match="owned by uid 12345"):
+            Store(tmp_path / "theirs")
+        with pytest.raises(UntrustedPath, match="owned by uid 12345"):
+            Store(tmp_path / "theirs", create=False)
+
+    # The start-up sweep removes only staging dirs it made, never through a link.
+    store = Store(tmp_path / "cache")
+    (store.staging_dir / "1.link").symlink_to(elsewhere)
+    (store.staging_dir / f"1.{'a' * 64}.xyz").symlink_to(elsewhere / "keep")
+    (store.staging_dir / "notes").mkdir()
+    (store.staging_dir / f"1.{'b' * 64}.abc").mkdir()  # pid 1 is init: alive, kept
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    (store.staging_dir / f"{dead}.{'c' * 64}.abc").mkdir()
+    assert store.clean_staging() == 1
+    assert sorted(p.name for p in store.staging_dir.iterdir()) == sorted(["1.link", f"1.{'a' * 64}.xyz", "notes", f"1.{'b' * 64}.abc"])
+    assert (elsewhere / "keep").is_dir()

@@ -106,7 +106,7 @@ def worker_init(
         start, before = time.perf_counter(), device.compiles
         digest = hashlib.sha256(f"{target}\0{sorted((pass_config or {}).items())}\0{code}".encode()).hexdigest()
         try:
-            with FileLock(str(locks / f"{digest[:32]}.lock")):
+            with FileLock(str(locks / f"{digest[:32]}.lock"), mode=0o600):  # filelock would chmod 0644
                 return compile_device(code, target, pass_config)
         finally:
             _device["seconds"] = time.perf_counter() - start
@@ -134,7 +134,7 @@ def _warm_precompiled_headers(device, target_text: str) -> None:
     sources_digest = hashlib.sha256("".join(kernels.source_digest(k) for k in sorted(kernels.kinds())).encode()).hexdigest()
     known = Path(env.TILELANG_CACHE_DIR) / f"nvrtc-preludes-{target.arch}-{tilelang_version()}-{sources_digest[:16]}.json"
     known.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(known) + ".lock"):
+    with FileLock(str(known) + ".lock", mode=0o600):
         try:
             sources = json.loads(known.read_text())
         except (OSError, ValueError):

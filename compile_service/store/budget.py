@@ -21,6 +21,7 @@ from pathlib import Path
 
 from proto.abi import ENTRY_META, MANIFEST
 
+from ..fsutil import remove_tree
 from .base import Budget
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def _take_unused(store, key: str, cutoff: float) -> bool:
             return False
         for table in (store._index, store._used, store._touched):
             table.pop(key, None)
-    shutil.rmtree(trash, ignore_errors=True)
+    remove_tree(trash)
     return True
 
 
