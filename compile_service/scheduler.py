@@ -15,6 +15,13 @@
   failure for `failure_ttl` seconds instead of compiling again for every caller.
 - The budget: after each publish the driver evicts least recently used entries
   down to `max_bytes` / `max_entries` (see Store.evict).
+- Shares of the queue: background work (Prefetch) may hold at most half of
+  `queue_limit`, so a blocked GetKernel always finds room; the servicer holds
+  one Prefetch call to a quarter (`call_share`). A caller that goes away gives
+  its queued compiles back (`release`): a compile no one else waits for is
+  dropped before it starts.
+- A worker crash is not a compile failure: the build is retried once on a fresh
+  pool, then reported as WorkerCrashed, and never remembered.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import shutil
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -55,6 +63,15 @@ class QueueFull(Exception):
     """More compiles are waiting than the queue allows."""
 
 
+class Cancelled(Exception):
+    """Everyone who asked for this compile went away before it started (a cancelled Prefetch)."""
+
+
+class WorkerCrashed(Exception):
+    """The compile worker's process died, twice, while building the kernel. Not remembered:
+    it may have been killed from outside, or run out of memory."""
+
+
 @dataclass(order=True)
 class _Job:
     priority: int
@@ -62,6 +79,8 @@ class _Job:
     key: str = field(compare=False)
     spec: CanonicalSpec = field(compare=False)
     future: cf.Future = field(compare=False)
+    started: bool = field(default=False, compare=False)  # a driver took it (under Scheduler._lock)
+    cancelled: bool = field(default=False, compare=False)  # given back before it started: drivers skip it
 
 
 def process_pool(workers: int, initargs: tuple) -> cf.Executor:
@@ -104,6 +123,14 @@ class Scheduler:
         self._pool_factory = pool
         self._lock = threading.Lock()  # guards _inflight, _failed, _closing and the pool handle
         self._inflight: dict[str, cf.Future] = {}
+        # Who waits on each in-flight future, so that one no caller waits on any more can be
+        # dropped (release): its request count, its queued job, or the build it is a copy of.
+        self._waiters: dict[cf.Future, int] = {}
+        self._jobs: dict[cf.Future, _Job] = {}
+        self._bases: dict[cf.Future, cf.Future] = {}
+        self._background: set[cf.Future] = set()  # in flight for Prefetch (BACKGROUND) requests
+        self.background_limit = max(1, queue_limit // 2)
+        self.call_share = max(1, queue_limit // 4)  # compiles one Prefetch call may queue (the servicer enforces it)
         self._failed: dict[str, tuple[float, float, compiler.CompileFailed]] = {}  # key -> (expiry, when, error)
         self._keys: dict[str, tuple[str, dict]] = {}  # canonical spec JSON -> (key, spec)
         self._queue: queue.PriorityQueue[_Job] = queue.PriorityQueue()
@@ -151,6 +178,7 @@ class Scheduler:
             future = self._inflight.get(key)
             if future is not None:
                 tally(misses=1, joined=1)
+                self._waiters[future] = self._waiters.get(future, 0) + 1
                 return future, Outcome.JOINED
             failed = self._failed.get(key)
             if failed is not None and failed[0] > time.monotonic():
@@ -165,10 +193,18 @@ class Scheduler:
                 return _done(entry), Outcome.HIT
             if len(self._inflight) >= self.queue_limit:
                 raise QueueFull(f"{len(self._inflight)} compiles are already queued (limit {self.queue_limit}); retry later")
+            if priority == BACKGROUND and counted and len(self._background) >= self.background_limit:
+                raise QueueFull(
+                    f"{len(self._background)} prefetched compiles are already queued (prefetches may take half of the queue, {self.background_limit}); retry later"
+                )
             future = cf.Future()
             self._inflight[key] = future
+            self._waiters[future] = 1
+            if priority == BACKGROUND:
+                self._background.add(future)
             if shared is None:
-                self._queue.put(_Job(priority, next(self._seq), key, spec, future))
+                job = self._jobs[future] = _Job(priority, next(self._seq), key, spec, future)
+                self._queue.put(job)
         tally(misses=1)
         if shared is not None:
             self._serve_from_shared_build(key, spec, shared, priority, future)
@@ -183,8 +219,12 @@ class Scheduler:
         except (ShuttingDown, QueueFull) as exc:  # refused like the request itself; joiners learn why
             with self._lock:
                 self._inflight.pop(key, None)
+                self._forget(future)
             future.set_exception(exc)
             raise
+        with self._lock:
+            if not base.done():
+                self._bases[future] = base  # releasing the copy releases the build it waits on
         # Runs on the thread that finishes `base` (a driver), or here when it is already done.
         base.add_done_callback(lambda done: self._settle(key, spec, future, lambda staging: _derive(done.result(), spec, fixed, staging), derived=True))
 
@@ -202,21 +242,74 @@ class Scheduler:
             known = self._keys[text] = (cache_key(spec, self.device.id), json.loads(text))
         return known
 
+    def release(self, futures) -> int:
+        """The caller of `request` no longer waits for these futures (a Prefetch that was
+        cancelled or refused). A compile that then has no waiter left and has not started is
+        dropped: out of the queue and the in-flight table, its future failed with Cancelled.
+        Returns how many were dropped."""
+        dropped: list[cf.Future] = []
+        with self._lock:
+            pending = list(futures)
+            while pending:
+                future = pending.pop()
+                if future not in self._waiters:
+                    continue  # settled meanwhile, or never in flight
+                self._waiters[future] -= 1
+                if self._waiters[future] > 0:
+                    continue
+                job = self._jobs.get(future)
+                if job is not None and not job.started:
+                    job.cancelled = True
+                    self._inflight.pop(job.key, None)
+                    self._forget(future)
+                    dropped.append(future)
+                elif future in self._bases:  # a copy: its build may now have no waiter
+                    pending.append(self._bases[future])
+        for future in dropped:
+            future.set_exception(Cancelled("everyone who asked for this kernel went away before its compile started"))
+        if dropped:
+            log.info("dropped %d queued compiles their callers gave up on", len(dropped))
+        return len(dropped)
+
+    def _forget(self, future: cf.Future) -> None:
+        """Drops the bookkeeping of a future that left the in-flight table (caller holds _lock)."""
+        for table in (self._waiters, self._jobs, self._bases):
+            table.pop(future, None)
+        self._background.discard(future)
+
     # ----- the drivers
     def _drive(self) -> None:
         while True:
             job = self._queue.get()
             if job.spec is None:  # shutdown sentinel
                 return
+            with self._lock:
+                if job.cancelled:
+                    continue
+                job.started = True
             self._run(job)
 
     def _run(self, job: _Job) -> None:
         def build(staging: Path) -> tuple[str, dict]:
-            try:
-                result = self._submit(compiler.build, job.spec.to_json(), str(staging)).result()
-            except OSError as exc:  # the worker could not write the staging dir (disk full)
-                raise StoreError(exc.errno, f"cannot write the built kernel into {staging}: {exc.strerror or exc}") from exc
-            return result["library"], result["meta"]
+            for attempt in (1, 2):
+                with self._lock:
+                    pool = self._pool
+                try:
+                    result = pool.submit(compiler.build, job.spec.to_json(), str(staging)).result()
+                    return result["library"], result["meta"]
+                except BrokenProcessPool:
+                    # The process died under us (a crash, an OOM kill, a signal): not the kernel's
+                    # fault as far as we know. Retry once on a fresh pool, then say what happened.
+                    if self._closing:
+                        raise ShuttingDown("the kernel service shut down while compiling this kernel") from None
+                    self._replace_pool(pool)
+                    if attempt == 2:
+                        raise WorkerCrashed("the compiler worker crashed (its process died) twice while building this kernel; it is not remembered as a compile failure") from None
+                    log.warning("the compiler worker crashed while building %s; retrying once on a fresh worker", job.key[:16])
+                    _empty(staging)
+                except OSError as exc:  # the worker could not write the staging dir (disk full)
+                    raise StoreError(exc.errno, f"cannot write the built kernel into {staging}: {exc.strerror or exc}") from exc
+            raise AssertionError("unreachable")
 
         self._settle(job.key, job.spec, job.future, build)
 
@@ -236,13 +329,7 @@ class Scheduler:
             else:
                 self.metrics.add(compiles=1, compile_seconds=meta["compile_seconds"], device_compile_seconds=meta["phases"]["device"])
             self.enforce_budget(protect=key)
-        except BrokenProcessPool:
-            if self._closing:
-                outcome = ShuttingDown("the kernel service shut down while compiling this kernel")
-            else:
-                self._replace_pool()
-                outcome = compiler.CompileFailed("the compiler worker process died (crashed or was killed) while building this kernel")
-        except (compiler.CompileFailed, StoreError, ShuttingDown) as exc:
+        except (compiler.CompileFailed, StoreError, ShuttingDown, WorkerCrashed, Cancelled) as exc:
             outcome = exc
         except BaseException as exc:  # never leave waiters hanging
             log.exception("unexpected error compiling %s", key[:16])
@@ -250,7 +337,7 @@ class Scheduler:
         finally:
             if staging is not None:
                 self.store.discard_staging(staging)
-        if isinstance(outcome, BaseException) and not isinstance(outcome, ShuttingDown):
+        if isinstance(outcome, BaseException) and not isinstance(outcome, (ShuttingDown, Cancelled)):
             if not derived:
                 self.metrics.add(failures=1)
             log.warning("compile of %s failed: %s", spec.to_json(), str(outcome)[:500])
@@ -258,6 +345,7 @@ class Scheduler:
         # disk, or the remembered failure (a cache write error is not remembered: it may clear).
         with self._lock:
             self._inflight.pop(key, None)
+            self._forget(future)
             if isinstance(outcome, compiler.CompileFailed) and self.failure_ttl > 0:
                 now = time.monotonic()
                 self._failed = {k: v for k, v in self._failed.items() if v[0] > now}
@@ -274,16 +362,13 @@ class Scheduler:
         except OSError as exc:  # the budget is housekeeping: it never fails a request
             log.warning("eviction pass failed: %s", exc)
 
-    def _submit(self, fn, *args) -> cf.Future:
+    def _replace_pool(self, broken: cf.Executor) -> None:
+        """Replaces `broken` with a fresh pool, once: every driver whose job was on it calls this,
+        and none of them may throw away the pool another one just made."""
         with self._lock:
-            pool = self._pool
-        return pool.submit(fn, *args)
-
-    def _replace_pool(self) -> None:
-        with self._lock:
-            if self._closing:
+            if self._closing or self._pool is not broken:
                 return
-            broken, self._pool = self._pool, self._new_pool()
+            self._pool = self._new_pool()
         broken.shutdown(wait=False, cancel_futures=True)
 
     # ----- shutdown
@@ -325,6 +410,15 @@ def _derive(base: Entry, spec: CanonicalSpec, fixed: dict, staging: Path) -> tup
     }
     meta["compile_seconds"] = round(time.perf_counter() - start, 4)
     return base.library, meta
+
+
+def _empty(directory: Path) -> None:
+    """Removes what a crashed build left in its staging directory."""
+    for item in directory.iterdir():
+        if item.is_dir() and not item.is_symlink():
+            shutil.rmtree(item, ignore_errors=True)
+        else:
+            item.unlink(missing_ok=True)
 
 
 def _done(entry: Entry) -> cf.Future:

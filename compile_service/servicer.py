@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
 
 import grpc
 
@@ -18,7 +19,7 @@ from . import __version__
 from .build.compiler import CompileFailed
 from .keys import describe_toolchain
 from .metrics import Metrics
-from .scheduler import BACKGROUND, URGENT, QueueFull, Scheduler, ShuttingDown
+from .scheduler import BACKGROUND, URGENT, Cancelled, QueueFull, Scheduler, ShuttingDown, WorkerCrashed
 from .store import Entry, StoreError
 
 log = logging.getLogger(__name__)
@@ -54,12 +55,36 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return Status.BUSY, str(exc)
     if isinstance(exc, ShuttingDown):
         return Status.UNAVAILABLE, str(exc)
+    if isinstance(exc, WorkerCrashed):
+        return Status.CRASHED, str(exc)
+    if isinstance(exc, Cancelled):
+        return Status.DROPPED, str(exc)
     if isinstance(exc, StoreError):
         return Status.CACHE_FAILED, f"kernel cache write failed: {exc.strerror or exc}"  # e.g. "No space left on device"
     if isinstance(exc, cf.TimeoutError):
         return Status.DEADLINE, "deadline passed while the kernel was compiling; it keeps compiling"
     log.exception("unexpected error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"unexpected {type(exc).__name__}: {exc}"
+
+
+class _Claims:
+    """The in-flight futures one Prefetch call waits for, released exactly once."""
+
+    def __init__(self, scheduler: Scheduler):
+        self._scheduler = scheduler
+        self._futures: list[cf.Future] | None = []
+        self._lock = threading.Lock()
+
+    def add(self, future: cf.Future) -> None:
+        with self._lock:
+            if self._futures is not None:
+                self._futures.append(future)
+
+    def release(self) -> None:
+        with self._lock:
+            futures, self._futures = self._futures, None
+        if futures:
+            self._scheduler.release(futures)
 
 
 class KernelServicer(pb_grpc.KernelServiceServicer):
@@ -100,6 +125,10 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
     def Prefetch(self, request, context):
         if len(request.specs) > wire.MAX_BATCH:
             context.abort(Status.INVALID_SPEC, f"specs: at most {wire.MAX_BATCH} per Prefetch, got {len(request.specs)}")
+        # What this call waits for, given back when it ends: a cancelled Prefetch drops its
+        # queued compiles that no one else waits for (context callbacks run on cancellation).
+        claims = _Claims(self.scheduler)
+        context.add_callback(claims.release)
         try:
             specs = []
             for i, raw in enumerate(request.specs):
@@ -108,11 +137,22 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                 except InvalidSpec as exc:
                     raise InvalidSpec(f"specs[{i}].{exc.field}", str(exc).split(": ", 1)[-1]) from None
             pending = {}
+            queued, share = 0, self.scheduler.call_share
             # Longest compiles first (the kinds' cost hints): the batch then ends with short ones filling the workers.
             for i, spec in sorted(enumerate(specs), key=lambda item: -kernels.get_kind(item[1].kind).compile_cost):
                 future, outcome = self.scheduler.request(spec, BACKGROUND)
+                if not future.done():
+                    claims.add(future)
+                    if outcome == Outcome.COMPILED and future not in pending:
+                        queued += 1
+                        if queued > share:  # one call takes a share of the queue, never all of it
+                            raise QueueFull(
+                                f"a Prefetch may queue at most {share} compiles (a quarter of the daemon's --queue-limit {self.scheduler.queue_limit}); "
+                                f"this one needs more of its {len(specs)} kernels compiled: split it"
+                            )
                 pending[future] = pending.get(future, []) + [(i, outcome)]
         except Exception as exc:  # noqa: BLE001
+            claims.release()  # all or nothing: what this call queued is given back
             context.abort(*status_of(exc))
         total, done = len(specs), 0
         try:
