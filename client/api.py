@@ -17,7 +17,7 @@ import kernels
 from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-from proto.paths import default_socket, socket_address
+from proto.paths import default_socket, default_token_file, socket_address
 from proto.wire import Outcome, Status
 
 from . import loader
@@ -64,15 +64,28 @@ class Client:
     `fallback=True` compiles in this process, into the same cache, when no
     daemon answers (it then needs TileLang; a file lock per kernel still makes
     it compile once across processes).
+
+    Over TCP every call carries the daemon's token, read from `token_file` (default
+    $KERNEL_SERVICE_TOKEN_FILE, else tcp-token under the default cache root).
     """
 
-    def __init__(self, socket: str | os.PathLike | None = None, *, fallback: bool = False, cache_dir: str | os.PathLike | None = None, timeout: float = GET_TIMEOUT):
+    def __init__(
+        self,
+        socket: str | os.PathLike | None = None,
+        *,
+        fallback: bool = False,
+        cache_dir: str | os.PathLike | None = None,
+        timeout: float = GET_TIMEOUT,
+        token_file: str | os.PathLike | None = None,
+    ):
         self.address = socket_address(socket or default_socket())
         # The socket file, when the address is one: its absence means "no daemon" at once.
         self.socket_path = Path(self.address[len("unix:"):]) if self.address.startswith("unix:") else None
         self.fallback = fallback
         self.cache_dir = cache_dir
         self.timeout = timeout
+        self.token_file = Path(token_file) if token_file else None
+        self._metadata: tuple | None = None  # TCP: the authorization header, read once
         self._channel = grpc.insecure_channel(self.address, options=wire.channel_options())
         self._stub = pb_grpc.KernelServiceStub(self._channel)
         self._memo: dict[str, loader.Kernel] = {}
@@ -93,6 +106,19 @@ class Client:
         if not self._answered and self.socket_path is not None and not self.socket_path.exists():
             raise ServiceUnavailable(f"no kernel service at {self.socket_path} (start one with `kernel-service serve`)")
 
+    def _auth(self) -> tuple | None:
+        """gRPC metadata for every call: over TCP, the daemon's token."""
+        if self.socket_path is not None:
+            return None
+        if self._metadata is None:
+            path = self.token_file or default_token_file()
+            try:
+                token = path.read_text().strip()
+            except OSError as exc:
+                raise ServiceUnavailable(f"kernel service at {self.address}: cannot read the daemon's TCP token from {path} ({exc.strerror}); pass token_file= or set KERNEL_SERVICE_TOKEN_FILE") from None
+            self._metadata = (("authorization", f"Bearer {token}"),)
+        return self._metadata
+
     def _call(self, method: Callable, request, timeout: float, what: str):
         """One RPC with a deadline; retries UNAVAILABLE (and a drain's CANCELLED) with backoff, and nothing else.
 
@@ -103,7 +129,7 @@ class Client:
         while True:
             self._check_socket()
             try:
-                result = method(request, timeout=max(0.001, deadline - time.monotonic()))
+                result = method(request, timeout=max(0.001, deadline - time.monotonic()), metadata=self._auth())
                 self._answered = True
                 return result
             except grpc.RpcError as err:
@@ -199,7 +225,7 @@ class Client:
         results: list = [None] * len(canon)
         self._check_socket()
         try:
-            for event in self._stub.Prefetch(request, timeout=timeout or self.timeout):
+            for event in self._stub.Prefetch(request, timeout=timeout or self.timeout, metadata=self._auth()):
                 if event.error_code:
                     exc = CompileError(event.error_message) if event.error_code == "FAILED_PRECONDITION" else ServiceError(event.error_message, event.error_code)
                     results[event.index] = exc
@@ -244,7 +270,9 @@ _default_lock = threading.Lock()
 
 
 def connect(socket: str | os.PathLike | None = None, **options) -> Client:
-    """A new client for the daemon at `socket` (default: $KERNEL_SERVICE_SOCKET or the XDG path)."""
+    """A new client for the daemon at `socket` (default: $KERNEL_SERVICE_SOCKET or the XDG path).
+
+    Options: fallback, cache_dir, timeout, token_file (see Client)."""
     return Client(socket, **options)
 
 

@@ -90,12 +90,18 @@ def _ask(socket: str | None, rpc: str, request):
 
     from proto import wire
     from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-    from proto.paths import default_socket, socket_address
+    from proto.paths import default_socket, default_token_file, socket_address
 
     address = socket_address(socket or default_socket())
+    metadata = None
+    if not address.startswith("unix:"):  # over TCP the daemon wants its token ($KERNEL_SERVICE_TOKEN_FILE)
+        try:
+            metadata = (("authorization", f"Bearer {default_token_file().read_text().strip()}"),)
+        except OSError:
+            pass  # then the daemon answers UNAUTHENTICATED, and that is what we say
     with grpc.insecure_channel(address, options=wire.channel_options()) as channel:
         try:
-            return getattr(pb_grpc.KernelServiceStub(channel), rpc)(request, timeout=10)
+            return getattr(pb_grpc.KernelServiceStub(channel), rpc)(request, timeout=10, metadata=metadata)
         except grpc.RpcError as err:
             raise ConnectionError(f"no kernel service answers at {address}: {err.code().name}: {err.details()}") from None
 
@@ -190,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-entries", type=int, help="cache budget in entries (default unbounded)")
     serve.add_argument("--evict-min-age", type=float, metavar="SECONDS", help="never evict an entry handed out this recently (default 300)")
     serve.add_argument("--mode", choices=("0700", "0750"), help="cache and socket directory mode: 0700 owner only (default), 0750 group may read and connect, never write")
-    serve.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP (host defaults to 127.0.0.1; loopback only unless --allow-remote)")
-    serve.add_argument("--allow-remote", action="store_true", help="allow --tcp on a non-loopback address (no authentication: trusted networks only)")
+    serve.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP (host defaults to 127.0.0.1; loopback only unless --allow-remote); clients must present the token the daemon writes to <cache dir>/tcp-token")
+    serve.add_argument("--allow-remote", action="store_true", help="allow --tcp on a non-loopback address (the token is sent unencrypted: trusted networks only)")
     serve.add_argument(
         "--cuda-compiler",
         choices=("auto", "nvrtc", "nvcc"),

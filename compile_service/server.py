@@ -9,7 +9,8 @@ daemon is refused with the holder's pid; a socket left by a killed daemon is
 removed, since its lock died with it, and only if it is a socket), sweep dead
 writers' staging directories, enforce the cache budget, start the compile workers, then
 listen: on the Unix socket (0600, or 0660 with --mode 0750), and on TCP only
-when asked (loopback unless --allow-remote), always with so_reuseport=0 so a
+when asked (loopback unless --allow-remote, every call authenticated with the
+token written to <cache root>/tcp-token), always with so_reuseport=0 so a
 second process can never bind the same port and steal requests.
 Shutdown (SIGTERM/SIGINT): health goes NOT_SERVING, new RPCs are refused,
 running ones get `grace` seconds, then the workers are stopped. Entries are
@@ -18,10 +19,13 @@ only ever published whole, so no partial entry is left behind.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import logging
 import os
+import secrets
 import signal
 import stat
 import threading
@@ -36,7 +40,7 @@ import kernels
 from kernels import plugins
 from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-from proto.paths import socket_address
+from proto.paths import TOKEN_FILE, socket_address
 from proto.trust import UntrustedPath, open_private_file, private_dir
 
 from . import __version__, inductor
@@ -44,6 +48,7 @@ from .build import devices
 from .build.compiler import DEVICE_BINARIES, device_binary_dir
 from .config import ServiceConfig
 from .cpus import usable_cpus
+from .guard import RequestGuard
 from .keys import describe_toolchain
 from .metrics import Metrics
 from .scheduler import Scheduler
@@ -125,7 +130,34 @@ def _remove_stale_socket(path: Path) -> None:
         raise UntrustedPath(errno.EEXIST, f"{path} exists and is not a socket; refusing to remove it (move it away, or pass another --socket)")
 
 
+def _write_token(path: Path) -> str:
+    """A fresh random token for TCP clients, owner-only whatever --mode says, rewritten at every start."""
+    token = secrets.token_hex(32)
+    fd = open_private_file(path, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{token}\n".encode())
+    finally:
+        os.close(fd)
+    return token
+
+
 RPC_NICE = 10
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _return_large_buffers() -> None:
+    """Every allocation of 1 MiB or more gets its own mapping, unmapped when freed.
+
+    glibc otherwise raises its mmap threshold to the size of the largest block freed, so
+    after one 10 MB request each RPC thread's arena keeps 10 MB blocks for reuse: 200
+    requests near the 16 MiB message limit grew the daemon by ~80 MB that never went
+    back. A fixed threshold bounds what requests leave behind to what is live.
+    """
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass
 
 
 def _yield_to_compiles() -> None:
@@ -170,6 +202,7 @@ class Daemon:
         # (lock and pid files, the socket before its chmod, TileLang's device-binary cache)
         # is owner-only, or group-readable with --mode 0750.
         os.umask(0o777 & ~cfg.mode)
+        _return_large_buffers()
         cfg.cache_dir.parent.mkdir(parents=True, exist_ok=True)
         private_dir(cfg.cache_dir, cfg.mode, "cache directory", CACHE_FIX)
         _socket_dir(cfg.socket.parent, cfg.mode)
@@ -216,6 +249,7 @@ class Daemon:
         address = socket_address(cfg.socket)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max(64, 8 * cfg.workers), thread_name_prefix="rpc", initializer=_yield_to_compiles),
+            interceptors=[RequestGuard(_write_token(cfg.cache_dir / TOKEN_FILE) if cfg.tcp else None)],
             options=[("grpc.so_reuseport", 0), *wire.channel_options()],
         )
         listening = f"{address} tcp:{cfg.tcp}" if cfg.tcp else address
@@ -242,7 +276,7 @@ class Daemon:
         pb_grpc.add_KernelServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(address)
-        if cfg.tcp:  # only on request, loopback unless --allow-remote (checked in config)
+        if cfg.tcp:  # only on request, loopback unless --allow-remote (checked in config); RequestGuard checks the token
             try:
                 bound = self.server.add_insecure_port(cfg.tcp)
             except RuntimeError:
@@ -273,6 +307,8 @@ class Daemon:
     def _remove_own_files(self) -> None:
         if _is_socket(self.config.socket):
             self.config.socket.unlink()
+        if self.config.tcp:
+            (self.config.cache_dir / TOKEN_FILE).unlink(missing_ok=True)
 
     def _abandon(self) -> None:
         """A start that failed half-way leaves no socket, no workers and no locks behind."""
@@ -280,7 +316,7 @@ class Daemon:
             self.server.stop(None)
         if self.scheduler is not None:
             self.scheduler.shutdown(0)
-        if len(self._locks) == 2:  # only with both instance locks was the socket ours
+        if len(self._locks) == 2:  # only with both instance locks were the socket and token ours
             self._remove_own_files()
         self._release()
 

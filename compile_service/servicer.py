@@ -97,7 +97,11 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         self._valid: dict[bytes, kernels.CanonicalSpec] = {}
 
     def _validate(self, spec: pb.KernelSpec) -> kernels.CanonicalSpec:
-        # Hits repeat the same few specs: remember the valid ones by their wire bytes.
+        # Hits repeat the same few specs: remember the valid ones by their encoding. Unknown
+        # fields are dropped first (RequestGuard already did; this keeps the memo safe without
+        # it): a key is then only what validation bounds (names, values, at most 64 params),
+        # never megabytes a caller attached.
+        spec.DiscardUnknownFields()
         wire_bytes = spec.SerializeToString(deterministic=True)
         canonical = self._valid.get(wire_bytes)
         if canonical is not None:
