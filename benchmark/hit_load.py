@@ -92,7 +92,7 @@ def run_phase(address: str, specs, pick, threads: int, requests: int, check_ever
                 local["wrong"] += 1
             elif n % check_every == 0:
                 try:
-                    read_verified(Path(a.entry_dir) / a.library, a.library_sha256, a.library_size)
+                    read_verified(Path(a.entry_dir) / a.library, a.library_sha256, a.library_size, owner=os.getuid())
                     local["checked"] += 1
                 except CorruptArtifact as exc:
                     gone = not (Path(a.entry_dir) / a.library).exists()

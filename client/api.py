@@ -18,10 +18,11 @@ from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 from proto.paths import default_socket, default_token_file, socket_address
+from proto.trust import peer_uid, problem
 from proto.wire import Outcome, Status
 
 from . import loader
-from .errors import CompileError, InvalidSpec, ServiceError, ServiceUnavailable
+from .errors import CompileError, CorruptArtifact, InvalidSpec, ServiceError, ServiceUnavailable, UntrustedService
 from .inductor import InductorCache, use_shared_inductor_cache
 
 GET_TIMEOUT = 600.0  # a cold kernel can wait behind a queue of compiles
@@ -41,6 +42,8 @@ def _raise_for(err: grpc.RpcError, what: str):
         raise CompileError(f"{what} failed to compile:\n{details}") from None
     if code == Status.UNAVAILABLE:
         raise ServiceUnavailable(f"kernel service unavailable: {details}") from None
+    if code == Status.CRASHED:
+        raise ServiceError(f"{what}: the compiler worker crashed: {details}", code.name) from None
     raise ServiceError(f"{what}: {code.name}: {details}", code.name) from None
 
 
@@ -58,6 +61,10 @@ def _request(kind: str, params: dict, target: str | None) -> tuple[str, pb.Kerne
     return proto.SerializeToString(deterministic=True).hex(), proto, None
 
 
+class _NotListening(Exception):
+    """Nothing accepts connections on the socket (yet): retried like UNAVAILABLE."""
+
+
 class Client:
     """A connection to the kernel service.
 
@@ -65,8 +72,14 @@ class Client:
     daemon answers (it then needs TileLang; a file lock per kernel still makes
     it compile once across processes).
 
+    Trust: the daemon must run as `daemon_uid` (default $KERNEL_SERVICE_DAEMON_UID, else
+    this process's uid). On a Unix socket that is checked before the first call: the
+    socket's directory must be a real directory of that uid that others cannot write,
+    and the listening process's uid (SO_PEERCRED) must be it; else UntrustedService.
     Over TCP every call carries the daemon's token, read from `token_file` (default
-    $KERNEL_SERVICE_TOKEN_FILE, else tcp-token under the default cache root).
+    $KERNEL_SERVICE_TOKEN_FILE, else tcp-token under the default cache root). Either
+    way kernels are loaded only from files of that uid under the cache root the daemon
+    reports (see loader).
     """
 
     def __init__(
@@ -76,6 +89,7 @@ class Client:
         fallback: bool = False,
         cache_dir: str | os.PathLike | None = None,
         timeout: float = GET_TIMEOUT,
+        daemon_uid: int | None = None,
         token_file: str | os.PathLike | None = None,
     ):
         self.address = socket_address(socket or default_socket())
@@ -84,8 +98,13 @@ class Client:
         self.fallback = fallback
         self.cache_dir = cache_dir
         self.timeout = timeout
+        if daemon_uid is None and os.environ.get("KERNEL_SERVICE_DAEMON_UID"):
+            daemon_uid = int(os.environ["KERNEL_SERVICE_DAEMON_UID"])
+        self.daemon_uid = os.getuid() if daemon_uid is None else daemon_uid
         self.token_file = Path(token_file) if token_file else None
         self._metadata: tuple | None = None  # TCP: the authorization header, read once
+        self._trusted = False  # Unix socket: directory and peer uid checked
+        self._cache_root: Path | None = None  # as the daemon reports it, asked once before the first load
         self._channel = grpc.insecure_channel(self.address, options=wire.channel_options())
         self._stub = pb_grpc.KernelServiceStub(self._channel)
         self._memo: dict[str, loader.Kernel] = {}
@@ -105,6 +124,30 @@ class Client:
     def _check_socket(self) -> None:
         if not self._answered and self.socket_path is not None and not self.socket_path.exists():
             raise ServiceUnavailable(f"no kernel service at {self.socket_path} (start one with `kernel-service serve`)")
+
+    def _verify_daemon(self) -> None:
+        """Before the first call on a Unix socket: the socket's directory must be one only the
+        daemon's uid controls (so no one else can swap the socket later, and reconnects need
+        no new check), and the process listening there must run as that uid."""
+        if self._trusted or self.socket_path is None:
+            return
+        directory = self.socket_path.parent
+        try:
+            why = problem(os.lstat(directory), self.daemon_uid)
+        except FileNotFoundError:
+            raise ServiceUnavailable(f"no kernel service at {self.socket_path} (start one with `kernel-service serve`)") from None
+        if why:
+            raise UntrustedService(f"the socket directory {directory} {why}: another user could put their own server there; refusing to use {self.socket_path}")
+        try:
+            uid = peer_uid(self.socket_path)
+        except OSError as exc:
+            raise _NotListening(str(exc)) from None
+        if uid != self.daemon_uid:
+            raise UntrustedService(
+                f"the process serving {self.socket_path} runs as uid {uid}, not as the daemon's uid {self.daemon_uid}: "
+                f"refusing to use it (if you trust it, pass daemon_uid={uid} or set KERNEL_SERVICE_DAEMON_UID={uid})"
+            )
+        self._trusted = True
 
     def _auth(self) -> tuple | None:
         """gRPC metadata for every call: over TCP, the daemon's token."""
@@ -129,12 +172,16 @@ class Client:
         while True:
             self._check_socket()
             try:
+                self._verify_daemon()
                 result = method(request, timeout=max(0.001, deadline - time.monotonic()), metadata=self._auth())
                 self._answered = True
                 return result
-            except grpc.RpcError as err:
+            except (grpc.RpcError, _NotListening) as err:
                 retry_until = min(deadline, time.monotonic() + (RETRY_WINDOW if self._answered else 2.0))
-                if err.code() not in Status.RETRYABLE or time.monotonic() + delay >= retry_until:
+                code = err.code() if isinstance(err, grpc.RpcError) else Status.UNAVAILABLE
+                if code not in Status.RETRYABLE or time.monotonic() + delay >= retry_until:
+                    if isinstance(err, _NotListening):
+                        raise ServiceUnavailable(f"kernel service unavailable: nothing accepts connections on {self.socket_path} ({err})") from None
                     _raise_for(err, what)
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 1.0)
@@ -186,8 +233,9 @@ class Client:
         kernel = self._memo.get(memo_key)
         if kernel is not None:
             return kernel
+        request = pb.GetKernelRequest(spec=proto)
         try:
-            reply = self._call(self._stub.GetKernel, pb.GetKernelRequest(spec=proto), timeout or self.timeout, f"kernel {kind}")
+            reply = self._call(self._stub.GetKernel, request, timeout or self.timeout, f"kernel {kind}")
         except ServiceUnavailable:
             if not self.fallback or spec is None:
                 raise
@@ -195,13 +243,34 @@ class Client:
 
             kernel = build_locally(spec, self.cache_dir)
         else:
-            kernel = self._load(reply)
+            try:
+                kernel = self._load(reply, spec)
+            except CorruptArtifact:
+                # Tell the daemon, which re-hashes the entry and removes it if it is corrupt,
+                # then ask once more: the answer is then a fresh build (or the same error).
+                self._report_corrupt(reply.artifact.key)
+                reply = self._call(self._stub.GetKernel, request, timeout or self.timeout, f"kernel {kind}")
+                kernel = self._load(reply, spec)
         with self._memo_lock:
             return self._memo.setdefault(memo_key, kernel)
 
-    def _load(self, reply: pb.GetKernelResponse) -> loader.Kernel:
+    def _report_corrupt(self, key: str) -> None:
+        try:
+            self._call(self._stub.ReportCorrupt, pb.ReportCorruptRequest(key=key), STATS_TIMEOUT, "report corrupt")
+        except (ServiceError, ServiceUnavailable, InvalidSpec):
+            pass  # best effort: the retry then reports what it finds
+
+    def _load(self, reply: pb.GetKernelResponse, spec: kernels.CanonicalSpec | None) -> loader.Kernel:
+        """Loads what the daemon named, from its cache root only, as the spec asked for (a kind
+        this process does not know is checked against the spec the daemon sent)."""
         a = reply.artifact
-        kernel = loader.load(Path(a.entry_dir), a.library, a.library_sha256, a.library_size, json.loads(a.abi_json), json.loads(a.canonical_spec), a.key)
+        if self._cache_root is None:
+            self._cache_root = Path(self.service_info()["cache_dir"])
+        asked = json.loads(spec.to_json() if spec is not None else a.canonical_spec)
+        kernel = loader.load(
+            Path(a.entry_dir), a.library, a.library_sha256, a.library_size, json.loads(a.abi_json), asked, a.key,
+            root=self._cache_root, owner=self.daemon_uid,
+        )
         kernel.outcome = Outcome.from_proto(reply.outcome)
         kernel.compile_seconds = reply.compile_seconds
         return kernel
@@ -225,14 +294,29 @@ class Client:
         results: list = [None] * len(canon)
         self._check_socket()
         try:
+            self._verify_daemon()
+        except _NotListening as exc:
+            raise ServiceUnavailable(f"kernel service unavailable: nothing accepts connections on {self.socket_path} ({exc})") from None
+        try:
             for event in self._stub.Prefetch(request, timeout=timeout or self.timeout, metadata=self._auth()):
                 if event.error_code:
                     exc = CompileError(event.error_message) if event.error_code == "FAILED_PRECONDITION" else ServiceError(event.error_message, event.error_code)
                     results[event.index] = exc
                 elif load:
-                    kernel = self._load(event.kernel)
-                    with self._memo_lock:
-                        results[event.index] = self._memo.setdefault(canon[event.index][0], kernel)
+                    memo_key, proto, spec = canon[event.index]
+                    try:
+                        kernel = self._load(event.kernel, spec)
+                    except CorruptArtifact:  # reported, then fetched again once (see get_kernel)
+                        self._report_corrupt(event.kernel.artifact.key)
+                        try:
+                            kernel = self._load(self._call(self._stub.GetKernel, pb.GetKernelRequest(spec=proto), timeout or self.timeout, f"kernel {proto.kind}"), spec)
+                        except (CorruptArtifact, CompileError, ServiceError) as exc:
+                            kernel = exc
+                    if isinstance(kernel, Exception):
+                        results[event.index] = kernel
+                    else:
+                        with self._memo_lock:
+                            results[event.index] = self._memo.setdefault(memo_key, kernel)
                 else:
                     results[event.index] = Outcome.from_proto(event.kernel.outcome)
                 if progress:
@@ -272,7 +356,7 @@ _default_lock = threading.Lock()
 def connect(socket: str | os.PathLike | None = None, **options) -> Client:
     """A new client for the daemon at `socket` (default: $KERNEL_SERVICE_SOCKET or the XDG path).
 
-    Options: fallback, cache_dir, timeout, token_file (see Client)."""
+    Options: fallback, cache_dir, timeout, daemon_uid, token_file (see Client)."""
     return Client(socket, **options)
 
 

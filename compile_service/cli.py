@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-size", metavar="BYTES", help="cache budget: evict least recently used entries above this size (e.g. 10G; default unbounded)")
     serve.add_argument("--max-entries", type=int, help="cache budget in entries (default unbounded)")
     serve.add_argument("--evict-min-age", type=float, metavar="SECONDS", help="never evict an entry handed out this recently (default 300)")
-    serve.add_argument("--mode", choices=("0700", "0750"), help="cache and socket directory mode: 0700 owner only (default), 0750 group may read and connect, never write")
+    serve.add_argument("--mode", choices=("0700", "0750"), help="cache and socket directory mode: 0700 owner only (default), 0750 group may read and connect, never write (agents of other users then pass daemon_uid)")
     serve.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP (host defaults to 127.0.0.1; loopback only unless --allow-remote); clients must present the token the daemon writes to <cache dir>/tcp-token")
     serve.add_argument("--allow-remote", action="store_true", help="allow --tcp on a non-loopback address (the token is sent unencrypted: trusted networks only)")
     serve.add_argument(

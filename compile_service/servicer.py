@@ -21,6 +21,7 @@ from .keys import describe_toolchain
 from .metrics import Metrics
 from .scheduler import BACKGROUND, URGENT, Cancelled, QueueFull, Scheduler, ShuttingDown, WorkerCrashed
 from .store import Entry, StoreError
+from .store.local import KEY
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,12 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                     yield event
         except cf.TimeoutError as exc:
             context.abort(*status_of(exc))
+
+    def ReportCorrupt(self, request, context):
+        if not KEY.fullmatch(request.key):
+            context.abort(Status.INVALID_SPEC, f"key: expected 64 lowercase hex characters, got {request.key[:80]!r}")
+        reason = self.scheduler.store.recheck(request.key)
+        return pb.ReportCorruptResponse(removed=reason is not None, reason=wire.clip(reason or ""))
 
     def GetStats(self, request, context):
         return pb.Stats(**self.metrics.read())

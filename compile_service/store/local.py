@@ -216,6 +216,23 @@ class LocalStore(Storage):
             trash = path
         remove_tree(trash)
 
+    def recheck(self, key: str) -> str | None:
+        """Checks the entry in full, as if never seen (every file re-hashed), and removes it if
+        it fails: a client found it corrupt. Returns what was wrong, or None (whole or absent)."""
+        path = self.entry_path(key)
+        if not os.path.lexists(path):
+            return None
+        try:
+            entry, names, signature = self._check(key, path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if not os.path.lexists(path):
+                return None
+            self._discard_corrupt(key, path, f"reported by a client; {exc}")
+            return str(exc)
+        with self._lock:
+            self._index[key] = (entry, names, signature)
+        return None
+
     # ----- writing
     def new_staging(self, key: str) -> Path:
         """A private directory to build `key`'s entry in."""

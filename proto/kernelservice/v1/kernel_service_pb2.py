@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+proto/kernelservice/v1/kernel_service.proto\x12\x10kernelservice.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xb1\x01\n\nKernelSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x38\n\x06params\x18\x02 \x03(\x0b\x32(.kernelservice.v1.KernelSpec.ParamsEntry\x12\x0e\n\x06target\x18\x03 \x01(\t\x1aK\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.kernelservice.v1.ParamValue:\x02\x38\x01\"\xa1\x01\n\nParamValue\x12\x13\n\tint_value\x18\x01 \x01(\x03H\x00\x12\x15\n\x0b\x66loat_value\x18\x02 \x01(\x01H\x00\x12\x14\n\nbool_value\x18\x03 \x01(\x08H\x00\x12\x16\n\x0cstring_value\x18\x04 \x01(\tH\x00\x12\x30\n\nnull_value\x18\x05 \x01(\x0e\x32\x1a.google.protobuf.NullValueH\x00\x42\x07\n\x05value\">\n\x10GetKernelRequest\x12*\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.kernelservice.v1.KernelSpec\"\x99\x01\n\x0eKernelArtifact\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tentry_dir\x18\x02 \x01(\t\x12\x0f\n\x07library\x18\x03 \x01(\t\x12\x16\n\x0elibrary_sha256\x18\x04 \x01(\t\x12\x14\n\x0clibrary_size\x18\x05 \x01(\x03\x12\x10\n\x08\x61\x62i_json\x18\x06 \x01(\t\x12\x16\n\x0e\x63\x61nonical_spec\x18\x07 \x01(\t\"\xa3\x01\n\x11GetKernelResponse\x12\x32\n\x08\x61rtifact\x18\x01 \x01(\x0b\x32 .kernelservice.v1.KernelArtifact\x12\x15\n\rcached_result\x18\x02 \x01(\x08\x12*\n\x07outcome\x18\x03 \x01(\x0e\x32\x19.kernelservice.v1.Outcome\x12\x17\n\x0f\x63ompile_seconds\x18\x04 \x01(\x01\">\n\x0fPrefetchRequest\x12+\n\x05specs\x18\x01 \x03(\x0b\x32\x1c.kernelservice.v1.KernelSpec\"\x9b\x01\n\rPrefetchEvent\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04\x64one\x18\x02 \x01(\x05\x12\r\n\x05total\x18\x03 \x01(\x05\x12\x33\n\x06kernel\x18\x04 \x01(\x0b\x32#.kernelservice.v1.GetKernelResponse\x12\x12\n\nerror_code\x18\x05 \x01(\t\x12\x15\n\rerror_message\x18\x06 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x87\x04\n\x05Stats\x12\x10\n\x08\x63ompiles\x18\x01 \x01(\x03\x12\x0c\n\x04hits\x18\x02 \x01(\x03\x12\x0e\n\x06misses\x18\x03 \x01(\x03\x12\x10\n\x08\x66\x61ilures\x18\x04 \x01(\x03\x12\x11\n\tin_flight\x18\x05 \x01(\x03\x12\x0f\n\x07workers\x18\x06 \x01(\x03\x12\x0f\n\x07\x65ntries\x18\x07 \x01(\x03\x12\r\n\x05\x62ytes\x18\x08 \x01(\x03\x12\x0e\n\x06joined\x18\t \x01(\x03\x12\x0f\n\x07\x63orrupt\x18\n \x01(\x03\x12\x0f\n\x07invalid\x18\x0b \x01(\x03\x12\x17\n\x0f\x63ompile_seconds\x18\x0c \x01(\x01\x12\x11\n\tcpu_quota\x18\r \x01(\x03\x12\x11\n\tcache_dir\x18\x0e \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x0f \x01(\t\x12\x16\n\x0euptime_seconds\x18\x10 \x01(\x01\x12\x0f\n\x07version\x18\x11 \x01(\t\x12\x11\n\ttoolchain\x18\x12 \x01(\t\x12\x14\n\x0cinductor_dir\x18\x13 \x01(\t\x12\x18\n\x10inductor_entries\x18\x14 \x01(\x03\x12\x16\n\x0einductor_bytes\x18\x15 \x01(\x03\x12\x11\n\tevictions\x18\x16 \x01(\x03\x12\x17\n\x0f\x66\x61ilures_cached\x18\x17 \x01(\x03\x12\x15\n\rcuda_compiler\x18\x18 \x01(\t\x12\x1e\n\x16\x64\x65vice_compile_seconds\x18\x19 \x01(\x01\x12\x0f\n\x07\x64\x65rived\x18\x1a \x01(\x03\"\x17\n\x15GetServiceInfoRequest\"\x89\x01\n\x0bServiceInfo\x12\x11\n\tcache_dir\x18\x01 \x01(\t\x12\x14\n\x0cinductor_dir\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x11\n\ttoolchain\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65\x66\x61ult_target\x18\x05 \x01(\t\x12\x15\n\rcuda_compiler\x18\x06 \x01(\t\"\x12\n\x10ListKindsRequest\">\n\x11ListKindsResponse\x12)\n\x05kinds\x18\x01 \x03(\x0b\x32\x1a.kernelservice.v1.KindInfo\"b\n\x08KindInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64oc\x18\x02 \x01(\t\x12+\n\x06params\x18\x03 \x03(\x0b\x32\x1b.kernelservice.v1.ParamInfo\x12\x0e\n\x06origin\x18\x04 \x01(\t\"\xb8\x01\n\tParamInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0b\n\x03\x64oc\x18\x03 \x01(\t\x12\x10\n\x08required\x18\x04 \x01(\x08\x12\x14\n\x0c\x64\x65\x66\x61ult_json\x18\x05 \x01(\t\x12\x10\n\x08nullable\x18\x06 \x01(\x08\x12\x14\n\x0c\x63hoices_json\x18\x07 \x01(\t\x12\x10\n\x03min\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x03max\x18\t \x01(\x01H\x01\x88\x01\x01\x42\x06\n\x04_minB\x06\n\x04_max*]\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0f\n\x0bOUTCOME_HIT\x10\x01\x12\x14\n\x10OUTCOME_COMPILED\x10\x02\x12\x12\n\x0eOUTCOME_JOINED\x10\x03\x32\xaf\x03\n\rKernelService\x12T\n\tGetKernel\x12\".kernelservice.v1.GetKernelRequest\x1a#.kernelservice.v1.GetKernelResponse\x12P\n\x08Prefetch\x12!.kernelservice.v1.PrefetchRequest\x1a\x1f.kernelservice.v1.PrefetchEvent0\x01\x12\x46\n\x08GetStats\x12!.kernelservice.v1.GetStatsRequest\x1a\x17.kernelservice.v1.Stats\x12X\n\x0eGetServiceInfo\x12\'.kernelservice.v1.GetServiceInfoRequest\x1a\x1d.kernelservice.v1.ServiceInfo\x12T\n\tListKinds\x12\".kernelservice.v1.ListKindsRequest\x1a#.kernelservice.v1.ListKindsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+proto/kernelservice/v1/kernel_service.proto\x12\x10kernelservice.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xb1\x01\n\nKernelSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x38\n\x06params\x18\x02 \x03(\x0b\x32(.kernelservice.v1.KernelSpec.ParamsEntry\x12\x0e\n\x06target\x18\x03 \x01(\t\x1aK\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.kernelservice.v1.ParamValue:\x02\x38\x01\"\xa1\x01\n\nParamValue\x12\x13\n\tint_value\x18\x01 \x01(\x03H\x00\x12\x15\n\x0b\x66loat_value\x18\x02 \x01(\x01H\x00\x12\x14\n\nbool_value\x18\x03 \x01(\x08H\x00\x12\x16\n\x0cstring_value\x18\x04 \x01(\tH\x00\x12\x30\n\nnull_value\x18\x05 \x01(\x0e\x32\x1a.google.protobuf.NullValueH\x00\x42\x07\n\x05value\">\n\x10GetKernelRequest\x12*\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.kernelservice.v1.KernelSpec\"\x99\x01\n\x0eKernelArtifact\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tentry_dir\x18\x02 \x01(\t\x12\x0f\n\x07library\x18\x03 \x01(\t\x12\x16\n\x0elibrary_sha256\x18\x04 \x01(\t\x12\x14\n\x0clibrary_size\x18\x05 \x01(\x03\x12\x10\n\x08\x61\x62i_json\x18\x06 \x01(\t\x12\x16\n\x0e\x63\x61nonical_spec\x18\x07 \x01(\t\"\xa3\x01\n\x11GetKernelResponse\x12\x32\n\x08\x61rtifact\x18\x01 \x01(\x0b\x32 .kernelservice.v1.KernelArtifact\x12\x15\n\rcached_result\x18\x02 \x01(\x08\x12*\n\x07outcome\x18\x03 \x01(\x0e\x32\x19.kernelservice.v1.Outcome\x12\x17\n\x0f\x63ompile_seconds\x18\x04 \x01(\x01\">\n\x0fPrefetchRequest\x12+\n\x05specs\x18\x01 \x03(\x0b\x32\x1c.kernelservice.v1.KernelSpec\"\x9b\x01\n\rPrefetchEvent\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04\x64one\x18\x02 \x01(\x05\x12\r\n\x05total\x18\x03 \x01(\x05\x12\x33\n\x06kernel\x18\x04 \x01(\x0b\x32#.kernelservice.v1.GetKernelResponse\x12\x12\n\nerror_code\x18\x05 \x01(\t\x12\x15\n\rerror_message\x18\x06 \x01(\t\"#\n\x14ReportCorruptRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"8\n\x15ReportCorruptResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x87\x04\n\x05Stats\x12\x10\n\x08\x63ompiles\x18\x01 \x01(\x03\x12\x0c\n\x04hits\x18\x02 \x01(\x03\x12\x0e\n\x06misses\x18\x03 \x01(\x03\x12\x10\n\x08\x66\x61ilures\x18\x04 \x01(\x03\x12\x11\n\tin_flight\x18\x05 \x01(\x03\x12\x0f\n\x07workers\x18\x06 \x01(\x03\x12\x0f\n\x07\x65ntries\x18\x07 \x01(\x03\x12\r\n\x05\x62ytes\x18\x08 \x01(\x03\x12\x0e\n\x06joined\x18\t \x01(\x03\x12\x0f\n\x07\x63orrupt\x18\n \x01(\x03\x12\x0f\n\x07invalid\x18\x0b \x01(\x03\x12\x17\n\x0f\x63ompile_seconds\x18\x0c \x01(\x01\x12\x11\n\tcpu_quota\x18\r \x01(\x03\x12\x11\n\tcache_dir\x18\x0e \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x0f \x01(\t\x12\x16\n\x0euptime_seconds\x18\x10 \x01(\x01\x12\x0f\n\x07version\x18\x11 \x01(\t\x12\x11\n\ttoolchain\x18\x12 \x01(\t\x12\x14\n\x0cinductor_dir\x18\x13 \x01(\t\x12\x18\n\x10inductor_entries\x18\x14 \x01(\x03\x12\x16\n\x0einductor_bytes\x18\x15 \x01(\x03\x12\x11\n\tevictions\x18\x16 \x01(\x03\x12\x17\n\x0f\x66\x61ilures_cached\x18\x17 \x01(\x03\x12\x15\n\rcuda_compiler\x18\x18 \x01(\t\x12\x1e\n\x16\x64\x65vice_compile_seconds\x18\x19 \x01(\x01\x12\x0f\n\x07\x64\x65rived\x18\x1a \x01(\x03\"\x17\n\x15GetServiceInfoRequest\"\x89\x01\n\x0bServiceInfo\x12\x11\n\tcache_dir\x18\x01 \x01(\t\x12\x14\n\x0cinductor_dir\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x11\n\ttoolchain\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65\x66\x61ult_target\x18\x05 \x01(\t\x12\x15\n\rcuda_compiler\x18\x06 \x01(\t\"\x12\n\x10ListKindsRequest\">\n\x11ListKindsResponse\x12)\n\x05kinds\x18\x01 \x03(\x0b\x32\x1a.kernelservice.v1.KindInfo\"b\n\x08KindInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64oc\x18\x02 \x01(\t\x12+\n\x06params\x18\x03 \x03(\x0b\x32\x1b.kernelservice.v1.ParamInfo\x12\x0e\n\x06origin\x18\x04 \x01(\t\"\xb8\x01\n\tParamInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0b\n\x03\x64oc\x18\x03 \x01(\t\x12\x10\n\x08required\x18\x04 \x01(\x08\x12\x14\n\x0c\x64\x65\x66\x61ult_json\x18\x05 \x01(\t\x12\x10\n\x08nullable\x18\x06 \x01(\x08\x12\x14\n\x0c\x63hoices_json\x18\x07 \x01(\t\x12\x10\n\x03min\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x03max\x18\t \x01(\x01H\x01\x88\x01\x01\x42\x06\n\x04_minB\x06\n\x04_max*]\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0f\n\x0bOUTCOME_HIT\x10\x01\x12\x14\n\x10OUTCOME_COMPILED\x10\x02\x12\x12\n\x0eOUTCOME_JOINED\x10\x03\x32\x91\x04\n\rKernelService\x12T\n\tGetKernel\x12\".kernelservice.v1.GetKernelRequest\x1a#.kernelservice.v1.GetKernelResponse\x12P\n\x08Prefetch\x12!.kernelservice.v1.PrefetchRequest\x1a\x1f.kernelservice.v1.PrefetchEvent0\x01\x12`\n\rReportCorrupt\x12&.kernelservice.v1.ReportCorruptRequest\x1a\'.kernelservice.v1.ReportCorruptResponse\x12\x46\n\x08GetStats\x12!.kernelservice.v1.GetStatsRequest\x1a\x17.kernelservice.v1.Stats\x12X\n\x0eGetServiceInfo\x12\'.kernelservice.v1.GetServiceInfoRequest\x1a\x1d.kernelservice.v1.ServiceInfo\x12T\n\tListKinds\x12\".kernelservice.v1.ListKindsRequest\x1a#.kernelservice.v1.ListKindsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KERNELSPEC_PARAMSENTRY']._loaded_options = None
   _globals['_KERNELSPEC_PARAMSENTRY']._serialized_options = b'8\001'
-  _globals['_OUTCOME']._serialized_start=2124
-  _globals['_OUTCOME']._serialized_end=2217
+  _globals['_OUTCOME']._serialized_start=2219
+  _globals['_OUTCOME']._serialized_end=2312
   _globals['_KERNELSPEC']._serialized_start=96
   _globals['_KERNELSPEC']._serialized_end=273
   _globals['_KERNELSPEC_PARAMSENTRY']._serialized_start=198
@@ -52,22 +52,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFETCHREQUEST']._serialized_end=887
   _globals['_PREFETCHEVENT']._serialized_start=890
   _globals['_PREFETCHEVENT']._serialized_end=1045
-  _globals['_GETSTATSREQUEST']._serialized_start=1047
-  _globals['_GETSTATSREQUEST']._serialized_end=1064
-  _globals['_STATS']._serialized_start=1067
-  _globals['_STATS']._serialized_end=1586
-  _globals['_GETSERVICEINFOREQUEST']._serialized_start=1588
-  _globals['_GETSERVICEINFOREQUEST']._serialized_end=1611
-  _globals['_SERVICEINFO']._serialized_start=1614
-  _globals['_SERVICEINFO']._serialized_end=1751
-  _globals['_LISTKINDSREQUEST']._serialized_start=1753
-  _globals['_LISTKINDSREQUEST']._serialized_end=1771
-  _globals['_LISTKINDSRESPONSE']._serialized_start=1773
-  _globals['_LISTKINDSRESPONSE']._serialized_end=1835
-  _globals['_KINDINFO']._serialized_start=1837
-  _globals['_KINDINFO']._serialized_end=1935
-  _globals['_PARAMINFO']._serialized_start=1938
-  _globals['_PARAMINFO']._serialized_end=2122
-  _globals['_KERNELSERVICE']._serialized_start=2220
-  _globals['_KERNELSERVICE']._serialized_end=2651
+  _globals['_REPORTCORRUPTREQUEST']._serialized_start=1047
+  _globals['_REPORTCORRUPTREQUEST']._serialized_end=1082
+  _globals['_REPORTCORRUPTRESPONSE']._serialized_start=1084
+  _globals['_REPORTCORRUPTRESPONSE']._serialized_end=1140
+  _globals['_GETSTATSREQUEST']._serialized_start=1142
+  _globals['_GETSTATSREQUEST']._serialized_end=1159
+  _globals['_STATS']._serialized_start=1162
+  _globals['_STATS']._serialized_end=1681
+  _globals['_GETSERVICEINFOREQUEST']._serialized_start=1683
+  _globals['_GETSERVICEINFOREQUEST']._serialized_end=1706
+  _globals['_SERVICEINFO']._serialized_start=1709
+  _globals['_SERVICEINFO']._serialized_end=1846
+  _globals['_LISTKINDSREQUEST']._serialized_start=1848
+  _globals['_LISTKINDSREQUEST']._serialized_end=1866
+  _globals['_LISTKINDSRESPONSE']._serialized_start=1868
+  _globals['_LISTKINDSRESPONSE']._serialized_end=1930
+  _globals['_KINDINFO']._serialized_start=1932
+  _globals['_KINDINFO']._serialized_end=2030
+  _globals['_PARAMINFO']._serialized_start=2033
+  _globals['_PARAMINFO']._serialized_end=2217
+  _globals['_KERNELSERVICE']._serialized_start=2315
+  _globals['_KERNELSERVICE']._serialized_end=2844
 # @@protoc_insertion_point(module_scope)
