@@ -107,7 +107,7 @@ def direct_hits(cache_root: str, fingerprint: dict, spec_jsons: list[str], threa
             key = key_of.get(text)
             if key is None:
                 key = key_of[text] = keys.cache_key(text, keys.toolchain(fingerprint, expected[i]["kind"], "c"))
-            found = find_published(root, key, expected[i])
+            found = find_published(root, key, expected[i], os.getuid())
             if found is not None:
                 try:
                     os.utime(found.path)
@@ -122,7 +122,7 @@ def direct_hits(cache_root: str, fingerprint: dict, spec_jsons: list[str], threa
                 local["wrong"] += 1
             elif n % check_every == 0:
                 try:
-                    read_verified(found.path / found.library, found.library_sha256, found.library_size)
+                    read_verified(found.path / found.library, found.library_sha256, found.library_size, owner=os.getuid())
                     local["checked"] += 1
                 except CorruptArtifact as exc:
                     local["wrong"] += 1
@@ -205,7 +205,7 @@ def run_phase(address: str, specs, pick, threads: int, requests: int, check_ever
                 local["wrong"] += 1
             elif n % check_every == 0:
                 try:
-                    read_verified(Path(a.entry_dir) / a.library, a.library_sha256, a.library_size)
+                    read_verified(Path(a.entry_dir) / a.library, a.library_sha256, a.library_size, owner=os.getuid())
                     local["checked"] += 1
                 except CorruptArtifact as exc:
                     gone = not (Path(a.entry_dir) / a.library).exists()

@@ -18,11 +18,12 @@ import kernels
 from proto import keys, manifest, wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-from proto.paths import default_socket, socket_address
+from proto.paths import default_socket, default_token_file, socket_address
+from proto.trust import peer_uid, problem
 from proto.wire import Outcome, Status
 
 from . import loader
-from .errors import CompileError, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable
+from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable, UntrustedService
 from .inductor import InductorCache, use_shared_inductor_cache
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,15 @@ def _raise_for(err: grpc.RpcError, what: str, address: str = "", waited: float |
     if code in Status.RETRYABLE:
         tried = f" (retried for {waited:.1f} s)" if waited else ""
         raise ServiceUnavailable(f"no kernel service answers at {address}{tried}: {details}; start one with `kernel-service serve`") from None
+    if code == Status.CRASHED:
+        raise ServiceError(f"{what}: the compiler worker crashed: {details}", code.name) from None
     if code == Status.NOT_READY:
         raise KernelNotReady(details, wire.not_ready_key(details)) from None
     raise ServiceError(f"{what}: {code.name}: {details}", code.name) from None
+
+
+class _NotListening(Exception):
+    """Nothing accepts connections on the socket (yet): retried like UNAVAILABLE."""
 
 
 class Client:
@@ -72,6 +79,15 @@ class Client:
     sees them all. `strict=True` (default: $KERNEL_SERVICE_STRICT=1): nothing
     compiles for this client; a kernel not in the cache raises KernelNotReady
     at once.
+
+    Trust: the daemon must run as `daemon_uid` (default $KERNEL_SERVICE_DAEMON_UID, else
+    this process's uid). On a Unix socket that is checked before the first call: the
+    socket's directory must be a real directory of that uid that others cannot write,
+    and the listening process's uid (SO_PEERCRED) must be it; else UntrustedService.
+    Over TCP every call carries the daemon's token, read from `token_file` (default
+    $KERNEL_SERVICE_TOKEN_FILE, else tcp-token under the default cache root). Either
+    way kernels are loaded only from files of that uid under the cache root the daemon
+    reports (see loader).
     """
 
     def __init__(
@@ -85,6 +101,8 @@ class Client:
         direct_hits: bool = True,
         app: str | None = None,
         strict: bool | None = None,
+        daemon_uid: int | None = None,
+        token_file: str | os.PathLike | None = None,
     ):
         app = app or os.environ.get(APP_ENV)
         self.app = manifest.check_app(app) if app else ""
@@ -98,6 +116,13 @@ class Client:
         self.reconnect_window = reconnect_window
         self.direct_hits = direct_hits and not self.app  # a recorded application's every kernel goes by the daemon
         self._service: dict | None = None  # GetServiceInfo, asked once: default target, cache root, key fingerprint
+        if daemon_uid is None and os.environ.get("KERNEL_SERVICE_DAEMON_UID"):
+            daemon_uid = int(os.environ["KERNEL_SERVICE_DAEMON_UID"])
+        self.daemon_uid = os.getuid() if daemon_uid is None else daemon_uid
+        self.token_file = Path(token_file) if token_file else None
+        self._metadata: tuple | None = None  # TCP: the authorization header, read once
+        self._trusted = False  # Unix socket: directory and peer uid checked
+        self._cache_root: Path | None = None  # as the daemon reports it, asked once before the first load
         self._channel = grpc.insecure_channel(self.address, options=wire.channel_options())
         self._stub = pb_grpc.KernelServiceStub(self._channel)
         self._memo: dict[str, loader.Kernel] = {}
@@ -118,6 +143,43 @@ class Client:
         if not self._answered and self.socket_path is not None and not self.socket_path.exists():
             raise ServiceUnavailable(f"no kernel service at {self.socket_path} (start one with `kernel-service serve`)")
 
+    def _verify_daemon(self) -> None:
+        """Before the first call on a Unix socket: the socket's directory must be one only the
+        daemon's uid controls (so no one else can swap the socket later, and reconnects need
+        no new check), and the process listening there must run as that uid."""
+        if self._trusted or self.socket_path is None:
+            return
+        directory = self.socket_path.parent
+        try:
+            why = problem(os.lstat(directory), self.daemon_uid)
+        except FileNotFoundError:
+            raise ServiceUnavailable(f"no kernel service at {self.socket_path} (start one with `kernel-service serve`)") from None
+        if why:
+            raise UntrustedService(f"the socket directory {directory} {why}: another user could put their own server there; refusing to use {self.socket_path}")
+        try:
+            uid = peer_uid(self.socket_path)
+        except OSError as exc:
+            raise _NotListening(str(exc)) from None
+        if uid != self.daemon_uid:
+            raise UntrustedService(
+                f"the process serving {self.socket_path} runs as uid {uid}, not as the daemon's uid {self.daemon_uid}: "
+                f"refusing to use it (if you trust it, pass daemon_uid={uid} or set KERNEL_SERVICE_DAEMON_UID={uid})"
+            )
+        self._trusted = True
+
+    def _auth(self) -> tuple | None:
+        """gRPC metadata for every call: over TCP, the daemon's token."""
+        if self.socket_path is not None:
+            return None
+        if self._metadata is None:
+            path = self.token_file or default_token_file()
+            try:
+                token = path.read_text().strip()
+            except OSError as exc:
+                raise ServiceUnavailable(f"kernel service at {self.address}: cannot read the daemon's TCP token from {path} ({exc.strerror}); pass token_file= or set KERNEL_SERVICE_TOKEN_FILE") from None
+            self._metadata = (("authorization", f"Bearer {token}"),)
+        return self._metadata
+
     def _call(self, method: Callable, request, timeout: float, what: str):
         """One RPC with a deadline; retries UNAVAILABLE (and a drain's CANCELLED) with backoff, and nothing else.
 
@@ -129,14 +191,18 @@ class Client:
         while True:
             self._check_socket()
             try:
-                result = method(request, timeout=max(0.001, deadline - time.monotonic()))
+                self._verify_daemon()
+                result = method(request, timeout=max(0.001, deadline - time.monotonic()), metadata=self._auth())
                 self._answered = True
                 return result
-            except grpc.RpcError as err:
+            except (grpc.RpcError, _NotListening) as err:
                 now = time.monotonic()
                 if retry_until is None:  # the window opens at the first failure and never slides
                     retry_until = min(deadline, now + (self.reconnect_window if self._answered else NO_DAEMON_WINDOW))
-                if err.code() not in Status.RETRYABLE or now + delay >= retry_until:
+                code = err.code() if isinstance(err, grpc.RpcError) else Status.UNAVAILABLE
+                if code not in Status.RETRYABLE or now + delay >= retry_until:
+                    if isinstance(err, _NotListening):
+                        raise ServiceUnavailable(f"kernel service unavailable: nothing accepts connections on {self.socket_path} ({err})") from None
                     _raise_for(err, what, self.address, now - start)
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 1.0)
@@ -199,7 +265,14 @@ class Client:
             if kernel is None:
                 request = pb.GetKernelRequest(spec=proto, app=self.app, no_compile=self.strict)
                 reply = self._call(self._stub.GetKernel, request, timeout or self.timeout, f"kernel {kind}")
-                kernel = self._load(reply)
+                try:
+                    kernel = self._load(reply, spec)
+                except CorruptArtifact:
+                    # Tell the daemon, which re-hashes the entry and removes it if it is corrupt,
+                    # then ask once more: the answer is then a fresh build (or the same error).
+                    self._report_corrupt(reply.artifact.key)
+                    reply = self._call(self._stub.GetKernel, request, timeout or self.timeout, f"kernel {kind}")
+                    kernel = self._load(reply, spec)
                 if key and kernel.key != key:  # the daemon's toolchain changed (a new daemon): ask again next time
                     self._service = None
         except ServiceUnavailable:
@@ -257,7 +330,7 @@ class Client:
     def _from_cache(self, key: str, spec: kernels.CanonicalSpec) -> loader.Kernel | None:
         """A hit without a round trip: the entry the daemon published under `key`, found and checked
         here, its directory's mtime set so the daemon's eviction counts the use. None: ask the daemon."""
-        kernel = loader.load_published(Path(self._info()["cache_dir"]), key, json.loads(spec.to_json()))
+        kernel = loader.load_published(Path(self._info()["cache_dir"]), key, json.loads(spec.to_json()), self.daemon_uid)
         if kernel is None:
             return None
         try:
@@ -269,9 +342,23 @@ class Client:
             pass
         return kernel
 
-    def _load(self, reply: pb.GetKernelResponse) -> loader.Kernel:
+    def _report_corrupt(self, key: str) -> None:
+        try:
+            self._call(self._stub.ReportCorrupt, pb.ReportCorruptRequest(key=key), STATS_TIMEOUT, "report corrupt")
+        except (ServiceError, ServiceUnavailable, InvalidSpec):
+            pass  # best effort: the retry then reports what it finds
+
+    def _load(self, reply: pb.GetKernelResponse, spec: kernels.CanonicalSpec | None) -> loader.Kernel:
+        """Loads what the daemon named, from its cache root only, as the spec asked for (a kind
+        this process does not know is checked against the spec the daemon sent)."""
         a = reply.artifact
-        kernel = loader.load(Path(a.entry_dir), a.library, a.library_sha256, a.library_size, json.loads(a.abi_json), json.loads(a.canonical_spec), a.key)
+        if self._cache_root is None:
+            self._cache_root = Path(self.service_info()["cache_dir"])
+        asked = json.loads(spec.to_json() if spec is not None else a.canonical_spec)
+        kernel = loader.load(
+            Path(a.entry_dir), a.library, a.library_sha256, a.library_size, json.loads(a.abi_json), asked, a.key,
+            root=self._cache_root, owner=self.daemon_uid,
+        )
         kernel.outcome = Outcome.from_proto(reply.outcome)
         kernel.compile_seconds = reply.compile_seconds
         if reply.HasField("shared_build"):
@@ -304,13 +391,28 @@ class Client:
         results: list = [None] * len(canon)
         self._check_socket()
         try:
-            for event in self._stub.Prefetch(request, timeout=timeout or self.timeout):
+            self._verify_daemon()
+        except _NotListening as exc:
+            raise ServiceUnavailable(f"kernel service unavailable: nothing accepts connections on {self.socket_path} ({exc})") from None
+        try:
+            for event in self._stub.Prefetch(request, timeout=timeout or self.timeout, metadata=self._auth()):
                 if event.error_code:
                     results[event.index] = _event_error(event)
                 elif load:
-                    kernel = self._load(event.kernel)
-                    with self._memo_lock:
-                        results[event.index] = self._memo.setdefault(canon[event.index][0], kernel)
+                    memo_key, proto, spec = canon[event.index]
+                    try:
+                        kernel = self._load(event.kernel, spec)
+                    except CorruptArtifact:  # reported, then fetched again once (see get_kernel)
+                        self._report_corrupt(event.kernel.artifact.key)
+                        try:
+                            kernel = self._load(self._call(self._stub.GetKernel, pb.GetKernelRequest(spec=proto), timeout or self.timeout, f"kernel {proto.kind}"), spec)
+                        except (CorruptArtifact, CompileError, ServiceError) as exc:
+                            kernel = exc
+                    if isinstance(kernel, Exception):
+                        results[event.index] = kernel
+                    else:
+                        with self._memo_lock:
+                            results[event.index] = self._memo.setdefault(memo_key, kernel)
                 else:
                     results[event.index] = Outcome.from_proto(event.kernel.outcome)
                 if progress:
@@ -366,7 +468,7 @@ _default_lock = threading.Lock()
 
 def connect(socket: str | os.PathLike | None = None, **options) -> Client:
     """A new client for the daemon at `socket` (default: $KERNEL_SERVICE_SOCKET or the XDG path).
-    Options: fallback, cache_dir, timeout, reconnect_window, direct_hits, app, strict (see Client)."""
+    Options: fallback, cache_dir, timeout, reconnect_window, direct_hits, app, strict, daemon_uid, token_file (see Client)."""
     return Client(socket, **options)
 
 

@@ -15,6 +15,12 @@ class ServiceUnavailable(KernelServiceError, ConnectionError):
     """No daemon answers on the socket (and no fallback was asked for)."""
 
 
+class UntrustedService(ServiceUnavailable):
+    """The service found is not the trusted daemon: its process runs as another uid than
+    expected (SO_PEERCRED), or its socket sits in a directory another user controls. Nothing
+    is asked of it and nothing it names is loaded."""
+
+
 class ServiceError(KernelServiceError, RuntimeError):
     """The daemon failed for another reason (cache write failed, queue full, deadline passed)."""
 
@@ -36,4 +42,4 @@ class CorruptArtifact(KernelServiceError, OSError):
     """A cache file failed its checks (digest, size, owner, permissions, symlink); it is not loaded."""
 
 
-__all__ = ["InvalidSpec", "KernelServiceError", "CompileError", "ServiceUnavailable", "ServiceError", "KernelNotReady", "CorruptArtifact"]
+__all__ = ["InvalidSpec", "KernelServiceError", "CompileError", "ServiceUnavailable", "UntrustedService", "ServiceError", "KernelNotReady", "CorruptArtifact"]

@@ -7,6 +7,7 @@ process; the daemon path never does.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def build_locally(spec: kernels.CanonicalSpec, cache_dir: str | os.PathLike | No
         raise CompileError(f"kernel {spec.kind} failed to compile:\n{exc}") from None
     except StoreError as exc:
         raise ServiceError(f"kernel cache write failed: {exc.strerror or exc}", "INTERNAL") from None
-    kernel = loader.load(entry.path, entry.library, entry.library_sha256, entry.library_size, entry.abi, entry.meta["spec"], entry.key)
+    # Checked like a daemon's answer: only this process's own files, under its cache root.
+    kernel = loader.load(entry.path, entry.library, entry.library_sha256, entry.library_size, entry.abi, json.loads(spec.to_json()), entry.key, root=service.store.root, owner=service.store.owner)
     kernel.outcome = outcome
     kernel.compile_seconds = entry.meta.get("compile_seconds", 0.0)
     return kernel

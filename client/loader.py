@@ -1,8 +1,14 @@
 """Loads a published cache entry into a callable, without TileLang.
 
-The shared object is opened once and checked through that one descriptor
-(regular file, not a symlink, owned like its entry directory, not
-group/world-writable, the size and sha256 the daemon published). The bytes
+Only what the daemon's uid wrote under the cache root the daemon reported is
+loaded: the entry directory must be <root>/entries/<key[:2]>/<key>, each of
+those directories a real one (lstat: no symlink) owned by the daemon's uid and
+not writable by group or others. entry.json there must record the spec asked
+for and the ABI the daemon sent (so a server that lies cannot make a client
+call a real library with another kernel's shapes). The shared object is opened
+once and checked through that one descriptor (regular file, not a symlink,
+owned by the daemon's uid, not group/world-writable, the size and sha256 the
+daemon published). The bytes
 that were hashed are the bytes loaded: they are written to a uniquely named
 file in a private (0700) directory of this process and dlopened from there,
 so nothing can be swapped between check and load. (Loading through
@@ -37,6 +43,7 @@ from typing import NamedTuple
 
 from proto import abi as abi_schema
 from proto.paths import entry_dir
+from proto.trust import problem
 
 from .errors import CorruptArtifact
 
@@ -67,39 +74,56 @@ def _plain_types() -> frozenset:
     return frozenset((torch.Tensor, torch.nn.Parameter))
 
 
-def read_owned(path: Path, size: int | None = None, limit: int = 1 << 20) -> bytes:
-    """The bytes of a regular file (not a symlink) owned like its directory and not writable by
-    group or others, read through one descriptor after those checks; `size`, when given, must
-    be its size, else it may have at most `limit` bytes. Raises CorruptArtifact."""
+def read_owned(path: Path, owner: int, size: int | None = None, limit: int = 1 << 20) -> bytes:
+    """A file's bytes, read through one descriptor opened without following a link, after
+    checking on that descriptor that it is a regular file of `owner` that no one else may
+    write (and has `size` bytes, when given, else at most `limit`); raises CorruptArtifact."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise CorruptArtifact(f"cannot open {path}: {exc.strerror} (symlinks are refused)") from None
     try:
         st = os.fstat(fd)
-        owner = os.lstat(path.parent).st_uid
         if not stat.S_ISREG(st.st_mode):
             raise CorruptArtifact(f"{path} is not a regular file")
         if st.st_uid != owner:
-            raise CorruptArtifact(f"{path} is owned by uid {st.st_uid}, not by the cache's owner (uid {owner})")
+            raise CorruptArtifact(f"{path} is owned by uid {st.st_uid}, not by the daemon's uid {owner}")
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise CorruptArtifact(f"{path} is writable by group or others (mode {stat.filemode(st.st_mode)})")
         if size is not None and st.st_size != size:
             raise CorruptArtifact(f"{path} has {st.st_size} bytes, expected {size}")
         if size is None and st.st_size > limit:
-            raise CorruptArtifact(f"{path} has {st.st_size} bytes, more than the {limit} expected")
+            raise CorruptArtifact(f"{path} has {st.st_size} bytes, more than {limit}")
         with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read()
+            return f.read(size if size is not None else limit + 1)
     finally:
         os.close(fd)
 
 
-def read_verified(path: Path, sha256: str, size: int) -> bytes:
-    """The file's bytes, read through one descriptor after every check passed; raises CorruptArtifact."""
-    data = read_owned(path, size)
+def read_verified(path: Path, sha256: str, size: int, *, owner: int) -> bytes:
+    """The file's bytes, read through one descriptor after every check passed (owned by
+    `owner`, the daemon's uid); raises CorruptArtifact."""
+    data = read_owned(path, owner, size)
     if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
         raise CorruptArtifact(f"{path} does not match its published sha256")
     return data
+
+
+def entry_directory(root: Path, entry_dir: Path, key: str, owner: int) -> Path:
+    """`entry_dir` if it is where the cache at `root` keeps entry `key`, and it and every
+    directory from `root` down are real directories of `owner` that no one else may write;
+    raises CorruptArtifact."""
+    root, entry_dir = Path(root), Path(entry_dir)
+    if len(key) != 64 or key.strip("0123456789abcdef") or entry_dir != root / "entries" / key[:2] / key or not root.is_absolute():
+        raise CorruptArtifact(f"{entry_dir} is not where the daemon's cache {root} keeps entry {key[:16]!r}; not loading from it")
+    for path in (root, root / "entries", root / "entries" / key[:2], entry_dir):
+        try:
+            why = problem(os.lstat(path), owner)
+        except OSError as exc:
+            raise CorruptArtifact(f"cannot check {path}: {exc.strerror}") from None
+        if why:
+            raise CorruptArtifact(f"{path} {why}; not loading from it")
+    return entry_dir
 
 
 @functools.cache
@@ -404,14 +428,28 @@ class Kernel:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec: dict, key: str) -> Kernel:
-    """Verifies and loads one entry's shared object; raises CorruptArtifact on a failed check."""
-    path = Path(entry_dir) / library
+def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec: dict, key: str, *, root: Path, owner: int) -> Kernel:
+    """Verifies and loads one entry's shared object; raises CorruptArtifact on a failed check.
+
+    `root`: the cache root the daemon reported; `owner`: the daemon's uid. `abi` and `spec`
+    (the spec asked for) must be what the entry's entry.json records.
+    """
+    entry_dir = entry_directory(root, entry_dir, key, owner)
+    if "/" in library or library in ("", ".", ".."):
+        raise CorruptArtifact(f"{library!r} is not a file name of entry {key[:16]}")
+    path = entry_dir / library
     try:
         abi_schema.check(abi)
     except abi_schema.AbiError as exc:
         raise CorruptArtifact(f"{path}: {exc}") from None
-    data = read_verified(path, sha256, size)
+    try:
+        meta = json.loads(read_owned(entry_dir / abi_schema.ENTRY_META, owner))
+        recorded = (meta["spec"], meta["abi"])
+    except (ValueError, KeyError, TypeError):
+        raise CorruptArtifact(f"{entry_dir / abi_schema.ENTRY_META} is not a valid entry.json") from None
+    if recorded != (spec, abi):
+        raise CorruptArtifact(f"{entry_dir} records another kernel or ABI than the daemon's answer (spec {json.dumps(recorded[0], sort_keys=True)[:200]})")
+    data = read_verified(path, sha256, size, owner=owner)
     if abi["loader"] == "c":
         lib = _dlopen_bytes(data, key, ctypes.CDLL)
         fn = getattr(lib, abi["symbol"])
@@ -449,9 +487,9 @@ def _signature(entry: Path) -> tuple:
     return tuple(out)
 
 
-def find_published(cache_root: Path, key: str, spec: dict) -> Published | None:
+def find_published(cache_root: Path, key: str, spec: dict, owner: int) -> Published | None:
     """The entry published under `key` in the cache at `cache_root`, with its record checked as the
-    daemon checks it: a directory and files owned by the cache's owner, not writable by others, not
+    daemon checks it: directories and files owned by `owner` (the daemon's uid), not writable by others, not
     symlinks; a manifest of this key and schema; an entry.json of the manifest's size and sha256,
     recording `spec` and a callable ABI. None when there is no such entry or a check fails (the
     caller then asks the daemon, which rebuilds what is damaged). The library is checked by load().
@@ -462,24 +500,22 @@ def find_published(cache_root: Path, key: str, spec: dict) -> Published | None:
     try:
         known = _found.get(key)
         if known is not None and known[0].path == entry and known[0].meta["spec"] == spec:
-            return known[0] if _signature(entry) == known[1] else _check_published(cache_root, entry, key, spec)
-        return _check_published(cache_root, entry, key, spec)
+            return known[0] if _signature(entry) == known[1] else _check_published(cache_root, entry, key, spec, owner)
+        return _check_published(cache_root, entry, key, spec, owner)
     except OSError:  # gone
         return None
 
 
-def _check_published(cache_root: Path, entry: Path, key: str, spec: dict) -> Published | None:
+def _check_published(cache_root: Path, entry: Path, key: str, spec: dict, owner: int) -> Published | None:
     try:
         signature = _signature(entry)  # before reading: a change while we read shows next time
-        st = os.lstat(entry)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.lstat(cache_root).st_uid:
-            return None
-        manifest = json.loads(read_owned(entry / abi_schema.MANIFEST))
+        entry_directory(cache_root, entry, key, owner)  # real directories of the daemon's uid, down from the root
+        manifest = json.loads(read_owned(entry / abi_schema.MANIFEST, owner))
         files, library = manifest["files"], manifest["library"]
         if manifest.get("schema") != abi_schema.MANIFEST_SCHEMA or manifest.get("key") != key or "/" in library or library not in files:
             return None
         record = files[abi_schema.ENTRY_META]
-        meta = json.loads(read_verified(entry / abi_schema.ENTRY_META, record["sha256"], record["size"]))
+        meta = json.loads(read_verified(entry / abi_schema.ENTRY_META, record["sha256"], record["size"], owner=owner))
         abi_schema.check_entry_meta(meta)
         if meta["spec"] != spec:
             return None
@@ -493,13 +529,13 @@ def _check_published(cache_root: Path, entry: Path, key: str, spec: dict) -> Pub
     return found
 
 
-def load_published(cache_root: Path, key: str, spec: dict) -> Kernel | None:
+def load_published(cache_root: Path, key: str, spec: dict, owner: int) -> Kernel | None:
     """find_published, then load: None when the entry is missing or fails a check."""
-    found = find_published(cache_root, key, spec)
+    found = find_published(cache_root, key, spec, owner)
     if found is None:
         return None
     try:
-        kernel = load(found.path, found.library, found.library_sha256, found.library_size, found.meta["abi"], found.meta["spec"], key)
+        kernel = load(found.path, found.library, found.library_sha256, found.library_size, found.meta["abi"], found.meta["spec"], key, root=Path(cache_root), owner=owner)
     except CorruptArtifact:
         return None
     kernel.compile_seconds = float(found.meta.get("compile_seconds", 0.0))

@@ -56,6 +56,8 @@ def _resolve(args):
 
 
 def _serve(args) -> int:
+    from proto.trust import UntrustedPath
+
     from .server import Daemon, StartError
 
     try:
@@ -64,6 +66,8 @@ def _serve(args) -> int:
         return _fail(str(exc), 2)
     try:
         Daemon(config).serve_forever()
+    except UntrustedPath as exc:  # says in one line what is wrong and what to do about it
+        return _fail(exc.strerror or str(exc))
     except (StartError, ImportError, LookupError, TypeError, RuntimeError) as exc:  # plugins included
         return _fail(str(exc))
     except OSError as exc:
@@ -109,15 +113,21 @@ def _ask(socket: str | None, rpc: str, request, timeout: float = 10):
 
     from proto import wire
     from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-    from proto.paths import default_socket, socket_address
+    from proto.paths import default_socket, default_token_file, socket_address
 
     address = socket_address(socket or default_socket())
     where = address.removeprefix("unix:")
     if address.startswith("unix:") and not os.path.exists(where):
         raise NoDaemon(f"no kernel-service daemon at {where}; start one with `kernel-service serve`")
+    metadata = None
+    if not address.startswith("unix:"):  # over TCP the daemon wants its token ($KERNEL_SERVICE_TOKEN_FILE)
+        try:
+            metadata = (("authorization", f"Bearer {default_token_file().read_text().strip()}"),)
+        except OSError:
+            pass  # then the daemon answers UNAUTHENTICATED, and that is what we say
     with grpc.insecure_channel(address, options=wire.channel_options()) as channel:
         try:
-            return getattr(pb_grpc.KernelServiceStub(channel), rpc)(request, timeout=timeout)
+            return getattr(pb_grpc.KernelServiceStub(channel), rpc)(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 gone = " (its socket file is there, left by a daemon that was killed)" if address.startswith("unix:") else ""
@@ -604,10 +614,10 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-size", metavar="BYTES", help="cache budget: evict least recently used entries above this size (e.g. 10G; default unbounded)")
     p.add_argument("--max-entries", type=int, help="cache budget in entries (default unbounded)")
     p.add_argument("--evict-min-age", type=float, metavar="SECONDS", help="never evict an entry used this recently (default 300)")
-    p.add_argument("--mode", choices=("0700", "0750"), help="cache and socket directory mode: 0700 owner only (default), 0750 group may read and connect, never write")
-    p.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP (host defaults to 127.0.0.1; loopback only unless --allow-remote)")
+    p.add_argument("--mode", choices=("0700", "0750"), help="cache and socket directory mode: 0700 owner only (default), 0750 group may read and connect, never write (agents of other users then pass daemon_uid)")
+    p.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP (host defaults to 127.0.0.1; loopback only unless --allow-remote); clients must present the token the daemon writes to <cache dir>/tcp-token")
     p.add_argument("--metrics-address", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics (host defaults to 127.0.0.1; loopback only unless --allow-remote; default off)")
-    p.add_argument("--allow-remote", action="store_true", help="allow --tcp and --metrics-address on a non-loopback address (no authentication: trusted networks only)")
+    p.add_argument("--allow-remote", action="store_true", help="allow --tcp and --metrics-address on a non-loopback address (nothing is encrypted: trusted networks only)")
     p.add_argument(
         "--cuda-compiler",
         choices=("auto", "nvrtc", "nvcc"),

@@ -31,7 +31,7 @@ class ServiceConfig:
     max_entries: int | None = None  # cache budget in entries (None: unbounded)
     evict_min_age: float = 300.0  # never evict an entry handed out this many seconds ago or less
     mode: int = 0o700  # cache and socket directories: 0o700 owner only, 0o750 group may read
-    tcp: str | None = None  # "host:port" to listen on besides the Unix socket (None: no TCP)
+    tcp: str | None = None  # "host:port" to listen on besides the Unix socket (None: no TCP); token-authenticated
     cuda_compiler: str = devices.NVCC  # "nvrtc" or "nvcc": how CUDA device code is compiled (resolved from "auto")
     metrics_address: str | None = None  # "host:port" of the Prometheus endpoint (None: none)
     no_compile: bool = False  # serve only: a miss answers NOT_FOUND, no compile workers run
@@ -154,5 +154,5 @@ def tcp_address(text: str, allow_remote: bool = False, flag: str = "--tcp") -> s
     except ValueError:
         loopback = False
     if not loopback and not allow_remote:
-        raise ValueError(f"{flag} {text!r}: {host} is not a loopback address; the service has no authentication, pass --allow-remote to expose it anyway")
+        raise ValueError(f"{flag} {text!r}: {host} is not a loopback address; nothing on it is encrypted, pass --allow-remote to expose it on a trusted network anyway")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

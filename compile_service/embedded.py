@@ -53,7 +53,7 @@ class EmbeddedService:
             raise NotReady(spec, key, f"the request asked for no compile (a strict client; no daemon answered); {why}")
         if self._started.acquire(blocking=False):  # held for good once taken: start once
             self.scheduler.start_workers()
-        with FileLock(str(self.locks / f"{key}.lock")):
+        with FileLock(str(self.locks / f"{key}.lock"), mode=0o600):  # filelock would chmod 0644
             future, outcome = self.scheduler.request(spec)
             return future.result(), outcome.label
 

@@ -7,7 +7,9 @@ import ctypes
 import hashlib
 import json
 import os
+import shutil
 import signal
+import stat
 import tempfile
 from pathlib import Path
 
@@ -80,3 +82,18 @@ def die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # the parent died before the prctl took effect
         os._exit(1)
+def real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(path.lstat().st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def remove_tree(path: Path) -> None:
+    """Deletes a directory tree, or a link or file as itself: never what a link points to
+    (shutil.rmtree opens every level with O_NOFOLLOW)."""
+    if real_dir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()

@@ -11,6 +11,8 @@ import os
 import stat
 from pathlib import Path
 
+from proto.trust import private_dir
+
 DIRNAME = "torchinductor"
 
 
@@ -19,10 +21,11 @@ def inductor_dir(cache_root: Path) -> Path:
 
 
 def ensure(cache_root: Path) -> Path:
-    """Creates the directory with the cache root's permission bits (owner-only unless configured shared)."""
+    """Creates the directory with the cache root's permission bits (owner-only unless configured
+    shared); one that exists must be a real directory of ours (never a link: see proto/trust.py)."""
     path = inductor_dir(cache_root)
-    path.mkdir(exist_ok=True)
-    os.chmod(path, stat.S_IMODE(os.stat(cache_root).st_mode))
+    mode = stat.S_IMODE(os.lstat(cache_root).st_mode)
+    private_dir(path, mode, "Inductor cache directory", "remove it and restart the daemon")
     return path
 
 

@@ -25,6 +25,13 @@
   to a scheduler made with `compiles=False` (`serve --no-compile`: no workers at
   all), is answered from the cache or raises NotReady at once; a shared build's
   copy is still made when the build is there, since copying compiles nothing.
+- Shares of the queue: background work (Prefetch) may hold at most half of
+  `queue_limit`, so a blocked GetKernel always finds room; the servicer holds
+  one Prefetch call to a quarter (`call_share`). A caller that goes away gives
+  its queued compiles back (`release`): a compile no one else waits for is
+  dropped before it starts.
+- A worker crash is not a compile failure: the build is retried once on a fresh
+  pool, then reported as WorkerCrashed, and never remembered.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import shutil
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -75,6 +83,15 @@ class NotReady(Exception):
         self.spec, self.key, self.why = spec, key, why
 
 
+class Cancelled(Exception):
+    """Everyone who asked for this compile went away before it started (a cancelled Prefetch)."""
+
+
+class WorkerCrashed(Exception):
+    """The compile worker's process died, twice, while building the kernel. Not remembered:
+    it may have been killed from outside, or run out of memory."""
+
+
 @dataclass(order=True)
 class _Job:
     priority: int
@@ -82,6 +99,8 @@ class _Job:
     key: str = field(compare=False)
     spec: CanonicalSpec = field(compare=False)
     future: cf.Future = field(compare=False)
+    started: bool = field(default=False, compare=False)  # a driver took it (under Scheduler._lock)
+    cancelled: bool = field(default=False, compare=False)  # given back before it started: drivers skip it
 
 
 def process_pool(workers: int, initargs: tuple) -> cf.Executor:
@@ -133,6 +152,14 @@ class Scheduler:
         self._pool_factory = pool
         self._lock = threading.Lock()  # guards _inflight, _failed, _closing and the pool handle
         self._inflight: dict[str, cf.Future] = {}
+        # Who waits on each in-flight future, so that one no caller waits on any more can be
+        # dropped (release): its request count, its queued job, or the build it is a copy of.
+        self._waiters: dict[cf.Future, int] = {}
+        self._jobs: dict[cf.Future, _Job] = {}
+        self._bases: dict[cf.Future, cf.Future] = {}
+        self._background: set[cf.Future] = set()  # in flight for Prefetch (BACKGROUND) requests
+        self.background_limit = max(1, queue_limit // 2)
+        self.call_share = max(1, queue_limit // 4)  # compiles one Prefetch call may queue (the servicer enforces it)
         self._failed: dict[str, tuple[float, float, compiler.CompileFailed]] = {}  # key -> (expiry, when, error)
         self._keys: dict[str, tuple[str, dict]] = {}  # canonical spec JSON -> (key, spec)
         self._queue: queue.PriorityQueue[_Job] = queue.PriorityQueue()
@@ -223,6 +250,7 @@ class Scheduler:
             future = self._inflight.get(key)
             if future is not None:
                 tally(misses=1, joined=1)
+                self._waiters[future] = self._waiters.get(future, 0) + 1
                 return future, Outcome.JOINED
             failed = self._failed.get(key)
             if failed is not None and failed[0] > time.monotonic():
@@ -237,10 +265,18 @@ class Scheduler:
                 return _done(entry), Outcome.HIT
             if len(self._inflight) >= self.queue_limit:
                 raise QueueFull(f"{len(self._inflight)} compiles are already queued (limit {self.queue_limit}); retry later")
+            if priority == BACKGROUND and counted and len(self._background) >= self.background_limit:
+                raise QueueFull(
+                    f"{len(self._background)} prefetched compiles are already queued (prefetches may take half of the queue, {self.background_limit}); retry later"
+                )
             future = cf.Future()
             self._inflight[key] = future
+            self._waiters[future] = 1
+            if priority == BACKGROUND:
+                self._background.add(future)
             if shared is None:
-                self._queue.put(_Job(priority, next(self._seq), key, spec, future))
+                job = self._jobs[future] = _Job(priority, next(self._seq), key, spec, future)
+                self._queue.put(job)
         tally(misses=1)
         if shared is not None:
             self._serve_from_shared_build(key, spec, shared, priority, future, compile)
@@ -255,8 +291,12 @@ class Scheduler:
         except (ShuttingDown, QueueFull, NotReady) as exc:  # refused like the request itself; joiners learn why
             with self._lock:
                 self._inflight.pop(key, None)
+                self._forget(future)
             future.set_exception(exc)
             raise
+        with self._lock:
+            if not base.done():
+                self._bases[future] = base  # releasing the copy releases the build it waits on
         # Published by a publisher thread once `base` is done (at once when it already is).
         base.add_done_callback(lambda done: self._publish(self._publish_copy, key, spec, future, done, fixed))
 
@@ -285,6 +325,41 @@ class Scheduler:
             known = self._keys[text] = (cache_key(spec, self.device.id), json.loads(text))
         return known
 
+    def release(self, futures) -> int:
+        """The caller of `request` no longer waits for these futures (a Prefetch that was
+        cancelled or refused). A compile that then has no waiter left and has not started is
+        dropped: out of the queue and the in-flight table, its future failed with Cancelled.
+        Returns how many were dropped."""
+        dropped: list[cf.Future] = []
+        with self._lock:
+            pending = list(futures)
+            while pending:
+                future = pending.pop()
+                if future not in self._waiters:
+                    continue  # settled meanwhile, or never in flight
+                self._waiters[future] -= 1
+                if self._waiters[future] > 0:
+                    continue
+                job = self._jobs.get(future)
+                if job is not None and not job.started:
+                    job.cancelled = True
+                    self._inflight.pop(job.key, None)
+                    self._forget(future)
+                    dropped.append(future)
+                elif future in self._bases:  # a copy: its build may now have no waiter
+                    pending.append(self._bases[future])
+        for future in dropped:
+            future.set_exception(Cancelled("everyone who asked for this kernel went away before its compile started"))
+        if dropped:
+            log.info("dropped %d queued compiles their callers gave up on", len(dropped))
+        return len(dropped)
+
+    def _forget(self, future: cf.Future) -> None:
+        """Drops the bookkeeping of a future that left the in-flight table (caller holds _lock)."""
+        for table in (self._waiters, self._jobs, self._bases):
+            table.pop(future, None)
+        self._background.discard(future)
+
     # ----- the drivers
     def _drive(self) -> None:
         self._started.wait()
@@ -295,8 +370,12 @@ class Scheduler:
             if job.priority == _WARM:
                 if not self._closing:
                     self._warm_step()
-            else:
-                self._run(job)
+                continue
+            with self._lock:
+                if job.cancelled:
+                    continue
+                job.started = True
+            self._run(job)
 
     def _warm_step(self) -> None:
         """One warm-up step on whichever worker is idle; the step goes round again until every
@@ -322,10 +401,7 @@ class Scheduler:
             if self._closing:
                 raise ShuttingDown("the kernel service shut down before this kernel was compiled")
             staging = self.store.new_staging(job.key)
-            try:
-                result = self._submit(compiler.build, job.spec.to_json(), str(staging)).result()
-            except OSError as exc:  # the worker could not write the staging dir (disk full)
-                raise StoreError(exc.errno, f"cannot write the built kernel into {staging}: {exc.strerror or exc}") from exc
+            result = self._build_in_worker(job, staging)
             built = (result["library"], result["meta"])
         except BaseException as exc:  # settled (and logged) by _settle
             built = exc
@@ -333,6 +409,31 @@ class Scheduler:
             with self._lock:
                 self._running -= 1
         self._publish(self._settle, job.key, job.spec, job.future, staging, built)
+
+    def _build_in_worker(self, job: _Job, staging: Path) -> dict:
+        for attempt in (1, 2):
+            with self._lock:
+                pool = self._pool
+            try:
+                return pool.submit(compiler.build, job.spec.to_json(), str(staging)).result()
+            except BrokenProcessPool:
+                # The process died under us (a crash, an OOM kill, a signal): not the kernel's
+                # fault as far as we know. Retry once on a fresh pool, then say what happened.
+                if self._closing:
+                    raise ShuttingDown("the kernel service shut down while compiling this kernel") from None
+                self._replace_pool(pool)
+                if attempt == 2:
+                    raise WorkerCrashed("the compiler worker crashed (its process died) twice while building this kernel; it is not remembered as a compile failure") from None
+                log.warning("the compiler worker crashed while building %s; retrying once on a fresh worker", job.key[:16])
+                _empty(staging)
+            except OSError as exc:  # the worker could not write the staging dir (disk full)
+                raise StoreError(exc.errno, f"cannot write the built kernel into {staging}: {exc.strerror or exc}") from exc
+        raise AssertionError("unreachable")
+
+    def _submit(self, fn, *args) -> cf.Future:
+        with self._lock:
+            pool = self._pool
+        return pool.submit(fn, *args)
 
     def _publish(self, fn, *args) -> None:
         try:
@@ -358,13 +459,7 @@ class Scheduler:
                 phases = " ".join(f"{name} {seconds:.2f}" for name, seconds in meta["phases"].items())
                 log.info("compiled %s in %.2f s (%s)", spec.to_json(), meta["compile_seconds"], phases)
             self.enforce_budget(protect=key)
-        except BrokenProcessPool:
-            if self._closing:
-                outcome = ShuttingDown("the kernel service shut down while compiling this kernel")
-            else:
-                self._replace_pool()
-                outcome = compiler.CompileFailed("the compiler worker process died (crashed or was killed) while building this kernel")
-        except (compiler.CompileFailed, StoreError, ShuttingDown) as exc:
+        except (compiler.CompileFailed, StoreError, ShuttingDown, WorkerCrashed, Cancelled) as exc:
             outcome = exc
         except BaseException as exc:  # never leave waiters hanging
             log.exception("unexpected error compiling %s", key[:16])
@@ -372,7 +467,7 @@ class Scheduler:
         finally:
             if staging is not None:
                 self.store.discard_staging(staging)
-        if isinstance(outcome, BaseException) and not isinstance(outcome, ShuttingDown):
+        if isinstance(outcome, BaseException) and not isinstance(outcome, (ShuttingDown, Cancelled)):
             if not derived:
                 self.metrics.add(failures=1)
             log.warning("compile of %s failed: %s", spec.to_json(), str(outcome)[:500])
@@ -380,6 +475,7 @@ class Scheduler:
         # disk, or the remembered failure (a cache write error is not remembered: it may clear).
         with self._lock:
             self._inflight.pop(key, None)
+            self._forget(future)
             if isinstance(outcome, compiler.CompileFailed) and self.failure_ttl > 0:
                 now = time.monotonic()
                 self._failed = {k: v for k, v in self._failed.items() if v[0] > now}
@@ -396,16 +492,13 @@ class Scheduler:
         except OSError as exc:  # the budget is housekeeping: it never fails a request
             log.warning("eviction pass failed: %s", exc)
 
-    def _submit(self, fn, *args) -> cf.Future:
+    def _replace_pool(self, broken: cf.Executor) -> None:
+        """Replaces `broken` with a fresh pool, once: every driver whose job was on it calls this,
+        and none of them may throw away the pool another one just made."""
         with self._lock:
-            pool = self._pool
-        return pool.submit(fn, *args)
-
-    def _replace_pool(self) -> None:
-        with self._lock:
-            if self._closing:
+            if self._closing or self._pool is not broken:
                 return
-            broken, self._pool = self._pool, self._new_pool()
+            self._pool = self._new_pool()
             self._warm.clear()  # the new workers warm up as the first ones did
             self._spawn(self._pool)
         broken.shutdown(wait=False, cancel_futures=True)
@@ -452,6 +545,15 @@ def _derive(base: Entry, spec: CanonicalSpec, fixed: dict, staging: Path) -> tup
     }
     meta["compile_seconds"] = round(time.perf_counter() - start, 4)
     return base.library, meta
+
+
+def _empty(directory: Path) -> None:
+    """Removes what a crashed build left in its staging directory."""
+    for item in directory.iterdir():
+        if item.is_dir() and not item.is_symlink():
+            shutil.rmtree(item, ignore_errors=True)
+        else:
+            item.unlink(missing_ok=True)
 
 
 def _done(entry: Entry) -> cf.Future:

@@ -1,15 +1,20 @@
 """The daemon process: one instance per socket and cache, a gRPC server, a clean drain.
 
-Start-up, within a second: take the cache's and the socket's instance locks (a
-second live daemon is refused with the holder's pid; a socket file left by a
-killed daemon is removed, since its lock died with it), spawn the compile
-workers (they import TileLang and warm up in the background, and die with the
-daemon), then listen: on the Unix socket (0600, or 0660 with --mode 0750), and
-on TCP only when asked (loopback unless --allow-remote), always with
-so_reuseport=0 so a second process can never bind the same port and steal
-requests; health says SERVING. Housekeeping follows in the background: dead
-writers' staging directories swept, the cache budget enforced, the counters
-saved every SAVE_EVERY seconds.
+Start-up, within a second: refuse untrusted places (the cache root, each
+directory in it and the socket's directory must be real directories owned by
+the daemon's uid that no one else may write: proto/trust.py), set a umask so
+everything created is owner-only (group-readable with --mode 0750), take the
+cache's and the socket's instance locks (files opened without following links;
+a second live daemon is refused with the holder's pid; a socket left by a
+killed daemon is removed, since its lock died with it, and only if it is a
+socket), spawn the compile workers (they import TileLang and warm up in the
+background, and die with the daemon), then listen: on the Unix socket (0600,
+or 0660 with --mode 0750), and on TCP only when asked (loopback unless
+--allow-remote, every call authenticated with the token written to
+<cache root>/tcp-token), always with so_reuseport=0 so a second process can
+never bind the same port and steal requests; health says SERVING.
+Housekeeping follows in the background: dead writers' staging directories
+swept, the cache budget enforced, the counters saved every SAVE_EVERY seconds.
 Shutdown (SIGTERM/SIGINT, `kernel-service stop`): health goes NOT_SERVING, new
 RPCs are refused, running ones get `grace` seconds, then the workers are
 stopped and the counters saved. Entries are only ever published whole, so no
@@ -19,9 +24,15 @@ partial entry is left behind.
 from __future__ import annotations
 
 import json
+import ctypes
+import ctypes.util
+import errno
+import fcntl
 import logging
 import os
+import secrets
 import signal
+import stat
 import threading
 import time
 from concurrent import futures
@@ -34,14 +45,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kernels import plugins
 from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-from proto.paths import socket_address
+from proto.paths import TOKEN_FILE, socket_address
+from proto.trust import UntrustedPath, open_private_file, private_dir
 
 from . import __version__, inductor
 from .apps import AppRecorder
 from .build import devices
-from .build.compiler import DEVICE_BINARIES
+from .build.compiler import DEVICE_BINARIES, device_binary_dir
 from .config import ServiceConfig
 from .cpus import usable_cpus
+from .guard import RequestGuard
 from .keys import describe_toolchain
 from .metrics import SAVE_EVERY, STATS_FILE, Metrics
 from .scheduler import Scheduler
@@ -61,22 +74,45 @@ class AlreadyRunning(StartError):
     pass
 
 
-def _instance_lock(path: Path, what: str) -> FileLock:
-    lock = FileLock(str(path), timeout=0)
+def _instance_lock(path: Path, what: str) -> int:
+    """An exclusive flock on `path`, held until the descriptor is closed; the holder's pid goes
+    to the .pid file next to it. Both are opened without following links (proto/trust.py)."""
+    fd = open_private_file(path, os.O_RDWR)
     try:
-        lock.acquire()
-    except Timeout:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
         holder = _read_pid(path.with_suffix(".pid"))
         raise AlreadyRunning(f"another kernel-service daemon{f' (pid {holder})' if holder else ''} is already serving {what}") from None
-    path.with_suffix(".pid").write_text(f"{os.getpid()}\n")
-    return lock
+    try:
+        pid_fd = open_private_file(path.with_suffix(".pid"), os.O_WRONLY)
+        try:
+            os.ftruncate(pid_fd, 0)
+            os.write(pid_fd, f"{os.getpid()}\n".encode())
+        finally:
+            os.close(pid_fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _read_pid(path: Path) -> str | None:
     try:
-        return path.read_text().strip() or None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        text = os.read(fd, 32).decode(errors="replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return text if text.isdigit() else None
+
+
+CACHE_FIX = "remove it, or pass --cache-dir (or set $KERNEL_SERVICE_CACHE_DIR) to a path in a directory you own, and let kernel-service create it"
+SOCKET_FIX = "remove it, or pass --socket (or set $XDG_RUNTIME_DIR) to a path in a directory you own that others cannot write"
 
 
 def socket_lock(socket: Path) -> Path:
@@ -109,17 +145,58 @@ def _make_dir(path: Path, mode: int, what: str, flag: str) -> None:
 
 
 def _socket_dir(path: Path, mode: int) -> None:
-    """Creates the socket's directory with `mode`; an existing one is only checked: it may be shared (/tmp)."""
-    if not path.is_dir():
-        _make_dir(path, mode, "socket's directory", "--socket a path in")
-        os.chmod(path, mode)
-    else:
-        st = path.stat()
-        if st.st_mode & 0o022 and not st.st_mode & 0o1000:
-            log.warning("socket directory %s is writable by others (mode %04o): they could replace the socket", path, st.st_mode & 0o7777)
+    """Creates the socket's directory with `mode`. One that exists must be a real directory
+    owned by us that others cannot write (else they could move the socket aside and bind
+    their own server in its place); it is not chmodded (it may be a home directory)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path, mode, "socket directory", SOCKET_FIX, chmod=False)
+
+
+def _is_socket(path: Path) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """Unlinks a socket left by a daemon that is gone (we hold the instance lock it held);
+    anything else at that path is not ours to delete."""
+    if _is_socket(path):
+        log.info("removing stale socket %s left by a daemon that is gone", path)
+        path.unlink()
+    elif os.path.lexists(path):
+        raise UntrustedPath(errno.EEXIST, f"{path} exists and is not a socket; refusing to remove it (move it away, or pass another --socket)")
+
+
+def _write_token(path: Path) -> str:
+    """A fresh random token for TCP clients, owner-only whatever --mode says, rewritten at every start."""
+    token = secrets.token_hex(32)
+    fd = open_private_file(path, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{token}\n".encode())
+    finally:
+        os.close(fd)
+    return token
 
 
 RPC_NICE = 10
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _return_large_buffers() -> None:
+    """Every allocation of 1 MiB or more gets its own mapping, unmapped when freed.
+
+    glibc otherwise raises its mmap threshold to the size of the largest block freed, so
+    after one 10 MB request each RPC thread's arena keeps 10 MB blocks for reuse: 200
+    requests near the 16 MiB message limit grew the daemon by ~80 MB that never went
+    back. A fixed threshold bounds what requests leave behind to what is live.
+    """
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass
 
 
 def _yield_to_compiles() -> None:
@@ -146,34 +223,45 @@ def _warm_target(cfg: ServiceConfig) -> str | None:
 class Daemon:
     def __init__(self, config: ServiceConfig):
         self.config = config
-        self._locks: list[FileLock] = []
+        self._locks: list[int] = []  # flocked descriptors
         self._stopped = threading.Event()
         self._serving = threading.Event()
         self.server: grpc.Server | None = None
         self.exporter = None  # the Prometheus endpoint's HTTP server, when asked for
+        self.scheduler: Scheduler | None = None
         self.health = health.HealthServicer()
 
     def start(self) -> None:
         cfg = self.config
-        _make_dir(cfg.cache_dir, cfg.mode, "cache directory", "--cache-dir (or $KERNEL_SERVICE_CACHE_DIR)")
+        # Whatever umask we were started with, everything the daemon and its workers create
+        # (lock and pid files, the socket before its chmod, TileLang's device-binary cache)
+        # is owner-only, or group-readable with --mode 0750.
+        os.umask(0o777 & ~cfg.mode)
+        _return_large_buffers()
+        cfg.cache_dir.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(cfg.cache_dir, cfg.mode, "cache directory", CACHE_FIX)
         _socket_dir(cfg.socket.parent, cfg.mode)
         self._locks.append(_instance_lock(cfg.cache_dir / "daemon.lock", f"cache dir {cfg.cache_dir}"))
         try:
             self._locks.append(_instance_lock(socket_lock(cfg.socket), f"socket {cfg.socket}"))
-        except AlreadyRunning:
-            self._release()
+            _remove_stale_socket(cfg.socket)
+            self._start(cfg)
+        except BaseException:
+            self._abandon()
             raise
-        if cfg.socket.exists() or cfg.socket.is_symlink():
-            log.info("removing stale socket %s left by a daemon that is gone", cfg.socket)
-            cfg.socket.unlink()
 
+    def _start(self, cfg: ServiceConfig) -> None:
         plugins.load(**cfg.plugin_args)
         device = cfg.device
         if cfg.no_compile:
             log.info("serving only (--no-compile): misses answer NOT_FOUND; CUDA keys name the compiler %s", device.id)
         self.metrics = Metrics()
         self.metrics.load(cfg.cache_dir / STATS_FILE)  # totals go on from the last daemon's
+        # Every directory of the cache is checked before any work: a refusal costs no compile workers.
         self.store = store = LocalStore(cfg.cache_dir, cfg.mode, metrics=self.metrics, extra_usage=(cfg.cache_dir / DEVICE_BINARIES,))
+        for d in (cfg.cache_dir / DEVICE_BINARIES, device_binary_dir(cfg.cache_dir, device.id)):
+            private_dir(d, cfg.mode, "cache directory", CACHE_FIX)
+        inductor_dir = inductor.ensure(cfg.cache_dir)
         budget = Budget(cfg.max_bytes, cfg.max_entries, cfg.evict_min_age)
         self.scheduler = Scheduler(
             store,
@@ -196,10 +284,10 @@ class Daemon:
         address = socket_address(cfg.socket)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max(64, 8 * cfg.workers), thread_name_prefix="rpc", initializer=_yield_to_compiles),
+            interceptors=[RequestGuard(_write_token(cfg.cache_dir / TOKEN_FILE) if cfg.tcp else None)],
             options=[("grpc.so_reuseport", 0), *wire.channel_options()],
         )
         listening = f"{address} tcp:{cfg.tcp}" if cfg.tcp else address
-        inductor_dir = inductor.ensure(cfg.cache_dir)
         started = time.time()
         self.metrics.probes(
             in_flight=lambda: self.scheduler.in_flight,
@@ -231,7 +319,7 @@ class Daemon:
         pb_grpc.add_KernelServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(address)
-        if cfg.tcp:  # only on request, loopback unless --allow-remote (checked in config)
+        if cfg.tcp:  # only on request, loopback unless --allow-remote (checked in config); RequestGuard checks the token
             try:
                 bound = self.server.add_insecure_port(cfg.tcp)
             except RuntimeError:
@@ -290,16 +378,32 @@ class Daemon:
             self.exporter.shutdown()
         self._stopped.set()
         self.metrics.save(self.config.cache_dir / STATS_FILE)
-        try:
-            self.config.socket.unlink()
-        except FileNotFoundError:
-            pass
+        self._remove_own_files()
         self._release()
         log.info("stopped")
 
+    def _remove_own_files(self) -> None:
+        if _is_socket(self.config.socket):
+            self.config.socket.unlink()
+        if self.config.tcp:
+            (self.config.cache_dir / TOKEN_FILE).unlink(missing_ok=True)
+
+    def _abandon(self) -> None:
+        """A start that failed half-way leaves no socket, no workers and no locks behind."""
+        self._stopped.set()  # the spawner gives up
+        if self.server is not None:
+            self.server.stop(None)
+        if self.exporter is not None:
+            self.exporter.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown(0)
+        if len(self._locks) == 2:  # only with both instance locks were the socket and token ours
+            self._remove_own_files()
+        self._release()
+
     def _release(self) -> None:
-        for lock in self._locks:
-            lock.release()
+        for fd in self._locks:
+            os.close(fd)  # releases the flock
         self._locks.clear()
 
     def serve_forever(self) -> None:

@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import functools
 import json
 import logging
+import threading
 import time
 
 import grpc
@@ -23,8 +24,9 @@ from .apps import AppRecorder
 from .build.compiler import CompileFailed
 from .keys import describe_toolchain, toolchain
 from .metrics import Metrics
-from .scheduler import BACKGROUND, URGENT, NotReady, QueueFull, Scheduler, ShuttingDown
+from .scheduler import BACKGROUND, URGENT, Cancelled, NotReady, QueueFull, Scheduler, ShuttingDown, WorkerCrashed
 from .store import Entry, StoreError
+from .store.local import KEY
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,10 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return Status.BUSY, str(exc)
     if isinstance(exc, ShuttingDown):
         return Status.UNAVAILABLE, str(exc)
+    if isinstance(exc, WorkerCrashed):
+        return Status.CRASHED, str(exc)
+    if isinstance(exc, Cancelled):
+        return Status.DROPPED, str(exc)
     if isinstance(exc, StoreError):
         return Status.CACHE_FAILED, f"kernel cache write failed: {exc.strerror or exc}"  # e.g. "No space left on device"
     if isinstance(exc, cf.TimeoutError):
@@ -86,6 +92,24 @@ def explanation_to_proto(e: explain.Explanation) -> pb.ExplainResponse:
         for d in near.differences:
             n.differences.add(part=d.part, field=d.field, wanted=value(d.wanted), found=value(d.found), text=d.text)
     return reply
+class _Claims:
+    """The in-flight futures one Prefetch call waits for, released exactly once."""
+
+    def __init__(self, scheduler: Scheduler):
+        self._scheduler = scheduler
+        self._futures: list[cf.Future] | None = []
+        self._lock = threading.Lock()
+
+    def add(self, future: cf.Future) -> None:
+        with self._lock:
+            if self._futures is not None:
+                self._futures.append(future)
+
+    def release(self) -> None:
+        with self._lock:
+            futures, self._futures = self._futures, None
+        if futures:
+            self._scheduler.release(futures)
 
 
 class KernelServicer(pb_grpc.KernelServiceServicer):
@@ -109,7 +133,11 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         return pb.ServiceInfo(**self._info_fields, version=__version__, toolchain=describe_toolchain(device), cuda_compiler=device, key_fingerprint_json=fingerprint)
 
     def _validate(self, spec: pb.KernelSpec) -> kernels.CanonicalSpec:
-        # Hits repeat the same few specs: remember the valid ones by their wire bytes.
+        # Hits repeat the same few specs: remember the valid ones by their encoding. Unknown
+        # fields are dropped first (RequestGuard already did; this keeps the memo safe without
+        # it): a key is then only what validation bounds (names, values, at most 64 params),
+        # never megabytes a caller attached.
+        spec.DiscardUnknownFields()
         wire_bytes = spec.SerializeToString(deterministic=True)
         canonical = self._valid.get(wire_bytes)
         if canonical is not None:
@@ -165,6 +193,10 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
     def Prefetch(self, request, context):
         if len(request.specs) > wire.MAX_BATCH:
             context.abort(Status.INVALID_SPEC, f"specs: at most {wire.MAX_BATCH} per Prefetch, got {len(request.specs)}")
+        # What this call waits for, given back when it ends: a cancelled Prefetch drops its
+        # queued compiles that no one else waits for (context callbacks run on cancellation).
+        claims = _Claims(self.scheduler)
+        context.add_callback(claims.release)
         try:
             app = self._app(request.app)
             specs = []
@@ -178,6 +210,7 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                     self.apps.record(app, spec.to_json())
             pending = {}
             records = functools.cache(lambda: list(self.scheduler.store.records()))
+            queued, share = 0, self.scheduler.call_share
             # Longest compiles first (the kinds' cost hints): the batch then ends with short ones filling the workers.
             for i, spec in sorted(enumerate(specs), key=lambda item: -kernels.get_kind(item[1].kind).compile_cost):
                 try:
@@ -185,8 +218,18 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                 except NotReady as exc:  # reported in its own event, like a failed compile
                     future, outcome = cf.Future(), Outcome.COMPILED
                     future.set_exception(exc)
+                if not future.done():
+                    claims.add(future)
+                    if outcome == Outcome.COMPILED and future not in pending:
+                        queued += 1
+                        if queued > share:  # one call takes a share of the queue, never all of it
+                            raise QueueFull(
+                                f"a Prefetch may queue at most {share} compiles (a quarter of the daemon's --queue-limit {self.scheduler.queue_limit}); "
+                                f"this one needs more of its {len(specs)} kernels compiled: split it"
+                            )
                 pending[future] = pending.get(future, []) + [(i, outcome)]
         except Exception as exc:  # noqa: BLE001
+            claims.release()  # all or nothing: what this call queued is given back
             context.abort(*status_of(exc))
         total, done = len(specs), 0
         try:
@@ -202,6 +245,12 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                     yield event
         except cf.TimeoutError as exc:
             context.abort(*status_of(exc))
+
+    def ReportCorrupt(self, request, context):
+        if not KEY.fullmatch(request.key):
+            context.abort(Status.INVALID_SPEC, f"key: expected 64 lowercase hex characters, got {request.key[:80]!r}")
+        reason = self.scheduler.store.recheck(request.key)
+        return pb.ReportCorruptResponse(removed=reason is not None, reason=wire.clip(reason or ""))
 
     def GetStats(self, request, context):
         return pb.Stats(**self.metrics.read())

@@ -33,7 +33,17 @@ class InvalidSpec(ValueError):
         self.field = field
 
 
-_ARCH = re.compile(r"^sm_(\d{2,3})(a?)$")
+# Exact and ASCII-only: matched with fullmatch (a "$" would let a trailing newline through)
+# and [0-9] (\d also matches other scripts' digits, "sm_٩٠a").
+_ARCH = re.compile(r"sm_([0-9]{2,3})(a?)")
+# The CUDA archs TileLang 0.1.15 builds for: its target families are Volta (sm_70/72),
+# Turing (sm_75), Ampere and Ada (sm_80-89), Hopper (sm_90), the sm_100 family (sm_100-110)
+# and sm_120 (sm_120/121); "a" marks the arch-specific feature sets of sm_90 and newer.
+# Anything else would reach a worker only to fail inside TileLang.
+CUDA_ARCHS = frozenset(
+    ["sm_70", "sm_72", "sm_75", "sm_80", "sm_86", "sm_87", "sm_89"]
+    + [f"sm_{cc}{suffix}" for cc in (90, 100, 101, 103, 110, 120, 121) for suffix in ("", "a")]
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,7 @@ class Target:
     @property
     def compute_capability(self) -> int | None:
         """90 for sm_90a, 80 for sm_80; None on the CPU."""
-        return int(_ARCH.match(self.arch).group(1)) if self.arch else None
+        return int(_ARCH.fullmatch(self.arch).group(1)) if self.arch else None
 
     def tilelang_target(self) -> str | dict:
         # TileLang rejects the string form "cuda -arch=..."; the dict form works.
@@ -93,10 +103,14 @@ def parse_target(text: str | None) -> Target:
         raise InvalidSpec("target", f"expected a string such as 'c', 'auto' or 'sm_90a', got {type(text).__name__}")
     if text == "c":
         return Target("c")
-    match = _ARCH.match(text)
-    if match and int(match.group(1)) >= 70:
+    if text in CUDA_ARCHS:
         return Target("cuda", text)
-    raise InvalidSpec("target", f"unknown target {text!r}; use 'c', 'auto' or a CUDA arch like 'sm_90a' or 'sm_80' (sm_70 or newer)")
+    raise InvalidSpec("target", f"unknown target {text[:40]!r}; use 'c', 'auto' or a CUDA arch TileLang builds for: {', '.join(sorted(CUDA_ARCHS, key=_arch_order))}")
+
+
+def _arch_order(arch: str) -> tuple:
+    match = _ARCH.fullmatch(arch)
+    return int(match.group(1)), match.group(2)
 
 
 REQUIRED: Any = object()
@@ -130,6 +144,7 @@ class Param:
             value = float(value)
             if not math.isfinite(value):
                 raise InvalidSpec(self.name, f"expected a finite number, got {value!r}")
+            value += 0.0  # -0.0 becomes 0.0: one canonical zero, so one key
         if self.type is bool and not isinstance(value, bool):
             raise InvalidSpec(self.name, f"expected true or false, got {value!r}")
         if self.type is str and not isinstance(value, str):

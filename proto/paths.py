@@ -9,6 +9,9 @@ import os
 from pathlib import Path
 
 APP = "kernel-service"
+# Under the cache root: the secret TCP clients present (`authorization: Bearer <token>`),
+# written owner-only at every start of a daemon with --tcp.
+TOKEN_FILE = "tcp-token"
 
 
 def _absolute_env(name: str, env) -> Path | None:
@@ -36,6 +39,13 @@ def default_cache_dir(env=os.environ) -> Path:
     if env.get("KERNEL_SERVICE_CACHE_DIR"):
         return Path(env["KERNEL_SERVICE_CACHE_DIR"])
     return xdg_cache_home(env) / APP
+
+
+def default_token_file(env=os.environ) -> Path:
+    """$KERNEL_SERVICE_TOKEN_FILE, else the tcp-token file under the default cache root."""
+    if env.get("KERNEL_SERVICE_TOKEN_FILE"):
+        return Path(env["KERNEL_SERVICE_TOKEN_FILE"])
+    return default_cache_dir(env) / TOKEN_FILE
 
 
 def socket_address(path: Path | str) -> str:

@@ -24,7 +24,7 @@ from .kernelservice.v1 import kernel_service_pb2 as pb
 MAX_PARAMS = 64
 MAX_NAME = 64  # kind, target and parameter names
 MAX_STRING = 256  # string parameter values
-MAX_BATCH = 4096  # specs in one Prefetch
+MAX_BATCH = 4096  # specs in one Prefetch; the compiles it may queue are bounded apart (a share of the queue)
 MAX_MESSAGE = 16 << 20  # bytes of one gRPC message, both ways
 MAX_ERROR_TEXT = 12_000  # characters of a compile error sent back
 
@@ -58,6 +58,8 @@ class Status:
     CACHE_FAILED = grpc.StatusCode.INTERNAL  # the cache could not be written (disk full)
     DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED  # still compiling when the deadline passed
     NOT_READY = grpc.StatusCode.NOT_FOUND  # a miss where nothing may compile; details: not_ready_details
+    CRASHED = grpc.StatusCode.ABORTED  # the compiler worker died, on a retry too (not remembered)
+    DROPPED = grpc.StatusCode.CANCELLED  # the compile joined was dropped with the Prefetch that queued it
     # A blocking call cannot be cancelled by its caller: CANCELLED means the daemon went
     # away mid-call (a drain cuts calls that arrived as it stopped); retried like UNAVAILABLE.
     RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)

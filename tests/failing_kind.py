@@ -2,7 +2,7 @@
 `--kernel-module tests.failing_kind`."""
 
 from kernels.registry import register
-from kernels.spec import KernelKind, dim
+from kernels.spec import KernelKind, Param, dim
 
 
 @register
@@ -33,3 +33,37 @@ class BrokenShared(Broken):
 
     def host_side_dims(self, p, target):
         return ("N",)
+
+
+@register
+class Crashing(KernelKind):
+    """A worker that dies while building: `times` builds of each N crash the worker process
+    (counted in files under $KS_TEST_CRASH_DIR, which the test gives the daemon), later ones
+    build a plain copy kernel. Without that variable it never crashes."""
+
+    name = "crashing"
+    params = (dim("N"), Param("times", int, default=1, min=0, max=3))
+
+    def build_cpu(self, p):
+        import os
+        from pathlib import Path
+
+        import tilelang.language as T
+
+        where = os.environ.get("KS_TEST_CRASH_DIR")
+        if where:
+            count = Path(where) / f"crashes-{p['N']}-{p['times']}"
+            done = len(count.read_text()) if count.exists() else 0
+            if done < p["times"]:
+                count.write_text("x" * (done + 1))
+                os._exit(70)  # the worker process dies mid-build, as a segfault or an OOM kill would
+
+        N = p["N"]
+
+        @T.prim_func
+        def main(X: T.Tensor((N,), "float32"), Y: T.Tensor((N,), "float32")):
+            with T.Kernel(1):
+                for i in T.serial(N):
+                    Y[i] = X[i]
+
+        return main

@@ -352,7 +352,7 @@ def test_group_shared_mode_and_loopback_tcp(make_daemon):
         port = s.getsockname()[1]
     d = make_daemon("--mode", "0750", "--tcp", f"127.0.0.1:{port}")
     assert _mode(d.cache_dir) == 0o750 and _mode(d.socket) == 0o660  # the group may read and connect
-    c = client.connect(f"127.0.0.1:{port}")
+    c = client.connect(f"127.0.0.1:{port}", token_file=d.cache_dir / "tcp-token")  # TCP calls carry the daemon's token
     k = c.get_kernel("rmsnorm", M=None, N=40, dtype="float32", target="c")
     x, w = torch.randn(3, 40), torch.randn(40)
     torch.testing.assert_close(k(x, w), rmsnorm_ref(x, w), rtol=1e-4, atol=1e-4)

@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 
 from client.errors import CorruptArtifact
-from client.loader import read_verified
+from client.loader import entry_directory, read_verified
 from compile_service.config import parse_size, tcp_address
 from compile_service.metrics import Metrics
 from compile_service.store import Budget, LocalStore, StoreError
 from compile_service.store.check import verify
+from compile_service.store.local import _signature
+from proto.trust import UntrustedPath
 
 ROOT = Path(__file__).resolve().parent.parent
 ABI = {"loader": "c", "symbol": "call", "device": "cpu", "params": [{"name": "Y", "dtype": "float32", "shape": [4]}], "outputs": [0], "dynamic": []}
@@ -153,7 +155,7 @@ def test_owner_only_by_default_group_readable_when_asked(tmp_path):
     entry = shared.lookup(key)
     assert mode(shared.root) == mode(entry.path) == mode(entry.path.parent) == 0o750
     assert {mode(f) for f in entry.path.iterdir()} == {0o640}  # group-readable, never group-writable
-    assert read_verified(entry.path / entry.library, entry.library_sha256, entry.library_size)
+    assert read_verified(entry.path / entry.library, entry.library_sha256, entry.library_size, owner=os.geteuid())
     with pytest.raises(ValueError, match="not allowed"):
         Store(tmp_path / "bad", mode=0o770)
 
@@ -163,23 +165,24 @@ def test_loader_refuses_symlinks_foreign_owners_and_writable_files(tmp_path):
     entry = store.lookup(put(store, 1))
     lib = entry.path / entry.library
     args = (entry.library_sha256, entry.library_size)
-    assert read_verified(lib, *args)
+    me = os.geteuid()
+    assert read_verified(lib, *args, owner=me)
 
     os.chmod(lib, 0o620)
     with pytest.raises(CorruptArtifact, match="writable by group or others"):
-        read_verified(lib, *args)
+        read_verified(lib, *args, owner=me)
     os.chmod(lib, 0o600)
     if os.geteuid() == 0:
         os.chown(lib, 12345, -1)
         with pytest.raises(CorruptArtifact, match="owned by uid 12345"):
-            read_verified(lib, *args)
+            read_verified(lib, *args, owner=me)
         os.chown(lib, 0, -1)
     real = tmp_path / "elsewhere.so"
     real.write_bytes(lib.read_bytes())
     lib.unlink()
     lib.symlink_to(real)
     with pytest.raises(CorruptArtifact, match="symlinks are refused"):
-        read_verified(lib, *args)
+        read_verified(lib, *args, owner=me)
     assert store.lookup(entry.key) is None and counted(store, 'corrupt') == 1  # the daemon refuses it too
 
 
@@ -237,3 +240,70 @@ def test_the_budget_counts_and_evicts_device_binaries(tmp_path):
     assert not old.exists() and fresh.exists() and store.entry_path(key).is_dir()
     assert store.evict(Budget(parse_size("10K"), None, 600)) == 1  # then the entry (fresh stays: within min_age)
     assert fresh.exists() and store.usage()[0] == 0
+
+
+def test_corruption_the_stat_signature_cannot_see_is_found_by_a_recheck(tmp_path):
+    """What ReportCorrupt runs: a full re-hash, whatever the index remembers."""
+    store = Store(tmp_path / "cache")
+    entry = store.lookup(put(store, 1))
+    lib = entry.path / entry.library
+    lib.write_bytes(b"x" + lib.read_bytes()[1:])
+    # As if the change had kept every stat field (silent corruption on the disk): the index
+    # still vouches for it, and a hit serves it.
+    with store._lock:
+        store._index[entry.key] = (entry, store._index[entry.key][1], _signature(entry.path, store._index[entry.key][1]))
+    assert store.lookup(entry.key) is entry
+    assert "sha256" in store.recheck(entry.key)
+    assert store.lookup(entry.key) is None and counted(store, "corrupt") == 1 and not entry.path.exists()
+    assert store.recheck(entry.key) is None  # absent: nothing to do
+
+
+def test_untrusted_directories_and_links_are_refused_never_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "keep").mkdir(parents=True)
+    (tmp_path / "open").mkdir(mode=0o777)
+    os.chmod(tmp_path / "open", 0o777)
+    with pytest.raises(UntrustedPath, match="writable by group or others"):
+        Store(tmp_path / "open")
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "staging").symlink_to(elsewhere)
+    with pytest.raises(UntrustedPath, match="staging is a symbolic link"):
+        Store(tmp_path / "linked")
+    if os.geteuid() == 0:
+        (tmp_path / "theirs").mkdir()
+        os.chown(tmp_path / "theirs", 12345, -1)
+        with pytest.raises(UntrustedPath, match="owned by uid 12345"):
+            Store(tmp_path / "theirs")
+        with pytest.raises(UntrustedPath, match="owned by uid 12345"):
+            Store(tmp_path / "theirs", create=False)
+
+    # The start-up sweep removes only staging dirs it made, never through a link.
+    store = Store(tmp_path / "cache")
+    (store.staging_dir / "1.link").symlink_to(elsewhere)
+    (store.staging_dir / f"1.{'a' * 64}.xyz").symlink_to(elsewhere / "keep")
+    (store.staging_dir / "notes").mkdir()
+    (store.staging_dir / f"1.{'b' * 64}.abc").mkdir()  # pid 1 is init: alive, kept
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    (store.staging_dir / f"{dead}.{'c' * 64}.abc").mkdir()
+    assert store.clean_staging() == 1
+    assert sorted(p.name for p in store.staging_dir.iterdir()) == sorted(["1.link", f"1.{'a' * 64}.xyz", "notes", f"1.{'b' * 64}.abc"])
+    assert (elsewhere / "keep").is_dir()
+
+
+def test_the_loader_loads_only_real_entry_dirs_of_the_daemon_under_its_root(tmp_path):
+    store = Store(tmp_path / "cache")
+    entry = store.lookup(put(store, 1))
+    me = os.geteuid()
+    assert entry_directory(store.root, entry.path, entry.key, me) == entry.path
+    with pytest.raises(CorruptArtifact, match="is not where the daemon's cache"):
+        entry_directory(tmp_path / "other", entry.path, entry.key, me)
+    with pytest.raises(CorruptArtifact, match="is not where the daemon's cache"):
+        entry_directory(store.root, entry.path / ".." / entry.key, entry.key, me)
+    with pytest.raises(CorruptArtifact, match=f"owned by uid {me}"):
+        entry_directory(store.root, entry.path, entry.key, me + 1)
+    moved = tmp_path / "moved"
+    entry.path.rename(moved)
+    entry.path.symlink_to(moved)
+    with pytest.raises(CorruptArtifact, match="is a symbolic link"):
+        entry_directory(store.root, entry.path, entry.key, me)
+    assert store.lookup(entry.key) is None and moved.is_dir()  # the daemon drops the link, not what it points to

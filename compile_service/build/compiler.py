@@ -107,7 +107,7 @@ def worker_init(
         start, before = time.perf_counter(), device.compiles
         digest = hashlib.sha256(f"{target}\0{sorted((pass_config or {}).items())}\0{code}".encode()).hexdigest()
         try:
-            with FileLock(str(locks / f"{digest[:32]}.lock")):
+            with FileLock(str(locks / f"{digest[:32]}.lock"), mode=0o600):  # filelock would chmod 0644
                 return compile_device(code, target, pass_config)
         finally:
             _device["seconds"] = time.perf_counter() - start
@@ -143,7 +143,7 @@ def warm_step() -> tuple[int, bool]:
         preludes = json.loads(known.read_text())
     except (OSError, ValueError):
         try:
-            with FileLock(str(known) + ".lock", timeout=0):
+            with FileLock(str(known) + ".lock", timeout=0, mode=0o600):  # filelock would chmod 0644
                 if not known.exists():
                     log.info("lowering the kinds' warm-up examples to find the headers their CUDA source includes")
                     found = sorted({nvrtc.prelude(code) for code in _warm_up_sources(target)})

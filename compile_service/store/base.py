@@ -82,6 +82,11 @@ class Storage(abc.ABC):
     def remove(self, key: str) -> None: ...
 
     @abc.abstractmethod
+    def recheck(self, key: str) -> str | None:
+        """Checks `key`'s entry in full, whatever was verified before (a client found it corrupt),
+        and removes it if it fails; returns what was wrong, or None (whole or absent)."""
+
+    @abc.abstractmethod
     def keys(self) -> list[str]: ...
 
     def records(self) -> Iterator[tuple[str, dict]]:

@@ -16,6 +16,8 @@ import os
 import stat
 from pathlib import Path
 
+from proto.trust import private_dir
+
 from ..fsutil import fsync_path, sha256_file
 
 
@@ -31,9 +33,7 @@ class Blobs:
         """Makes `file` (sealed: final mode, fsynced) a link to the blob of its bytes: the
         existing blob when one is whole, else `file` itself becomes the blob."""
         blob = self.path(sha256)
-        if not blob.parent.is_dir():
-            blob.parent.mkdir(mode=self.dir_mode, parents=True, exist_ok=True)
-            os.chmod(blob.parent, self.dir_mode)
+        private_dir(blob.parent, self.dir_mode, "cache blob directory", "run `kernel-service verify --repair`")
         st = file.stat()
         size = st.st_size
         with contextlib.suppress(FileNotFoundError):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from proto.abi import ENTRY_META, MANIFEST
 
+from ..fsutil import remove_tree
 from .base import Budget
 
 TOUCH_EVERY = 60.0  # seconds between a store's mtime touches of an entry it hands out (store.local)
@@ -97,7 +98,7 @@ def _take_unused(store, key: str, cutoff: float) -> bool:
             return False
         for table in (store._index, store._used, store._touched):
             table.pop(key, None)
-    shutil.rmtree(trash, ignore_errors=True)
+    remove_tree(trash)
     return True
 
 

@@ -7,7 +7,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .local import LocalStore, _writer_alive
+from ..fsutil import real_dir
+from .local import STAGING_NAME, LocalStore, _writer_alive
 
 
 @dataclass
@@ -52,10 +53,11 @@ def verify(store: LocalStore, repair: bool = False) -> VerifyReport:
             if repair:
                 damage.repaired = _repair(store, path, ino)
     for item in sorted(store.staging_dir.iterdir()):
-        if _writer_alive(item.name):
+        if STAGING_NAME.fullmatch(item.name) and _writer_alive(item.name):
             report.staging_in_use += 1
             continue
-        damage = Damage("staging", item, "left by a writer that is gone")
+        made = STAGING_NAME.fullmatch(item.name) and real_dir(item) and item.lstat().st_uid == store.owner
+        damage = Damage("staging", item, "left by a writer that is gone" if made else "not made by kernel-service")
         report.damage.append(damage)
         if repair:
             damage.repaired = _repair(store, item, None)
@@ -68,6 +70,8 @@ def _damage(store, shard: Path, path: Path) -> tuple[str | None, int | None]:
         st = path.lstat()
     except FileNotFoundError:
         return None, None  # removed meanwhile (evicted or repaired by the daemon)
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link (never followed)", None
     if not stat.S_ISDIR(st.st_mode) or path.parent == store.entries_dir:
         return "not a shard directory", None
     if len(key) != 64 or not key.startswith(shard.name) or not all(c in "0123456789abcdef" for c in key):
@@ -93,6 +97,6 @@ def _repair(store, path: Path, ino: int | None) -> bool:
             store._forget(path.name)
         store._remove_dir(path)
     else:
-        path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # a file or a link: the link itself, never its target
     return not os.path.lexists(path) or (ino is not None and path.lstat().st_ino != ino)
 

@@ -15,10 +15,16 @@ incomplete entry is a miss with a warning, never a crash. Nothing here knows
 about TileLang.
 
 Hits are served from an in-memory index of verified entries, revalidated by
-the files' stat signatures (a few lstat calls, no reads). Recency for the LRU
+the files' stat signatures (a few lstat calls, no reads; the ctime is in them,
+so content rewritten with its mtime put back is seen and re-hashed). Recency for the LRU
 budget (store.budget) is kept in memory and in each entry directory's mtime
 (touched at most once a minute on a hit), so a restarted daemon keeps the
 order. `store.check` verifies and repairs without the index.
+
+Trust: the cache root and every directory in it must be real directories (not
+links) owned by this process's uid and writable by no one else (proto/trust.py),
+and every file of an entry must be owned by that uid: a cache another user
+controls is refused, never served from.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -37,8 +44,9 @@ from pathlib import Path
 
 from proto.abi import ENTRY_META, MANIFEST, MANIFEST_SCHEMA, check_entry_meta
 from proto.paths import entry_dir
+from proto.trust import UntrustedPath, check_dir, private_dir, problem
 
-from ..fsutil import fsync_path, pid_alive, sha256_file, write_json_atomic
+from ..fsutil import fsync_path, pid_alive, real_dir, remove_tree, sha256_file, write_json_atomic
 from . import budget
 from .budget import TOUCH_EVERY  # seconds between mtime touches of a hit entry (the on-disk LRU clock)
 from .base import Budget, Entry, Storage, StoreError
@@ -46,6 +54,10 @@ from .blobs import Blobs
 
 log = logging.getLogger(__name__)
 
+# What this process puts in staging/: "<pid>.<key>.<random>" build dirs and "<pid>.trash.<name>.<hex>"
+# dirs being deleted. Nothing else there is ever removed by the start-up sweep.
+STAGING_NAME = re.compile(r"([0-9]+)\.(?:[0-9a-f]{64}\.[a-z0-9_]+|trash\.[A-Za-z0-9_.-]+\.[0-9a-f]{8})")
+KEY = re.compile(r"[0-9a-f]{64}")
 
 
 class LocalStore(Storage):
@@ -54,23 +66,38 @@ class LocalStore(Storage):
         (group may read); files get the same minus execute. `create=False` opens an
         existing cache read-only (verify), creating and chmodding nothing. `metrics` counts
         corrupt entries and evictions (compile_service.metrics). `extra_usage`: directories
-        of other caches under the root (device binaries) that the budget counts and evicts."""
+        of other caches under the root (device binaries) that the budget counts and evicts.
+
+        Raises UntrustedPath when the root, entries/, staging/ or blobs/ is a link, is not
+        owned by this process's uid, or is writable by group or others: whoever controls them
+        could plant entries (their code, run by every client) or links (chmods and deletes
+        of their choosing).
+        """
         if mode & 0o027 or not mode & 0o700 == 0o700:
             raise ValueError(f"cache mode {mode:#o} is not allowed: owner rwx, group at most r-x, others nothing")
         self.root = Path(root)
         self.mode = mode
         self.file_mode = mode & 0o640
+        self.owner = os.geteuid()  # entries are trusted when this uid wrote them, never whoever owns the root
         self.entries_dir = self.root / "entries"
         self.staging_dir = self.root / "staging"
         self.blobs = Blobs(self.root, mode)
         self.extra_usage = tuple(Path(p) for p in extra_usage)
         self.metrics = metrics
         if create:
+            fix = f"remove it (or choose another cache directory) and let kernel-service create it as uid {self.owner}"
+            self.root.parent.mkdir(parents=True, exist_ok=True)
             for d in (self.root, self.entries_dir, self.staging_dir, self.blobs.dir):
-                d.mkdir(mode=mode, parents=True, exist_ok=True)
-                os.chmod(d, mode)  # mkdir's mode is filtered by the umask, and the dir may predate us
-        elif not self.entries_dir.is_dir():
-            raise FileNotFoundError(errno.ENOENT, f"{self.root} is not a kernel cache (no entries/ directory)")
+                private_dir(d, mode, "cache directory", fix)
+        else:
+            fix = "run this as the cache's owner, after checking what it holds"
+            if not os.path.lexists(self.root):
+                raise FileNotFoundError(errno.ENOENT, f"{self.root} is not a kernel cache (no such directory)")
+            check_dir(self.root, self.owner, "cache directory", fix)
+            if not self.entries_dir.is_dir():
+                raise FileNotFoundError(errno.ENOENT, f"{self.root} is not a kernel cache (no entries/ directory)")
+            for d in (self.entries_dir, self.staging_dir):
+                check_dir(d, self.owner, "cache directory", fix)
         # key -> (entry, file names, stat signature) when last fully verified: hits that
         # find the same signature read nothing, and re-hash only files that changed.
         self._index: dict[str, tuple[Entry, tuple, tuple]] = {}
@@ -93,7 +120,7 @@ class LocalStore(Storage):
         path = self.entry_path(key)
         with self._lock:
             cached = self._index.get(key)
-        if cached is None and not path.is_dir():
+        if cached is None and not os.path.lexists(path):
             return None
         # Marked before the checks: eviction (under the same lock) then either keeps the
         # entry or has already renamed it away, which the checks below see as a miss.
@@ -103,14 +130,14 @@ class LocalStore(Storage):
             with contextlib.suppress(OSError):
                 if _signature(path, names) == signature and (spec is None or entry.meta["spec"] == spec):
                     return entry
-        if not path.is_dir():
+        if not os.path.lexists(path):
             return None
         try:
             entry, names, signature = self._check(key, path, trusted=cached[2] if cached else None)
             if spec is not None and entry.meta["spec"] != spec:
                 raise ValueError(f"entry.json records spec {entry.meta['spec']!r}, not the one its key was computed from")
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            if not path.exists():  # evicted or replaced while we read it: a plain miss
+            if not os.path.lexists(path):  # evicted or replaced while we read it: a plain miss
                 return None
             self._discard_corrupt(key, path, str(exc))
             return None
@@ -123,6 +150,10 @@ class LocalStore(Storage):
 
         Files whose stat signature equals `trusted` are not re-hashed.
         """
+        for d in (path.parent, path):  # a shard or entry dir replaced by a link is never followed
+            why = problem(os.lstat(d), self.owner)
+            if why:
+                raise ValueError(f"{d.name} {why}")
         manifest = json.loads((path / MANIFEST).read_text())
         if manifest.get("schema") != MANIFEST_SCHEMA or manifest.get("key") != key:
             raise ValueError("manifest schema or key mismatch")
@@ -134,13 +165,12 @@ class LocalStore(Storage):
         for name in names:
             if not isinstance(name, str) or "/" in name or name in (".", "..", MANIFEST):
                 raise ValueError(f"manifest names {name!r}, which is not a file of this entry")
-        owner = os.lstat(self.root).st_uid
         for name in (MANIFEST, *names):
             st = os.lstat(path / name)
             if not stat.S_ISREG(st.st_mode):
                 raise ValueError(f"{name} is not a regular file")
-            if st.st_uid != owner or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                raise ValueError(f"{name} is not owned by the cache's owner or is writable by others")
+            if st.st_uid != self.owner or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                raise ValueError(f"{name} is not owned by uid {self.owner} (this process) or is writable by others")
             if name != MANIFEST and st.st_size != files[name]["size"]:
                 raise ValueError(f"{name} has {st.st_size} bytes, manifest says {files[name]['size']}")
         signature = _signature(path, names)
@@ -184,7 +214,24 @@ class LocalStore(Storage):
             return
         except OSError:
             trash = path
-        shutil.rmtree(trash, ignore_errors=True)
+        remove_tree(trash)
+
+    def recheck(self, key: str) -> str | None:
+        """Checks the entry in full, as if never seen (every file re-hashed), and removes it if
+        it fails: a client found it corrupt. Returns what was wrong, or None (whole or absent)."""
+        path = self.entry_path(key)
+        if not os.path.lexists(path):
+            return None
+        try:
+            entry, names, signature = self._check(key, path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if not os.path.lexists(path):
+                return None
+            self._discard_corrupt(key, path, f"reported by a client; {exc}")
+            return str(exc)
+        with self._lock:
+            self._index[key] = (entry, names, signature)
+        return None
 
     # ----- writing
     def new_staging(self, key: str) -> Path:
@@ -221,9 +268,7 @@ class LocalStore(Storage):
             os.chmod(staging, self.mode)
             fsync_path(staging, directory=True)
             final = self.entry_path(key)
-            if not final.parent.is_dir():
-                final.parent.mkdir(exist_ok=True)
-                os.chmod(final.parent, self.mode)
+            private_dir(final.parent, self.mode, "cache shard directory", "run `kernel-service verify --repair`")
             try:
                 os.rename(staging, final)
             except OSError as exc:
@@ -233,7 +278,7 @@ class LocalStore(Storage):
                 if self.lookup(key) is None:
                     os.rename(staging, final)
             fsync_path(final.parent, directory=True)
-        except StoreError:
+        except (StoreError, UntrustedPath):
             self.discard_staging(staging)
             raise
         except OSError as exc:
@@ -259,7 +304,7 @@ class LocalStore(Storage):
 
     # ----- housekeeping
     def keys(self) -> list[str]:
-        return [p.name for shard in self.entries_dir.iterdir() if shard.is_dir() for p in shard.iterdir() if p.is_dir()]
+        return [p.name for shard in self.entries_dir.iterdir() if real_dir(shard) for p in shard.iterdir() if real_dir(p)]
 
     def records(self):
         """Every entry's key and entry.json, read without verifying the entry (explain only
@@ -273,12 +318,22 @@ class LocalStore(Storage):
                 yield key, meta
 
     def clean_staging(self) -> int:
-        """Removes staging directories whose writer process is gone; returns how many."""
+        """Removes staging directories whose writer process is gone; returns how many.
+
+        Only names this code makes, and only real directories of this uid: a link is
+        never followed, anything else is left alone (verify reports it).
+        """
         removed = 0
         for item in self.staging_dir.iterdir():
-            if _writer_alive(item.name):
+            if not STAGING_NAME.fullmatch(item.name) or _writer_alive(item.name):
                 continue
-            shutil.rmtree(item, ignore_errors=True)
+            try:
+                st = item.lstat()
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != self.owner:
+                continue  # a link, a file, another user's: not ours to delete
+            remove_tree(item)
             removed += 1
         return removed
 
@@ -298,10 +353,16 @@ def _writer_alive(name: str) -> bool:
 
 
 def _signature(path: Path, names: tuple) -> tuple:
-    """What changes when any of the entry's files is replaced, truncated or rewritten."""
+    """What changes when any of the entry's files is replaced, truncated or rewritten (the
+    ctime too: restoring the mtime after a write cannot restore it), or when the entry's
+    directory or its shard is replaced (by a link, say). Linking a file to another entry
+    changes its ctime as well: that costs one re-hash, never a wrong answer."""
     out = []
+    for p in (path.parent, path):
+        st = os.lstat(p)
+        out.append((st.st_ino, st.st_mode, st.st_uid))
     for name in (MANIFEST, *names):
         st = os.lstat(path / name)
-        out.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode, st.st_uid))
+        out.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid))
     return tuple(out)
 

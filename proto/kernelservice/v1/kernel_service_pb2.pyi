@@ -128,6 +128,20 @@ class PrefetchEvent(_message.Message):
     error_message: str
     def __init__(self, index: _Optional[int] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., kernel: _Optional[_Union[GetKernelResponse, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
 
+class ReportCorruptRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class ReportCorruptResponse(_message.Message):
+    __slots__ = ("removed", "reason")
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    reason: str
+    def __init__(self, removed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

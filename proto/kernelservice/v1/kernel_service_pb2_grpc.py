@@ -47,6 +47,11 @@ class KernelServiceStub:
                 request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.PrefetchEvent.FromString,
                 _registered_method=True)
+        self.ReportCorrupt = channel.unary_unary(
+                '/kernelservice.v1.KernelService/ReportCorrupt',
+                request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ReportCorruptRequest.SerializeToString,
+                response_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ReportCorruptResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kernelservice.v1.KernelService/GetStats',
                 request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetStatsRequest.SerializeToString,
@@ -109,6 +114,11 @@ class KernelServiceServicer:
         INTERNAL: the cache could not be written; the message carries the OS
         error (e.g. "No space left on device"). Nothing is published and the
         daemon goes on serving other kernels.
+        ABORTED: the compiler worker crashed (its process died) while building
+        the kernel, on the first try and on one retry with a fresh worker.
+        Not remembered: the next request compiles again.
+        CANCELLED: the compile this request joined was dropped because every
+        caller that queued it went away first (a cancelled Prefetch); retry.
         UNAVAILABLE: the daemon is shutting down; retry against its successor.
         DEADLINE_EXCEEDED: the caller's deadline passed first. The compile goes
         on, and a later request is served from its result.
@@ -123,12 +133,36 @@ class KernelServiceServicer:
         The whole batch is validated before any work: one bad spec (or more than
         4096 specs) fails the call with INVALID_ARGUMENT and nothing is compiled.
         A kernel that fails to compile, or whose entry cannot be written, is
-        reported in its own event (FAILED_PRECONDITION, INTERNAL), and so is one
-        that is missing where nothing may compile (NOT_FOUND, as for GetKernel);
-        the stream goes on. Prefetched work queues behind every GetKernel.
+        reported in its own event (FAILED_PRECONDITION, INTERNAL, ABORTED), and so
+        is one that is missing where nothing may compile (NOT_FOUND, as for
+        GetKernel); the stream goes on. Prefetched work queues behind every GetKernel.
+
+        Shares of the queue: one call may queue at most a quarter of the daemon's
+        --queue-limit compiles, and all Prefetch calls together at most half (the
+        rest is kept for GetKernel). A call that would need more fails with
+        RESOURCE_EXHAUSTED, and the compiles it had queued are given back (all or
+        nothing). When a call ends early (cancelled, or its deadline passed), its
+        queued compiles that no other request waits for are dropped before they
+        start.
 
         Errors: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE,
         DEADLINE_EXCEEDED, as for GetKernel.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportCorrupt(self, request, context):
+        """Tells the daemon that a client found entry `key` corrupt when it loaded
+        it (its library failed the size or sha256 check). The daemon checks the
+        entry again in full, re-hashing every file whatever it remembered, and
+        removes it if the check fails, so that the next GetKernel rebuilds it. An
+        entry that passes is left alone; clients then report the artifact as
+        corrupt and retry no further.
+
+        Errors:
+        INVALID_ARGUMENT: key is not 64 lowercase hex characters.
+        UNAVAILABLE: the daemon is shutting down.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -193,6 +227,11 @@ def add_KernelServiceServicer_to_server(servicer, server):
                     servicer.Prefetch,
                     request_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.PrefetchRequest.FromString,
                     response_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.PrefetchEvent.SerializeToString,
+            ),
+            'ReportCorrupt': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCorrupt,
+                    request_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ReportCorruptRequest.FromString,
+                    response_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ReportCorruptResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -277,6 +316,33 @@ class KernelService:
             '/kernelservice.v1.KernelService/Prefetch',
             proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.PrefetchRequest.SerializeToString,
             proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.PrefetchEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCorrupt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kernelservice.v1.KernelService/ReportCorrupt',
+            proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ReportCorruptRequest.SerializeToString,
+            proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ReportCorruptResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,117 @@
+"""Whether a path is one only we (or the daemon we talk to) control, checked without following links.
+
+Another local user must not be able to put anything where the daemon or a client
+looks: a directory they own or may write lets them rename what is in it and
+plant their own (a cache entry with their library, a socket with their server,
+a symlink that turns a chmod or a delete onto someone else's file). So every
+directory the daemon creates or reuses must be a real directory (lstat, not a
+link), owned by the daemon's uid and not writable by group or others, and
+every file it opens there is opened with O_NOFOLLOW and checked on its
+descriptor. Part of the contract: the daemon keeps to these rules, and the
+client trusts only what keeps to them. Light to import.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pwd
+import socket
+import stat
+import struct
+from pathlib import Path
+
+
+class UntrustedPath(OSError):
+    """A path another user controls, or could: refused, with what to do about it."""
+
+
+def _who(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def problem(st: os.stat_result, uid: int, kind: int = stat.S_IFDIR) -> str | None:
+    """Why an lstat result is not a trusted `kind` owned by `uid`, or None."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if stat.S_IFMT(st.st_mode) != kind:
+        return "is not a directory" if kind == stat.S_IFDIR else "is not a regular file"
+    if st.st_uid != uid:
+        return f"is owned by {_who(st.st_uid)}, not by {_who(uid)}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def check_dir(path: Path | str, uid: int, what: str, fix: str) -> os.stat_result:
+    """lstat `path`: a real directory owned by `uid`, not writable by group or others; else UntrustedPath."""
+    st = os.lstat(path)
+    why = problem(st, uid)
+    if why:
+        raise UntrustedPath(errno.EPERM, f"{what} {path} {why}: another user could replace what it holds; {fix}")
+    return st
+
+
+def private_dir(path: Path | str, mode: int, what: str, fix: str, chmod: bool = True) -> None:
+    """Creates `path` with `mode`, or reuses it if it is a real directory of ours that no one
+    else may write, and then (when `chmod`) gives it exactly `mode`; else UntrustedPath.
+
+    The mode is set on a descriptor opened with O_NOFOLLOW, so a link swapped in after the
+    check can never turn the chmod onto another file.
+    """
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            check_dir(path, os.geteuid(), what, fix)  # says why: a link, not a directory, someone else's
+        raise
+    try:
+        st = os.fstat(fd)
+        why = problem(st, os.geteuid())
+        if why:
+            raise UntrustedPath(errno.EPERM, f"{what} {path} {why}: another user could replace what it holds; {fix}")
+        if chmod and stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)  # mkdir's mode went through the umask, or the directory predates us
+    finally:
+        os.close(fd)
+
+
+def open_private_file(path: Path | str, flags: int, mode: int = 0o600) -> int:
+    """A descriptor on `path` (created with `mode` if missing), never through a link, and only if
+    it is a regular file of ours with one name; its mode is then exactly `mode`. Raises
+    UntrustedPath otherwise."""
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UntrustedPath(errno.ELOOP, f"{path} is a symbolic link; refusing to open it (remove it)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        why = problem(st, os.geteuid(), stat.S_IFREG) or (f"has {st.st_nlink} names (hard links)" if st.st_nlink != 1 else None)
+        if why:
+            raise UntrustedPath(errno.EPERM, f"{path} {why}; refusing to use it (remove it)")
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def peer_uid(path: Path | str, timeout: float = 5.0) -> int:
+    """The uid of the process listening on the Unix socket `path` (SO_PEERCRED), which the
+    kernel records when that process called listen(): it cannot be faked by the server.
+    Raises OSError when nothing listens there (ENOENT, ECONNREFUSED)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        _pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
