@@ -202,7 +202,8 @@ class Client:
                 code = err.code() if isinstance(err, grpc.RpcError) else Status.UNAVAILABLE
                 if code not in Status.RETRYABLE or now + delay >= retry_until:
                     if isinstance(err, _NotListening):
-                        raise ServiceUnavailable(f"kernel service unavailable: nothing accepts connections on {self.socket_path} ({err})") from None
+                        tried = f" (retried for {now - start:.1f} s)" if now - start > 0.01 else ""
+                        raise ServiceUnavailable(f"no kernel service answers at {self.socket_path}{tried}: nothing accepts connections ({err}); start one with `kernel-service serve`") from None
                     _raise_for(err, what, self.address, now - start)
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 1.0)
@@ -393,7 +394,7 @@ class Client:
         try:
             self._verify_daemon()
         except _NotListening as exc:
-            raise ServiceUnavailable(f"kernel service unavailable: nothing accepts connections on {self.socket_path} ({exc})") from None
+            raise ServiceUnavailable(f"no kernel service answers at {self.socket_path}: nothing accepts connections ({exc}); start one with `kernel-service serve`") from None
         try:
             for event in self._stub.Prefetch(request, timeout=timeout or self.timeout, metadata=self._auth()):
                 if event.error_code:

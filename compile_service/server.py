@@ -137,10 +137,12 @@ def running_daemon(socket: Path) -> int | None:
     return None
 
 
-def _make_dir(path: Path, mode: int, what: str, flag: str) -> None:
+def _make_dir(path: Path, mode: int, what: str, flag: str, wanted: Path | None = None) -> None:
+    """Creates `path` (for `wanted`, when it is a parent of what is wanted), or says in one line why not."""
     try:
         path.mkdir(mode=mode, parents=True, exist_ok=True)
     except OSError as exc:
+        what, path = (what.removesuffix("'s parent"), wanted) if wanted else (what, path)
         raise StartError(f"cannot create the {what} {path}: {exc.strerror or exc}; pass {flag} a directory you can write") from None
 
 
@@ -238,7 +240,7 @@ class Daemon:
         # is owner-only, or group-readable with --mode 0750.
         os.umask(0o777 & ~cfg.mode)
         _return_large_buffers()
-        cfg.cache_dir.parent.mkdir(parents=True, exist_ok=True)
+        _make_dir(cfg.cache_dir.parent, 0o777, "cache directory's parent", "--cache-dir (or $KERNEL_SERVICE_CACHE_DIR)", cfg.cache_dir)
         private_dir(cfg.cache_dir, cfg.mode, "cache directory", CACHE_FIX)
         _socket_dir(cfg.socket.parent, cfg.mode)
         self._locks.append(_instance_lock(cfg.cache_dir / "daemon.lock", f"cache dir {cfg.cache_dir}"))
