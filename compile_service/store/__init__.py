@@ -7,7 +7,7 @@
     check    verify and repair, without the index
 """
 
-from .base import Budget, Entry, Storage, StoreError
+from .base import BUILD, Budget, Claim, Entry, Storage, StoreError
 from .local import LocalStore, existing_mode
 
-__all__ = ["Budget", "Entry", "LocalStore", "Storage", "StoreError", "existing_mode"]
+__all__ = ["BUILD", "Budget", "Claim", "Entry", "LocalStore", "Storage", "StoreError", "existing_mode"]
