@@ -27,11 +27,12 @@ import os
 import socket
 import threading
 import time
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from ..config import without_password
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +73,6 @@ def lease_key(key: str) -> str:
 
 def failed_key(key: str) -> str:
     return f"{PREFIX}failed:{key}"
-
-
-def without_password(url: str) -> str:
-    """The URL as stats and logs may show it."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    host = parts.hostname or ""
-    netloc = f"{user}{host}{f':{parts.port}' if parts.port else ''}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 class RedisTier:
