@@ -23,7 +23,7 @@ import redis
 import client
 import tests.slow_kind  # noqa: F401  (clients validate locally: they share the daemons' registry)
 from compile_service.metrics import Metrics
-from compile_service.store import LocalStore
+from compile_service.store import BUILD, LocalStore
 from compile_service.store.remote import DOWN, RETRY_AFTER, UP, RedisTier, TierUnavailable, blob_key, entry_key
 from compile_service.store.tiered import TieredStore
 from compile_service.tools import redis_server
@@ -422,6 +422,20 @@ def test_a_hung_redis_costs_one_timeout_per_interval_then_the_tier_recovers(tier
         assert tier_.look("0" * 64) == (None, None, 0.0, False) and tier_.state == UP
     finally:
         tier_.close()
+
+
+def test_a_host_started_without_its_redis_says_so_and_finds_it_when_it_comes(tmp_path):
+    require_redis_server()
+    late = redis_server.RedisProcess(port=redis_server.free_port(), log_path=tmp_path / "late.log")
+    store = tiered(late.url(), tmp_path / "cache")
+    try:
+        wait_for(lambda: store.tier.state == DOWN, timeout=5, what="the tier reported down without any request")
+        assert store.claim("12" * 32, {}, wake=lambda: None) == BUILD  # served locally meanwhile
+        late.start()
+        wait_for(lambda: store.tier.state == UP, timeout=RETRY_AFTER + 5, what="the tier up again by itself")
+    finally:
+        store.close()
+        late.stop()
 
 
 @pytest.mark.parametrize(

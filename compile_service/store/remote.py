@@ -96,12 +96,16 @@ class RedisTier:
         self._lock = threading.Lock()
         self.state = UP
         self._retry_at = 0.0
+        self._refusals: set[str] = set()
 
     # ----- the breaker
     def _call(self, fn):
         with self._lock:
-            if self.state == DOWN and time.monotonic() < self._retry_at:
-                raise TierUnavailable(f"the fleet tier {self.url} is down; retrying in {self._retry_at - time.monotonic():.1f}s")
+            if self.state == DOWN:
+                now = time.monotonic()
+                if now < self._retry_at:
+                    raise TierUnavailable(f"the fleet tier {self.url} is down; retrying in {self._retry_at - now:.1f}s")
+                self._retry_at = now + RETRY_AFTER  # this call is the one probe; the others go on locally
         try:
             result = fn(self.redis)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -113,7 +117,11 @@ class RedisTier:
             raise TierUnavailable(str(exc)) from exc
         except redis.RedisError as exc:  # refused (NOPERM, OOM): the tier is up, this command is not allowed
             self._count(remote_errors=1)
-            log.warning("fleet tier %s refused a command: %s", self.url, exc)
+            with self._lock:
+                first = str(exc) not in self._refusals
+                self._refusals.add(str(exc))
+            if first:  # once per distinct refusal: a reader's every upload would say the same
+                log.warning("fleet tier %s refused a command: %s (read-only credentials? then pass --remote-read-only)", self.url, exc)
             raise TierUnavailable(str(exc)) from exc
         with self._lock:
             if self.state == DOWN:
@@ -219,4 +227,6 @@ def _failure(raw: bytes | None) -> dict | None:
         record = json.loads(raw) if raw is not None and len(raw) <= MAX_INDEX else None
     except ValueError:
         return None
-    return record if isinstance(record, dict) and isinstance(record.get("error"), str) else None
+    if not isinstance(record, dict) or not isinstance(record.get("error"), str) or not isinstance(record.get("host"), str):
+        return None
+    return record if isinstance(record.get("at"), (int, float)) else None

@@ -123,8 +123,7 @@ class TieredStore(Storage):
                 return Claim(entry=entry)
         elif failure is not None:
             self._settled(key)
-            ago = time.time() - failure.get("at", time.time())
-            note = f"\n(this compile failed on {failure.get('host', 'another host')} {ago:.0f}s ago; the fleet tries it again in {failure_left:.0f}s)"
+            note = f"\n(this compile failed on {failure['host']} {time.time() - failure['at']:.0f}s ago; the fleet tries it again in {failure_left:.0f}s)"
             return Claim(failure=failure["error"] + note, failure_ttl=failure_left)
         if self.tier.read_only:
             taken = 0 if leased else 1  # a reader builds without a lease: it can take none
@@ -170,8 +169,9 @@ class TieredStore(Storage):
         if any(found[d] is None for d in digests):  # evicted (LRU) or flushed: a miss, not damage
             self._drop(key, [])
             return None
-        staging = self.local.new_staging(key)
+        staging = None
         try:
+            staging = self.local.new_staging(key)
             for name, f in files.items():
                 fd = os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 with os.fdopen(fd, "wb") as out:
@@ -182,7 +182,8 @@ class TieredStore(Storage):
             log.warning("cannot publish %s read from the fleet tier: %s", key[:16], exc)
             return None
         finally:
-            self.local.discard_staging(staging)
+            if staging is not None:
+                self.local.discard_staging(staging)
 
     def _refuse(self, key: str, digests: list[str], why: str) -> None:
         self.metrics.add(remote_corrupt=1)
@@ -222,6 +223,10 @@ class TieredStore(Storage):
     def _watch(self) -> None:
         renew_every = self.tier.lease_ms / 3000
         renewed = time.monotonic()
+        try:
+            self.tier.ping()  # at start: stats say "down" from the first second, not the first miss
+        except TierUnavailable:
+            pass
         while not self._closing.wait(POLL):
             if time.monotonic() - renewed >= renew_every:
                 renewed = time.monotonic()
