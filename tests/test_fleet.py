@@ -79,9 +79,8 @@ def host(url: str, *extra: str, env: dict | None = None) -> dict:
 
 def start_hosts(make_daemon, *hosts: dict) -> list:
     """The daemons, started together (each pays TileLang's import), each with its own cache and socket."""
-    daemons = [make_daemon(*h["args"], workers=1, start=False) for h in hosts]
-    for d, h in zip(daemons, hosts):
-        d.env.update(h["env"])
+    daemons = [make_daemon(*h["args"], workers=1, env=h["env"], start=False) for h in hosts]
+    for d in daemons:
         d.start(wait=False)
     for d in daemons:
         wait_serving(socket_address(d.socket), 180, d.proc)
