@@ -124,6 +124,8 @@ def test_a_kernel_compiled_on_one_host_is_served_on_another_without_compiling(ma
     for s in (sa, sb):  # the documented writer ACL allows everything a writer does
         assert (s["remote_errors"], s["remote_state"], s["remote_read_only"]) == (0, "up", False)
         assert s["remote"] == tier.url("fleet-writer", "***")
+    out = subprocess.run([sys.executable, "-m", "compile_service.cli", "stats", "--socket", str(b.socket)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert re.search(r"remote: redis://fleet-writer:\*\*\*@127\.0\.0\.1:\d+/0 \(up\)", out.stdout) and re.search(r"remote_hits: 1\n", out.stdout), out.stdout
     # B's copy is an ordinary local entry now: the next agent's request is a local hit.
     with b.client() as cb:
         get(cb, spec)
