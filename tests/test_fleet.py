@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,8 @@ def whole(r: redis_server.RedisProcess, key: str) -> bool:
 
 
 def test_a_kernel_compiled_on_one_host_is_served_on_another_without_compiling(make_daemon, tier):
-    a, b = start_hosts(make_daemon, host(writer_url(tier)), host(writer_url(tier)))
+    metrics_port = redis_server.free_port()
+    a, b = start_hosts(make_daemon, host(writer_url(tier)), host(writer_url(tier), "--metrics-address", f"127.0.0.1:{metrics_port}"))
     spec = specs(1, base=40)[0]
     with a.client() as ca, b.client() as cb:
         ka = get(ca, spec)
@@ -124,10 +126,13 @@ def test_a_kernel_compiled_on_one_host_is_served_on_another_without_compiling(ma
     for s in (sa, sb):  # the documented writer ACL allows everything a writer does
         assert (s["remote_errors"], s["remote_state"], s["remote_read_only"]) == (0, "up", False)
         assert s["remote"] == tier.url("fleet-writer", "***")
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    for line in ("kernel_service_remote_hits_total 1.0", 'kernel_service_remote_state{state="up"} 1.0', 'kernel_service_remote_state{state="down"} 0.0'):
+        assert line in scraped.splitlines(), line
     out = subprocess.run([sys.executable, "-m", "compile_service.cli", "stats", "--socket", str(b.socket)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert re.search(r"remote: redis://fleet-writer:\*\*\*@127\.0\.0\.1:\d+/0 \(up\)", out.stdout) and re.search(r"remote_hits: 1\n", out.stdout), out.stdout
     # B's copy is an ordinary local entry now: the next agent's request is a local hit.
-    with b.client() as cb:
+    with b.client(direct_hits=False) as cb:
         get(cb, spec)
         assert cb.stats()["hits"] == 1
 
