@@ -88,6 +88,12 @@ def start_hosts(make_daemon, *hosts: dict) -> list:
     return daemons
 
 
+def assert_no_tracebacks(*daemons) -> None:
+    """Background threads (the tier's watcher and uploader, housekeeping) fail only in the log."""
+    for d in daemons:
+        assert "Traceback" not in d.log(), d.log()[-3000:]
+
+
 def stats(d) -> dict:
     with d.client() as c:
         return c.stats()
@@ -135,6 +141,7 @@ def test_a_kernel_compiled_on_one_host_is_served_on_another_without_compiling(ma
     with b.client(direct_hits=False) as cb:
         get(cb, spec)
         assert cb.stats()["hits"] == 1
+    assert_no_tracebacks(a, b)
 
 
 def test_four_hosts_asking_for_the_same_20_cold_kernels_compile_each_once(make_daemon, tier):
@@ -161,6 +168,7 @@ def test_four_hosts_asking_for_the_same_20_cold_kernels_compile_each_once(make_d
     assert all(s["entries"] == 20 and s["remote_errors"] == 0 for s in every)
     assert sum(s["remote_lease_waits"] for s in every) > 0
     assert sum(s["compiles"] > 0 for s in every) > 1, "one host built everything: the others only waited"
+    assert_no_tracebacks(*hosts)
 
 
 def test_a_compile_failure_is_remembered_by_the_whole_fleet_for_its_ttl(make_daemon, tier):
@@ -268,6 +276,7 @@ def test_redis_stopped_mid_burst_serves_every_request_and_the_tier_comes_back(ma
         assert_correct(get(cb, late))
         after = cb.stats()
     assert after["compiles"] == before["compiles"] and after["remote_hits"] == before["remote_hits"] + 1
+    assert_no_tracebacks(*hosts)
 
 
 def test_a_corrupt_blob_in_redis_is_refused_and_the_kernel_rebuilt_locally(make_daemon, tier):
@@ -289,6 +298,7 @@ def test_a_corrupt_blob_in_redis_is_refused_and_the_kernel_rebuilt_locally(make_
     assert (sb["remote_corrupt"], sb["remote_hits"], sb["compiles"], sb["corrupt"]) == (1, 0, 1, 0)
     # B's rebuild replaced the damaged entry in the tier with a whole one.
     wait_for(lambda: whole(tier, key), timeout=30, what="the tier's entry whole again")
+    assert_no_tracebacks(a, b)
 
 
 def test_a_read_only_hosts_writes_are_refused_by_redis_itself(make_daemon, tier, tmp_path):
@@ -329,6 +339,7 @@ def test_a_read_only_hosts_writes_are_refused_by_redis_itself(make_daemon, tier,
     s = stats(ro)
     assert (s["remote_hits"], s["compiles"], s["remote_errors"], s["remote_bytes_out"], s["remote_read_only"]) == (1, 1, 0, 0, True)
     assert not shared(tier, own)
+    assert_no_tracebacks(w, ro)
 
 
 # ----- the tier's store in this process, on fake entries (no TileLang): its checks one by one
