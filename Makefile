@@ -17,7 +17,14 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/python -m pip install -q -e ".[test]" $(NVRTC_SPEC)
 	touch $@
 
-setup: $(VENV)/.installed
+# The fleet tests start a real redis-server (Debian's package): installed here when we are root;
+# otherwise we say what to install, and those tests skip (outside CI).
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; \
+	  else echo "redis-server is not installed: the fleet tests need it (sudo apt-get install redis-server); they skip without it"; fi; }
+
+setup: $(VENV)/.installed redis-server
 
 demo: setup
 	$(VENV)/bin/kernel-service demo
@@ -28,4 +35,4 @@ test: setup
 stubs: setup
 	$(VENV)/bin/python -m proto.generate
 
-.PHONY: setup demo test stubs
+.PHONY: setup redis-server demo test stubs

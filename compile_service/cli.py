@@ -52,6 +52,11 @@ def _resolve(args):
         metrics_address=args.metrics_address,
         no_compile=args.no_compile,
         cuda_compiler_id=args.cuda_compiler_id,
+        remote=args.remote,
+        remote_read_only=args.remote_read_only,
+        remote_lease_seconds=args.remote_lease_seconds,
+        remote_timeout=args.remote_timeout,
+        remote_ttl=args.remote_ttl,
     )
 
 
@@ -173,6 +178,12 @@ def _stats(args) -> int:
     for name in ("cache_dir", "address", "version", "toolchain", "cuda_compiler"):
         print(f"{name:>16}: {stats[name]}")
     print(f"{'uptime':>16}: {stats['uptime_seconds']:.0f} s")
+    if stats["remote"]:
+        mode = " read-only" if stats["remote_read_only"] else ""
+        print(f"{'remote':>16}: {stats['remote']} ({stats['remote_state']}{mode})")
+        for name in ("remote_hits", "remote_misses", "remote_lease_waits", "remote_takeovers", "remote_errors", "remote_corrupt"):
+            print(f"{name:>16}: {stats[name]}")
+        print(f"{'remote_bytes':>16}: {_human_bytes(int(stats['remote_bytes_in']))} in, {_human_bytes(int(stats['remote_bytes_out']))} out")
     return 0
 
 
@@ -629,6 +640,16 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
         metavar="ID",
         help="with --no-compile: key CUDA kernels as if built by this compiler, e.g. nvrtc-13.0 (the builder's, as its bundle records it; default $KERNEL_SERVICE_CUDA_COMPILER_ID); no compiler is looked for",
     )
+    fleet = p.add_argument_group("fleet tier", "a Redis shared by every host: each kernel compiled once per fleet (README: a fleet)")
+    fleet.add_argument(
+        "--remote",
+        metavar="URL",
+        help="the fleet tier: redis://[user:password@]host:port/db, rediss:// for TLS, or unix:///path (default $KERNEL_SERVICE_REMOTE; none: this host alone)",
+    )
+    fleet.add_argument("--remote-read-only", action="store_true", help="read kernels from the tier and wait on other hosts' builds, never write (pair with a read-only ACL user)")
+    fleet.add_argument("--remote-lease-seconds", type=float, metavar="S", help="a build lease lasts this long unless its holder renews it; a dead holder's build is taken over after it (default 30)")
+    fleet.add_argument("--remote-timeout", type=float, metavar="S", help="seconds any one Redis call may take before the host goes on alone (default 1)")
+    fleet.add_argument("--remote-ttl", type=float, metavar="S", help="seconds an entry stays in the tier after it was last written (default 604800, 7 days)")
 
 
 def _log_level(text: str) -> str:

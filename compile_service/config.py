@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from proto.paths import default_cache_dir, default_socket
 
@@ -36,6 +37,11 @@ class ServiceConfig:
     metrics_address: str | None = None  # "host:port" of the Prometheus endpoint (None: none)
     no_compile: bool = False  # serve only: a miss answers NOT_FOUND, no compile workers run
     cuda_compiler_id: str | None = None  # with no_compile: CUDA keys as if built by this compiler ("nvrtc-13.0")
+    remote: str | None = None  # the fleet tier's Redis URL (None: this host alone)
+    remote_read_only: bool = False  # read the tier, never write it
+    remote_lease_seconds: float = 30.0  # a build lease lasts this long unless its holder renews it
+    remote_timeout: float = 1.0  # seconds any one Redis call may take
+    remote_ttl: float = 7 * 86400.0  # seconds an entry stays in the tier after it was last written
     sources: dict = field(default_factory=dict, compare=False)  # field -> where its value came from (describe)
 
     @property
@@ -56,6 +62,8 @@ class ServiceConfig:
                 continue
             value = getattr(self, f.name)
             value = f"{value:04o}" if f.name == "mode" else str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
+            if f.name == "remote" and value:
+                value = without_password(value)
             out[f.name] = {"value": value, "source": self.sources.get(f.name, "default")}
         return out
 
@@ -86,6 +94,15 @@ class ServiceConfig:
             rest["metrics_address"] = tcp_address(rest["metrics_address"], allow_remote, flag="--metrics-address")
         if rest.get("target") not in (None, "auto"):
             check_target(rest["target"])
+        if not rest.get("remote") and env.get("KERNEL_SERVICE_REMOTE"):
+            rest["remote"] = env["KERNEL_SERVICE_REMOTE"]
+            sources["remote"] = "$KERNEL_SERVICE_REMOTE"
+        rest["remote"] = remote_url(rest.get("remote") or None)
+        if rest.get("remote_read_only") and not rest["remote"]:
+            raise ValueError("--remote-read-only needs a tier to read: pass --remote URL (or set KERNEL_SERVICE_REMOTE)")
+        for name in ("remote_lease_seconds", "remote_timeout", "remote_ttl"):
+            if rest.get(name) is not None and rest[name] <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {rest[name]}")
         requested = rest.get("cuda_compiler") or env.get(devices.ENV) or "auto"
         rest["cuda_compiler_id"] = rest.get("cuda_compiler_id") or env.get(devices.ID_ENV) or None
         if rest["cuda_compiler_id"]:
@@ -111,6 +128,35 @@ class ServiceConfig:
         )
         check_socket_path(config.socket)
         return config
+
+
+def remote_url(text: str | None) -> str | None:
+    """A Redis URL redis-py can open: redis://[user:password@]host[:port][/db], rediss:// (TLS)
+    or unix://[user:password@]/path/to/redis.sock[?db=N]."""
+    if text is None:
+        return None
+    parts = urlsplit(text)
+    shown = without_password(text)  # errors never echo a password
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"--remote {shown!r}: expected a redis://, rediss:// or unix:// URL (e.g. redis://user:password@cache-host:6379/0)")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        raise ValueError(f"--remote {shown!r}: the port is not a number from 1 to 65535") from None
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ValueError(f"--remote {shown!r}: no host; expected {parts.scheme}://host:port/db")
+    if parts.scheme == "unix" and not parts.path:
+        raise ValueError(f"--remote {shown!r}: no socket path; expected unix:///path/to/redis.sock")
+    return text
+
+
+def without_password(url: str) -> str:
+    """A URL as stats, logs and errors may show it: any password replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    userinfo, _, where = parts.netloc.rpartition("@")
+    return urlunsplit((parts.scheme, f"{userinfo.split(':', 1)[0]}:***@{where}", parts.path, parts.query, parts.fragment))
 
 
 MAX_SOCKET_PATH = 107  # bytes of a Unix socket path, the terminating NUL excluded (sun_path is 108)

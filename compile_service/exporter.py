@@ -25,7 +25,9 @@ GAUGES = {
     "inductor_bytes": "Bytes in the shared torch.compile directory",
     "uptime_seconds": "Seconds since the daemon started",
     "cpu_quota": "CPUs the daemon may use",
+    "remote_read_only": "1 when the host reads the fleet tier but never writes it",
 }
+REMOTE_STATES = ("off", "up", "down")  # Stats.remote_state: one series per state, 1 for the current one
 HISTOGRAM_HELP = {
     "compile_duration_seconds": "Wall seconds of each compile, by kernel kind",
     "compile_phase_duration_seconds": "Seconds of each compile's phases (trace, lower, device, link)",
@@ -45,6 +47,10 @@ class _Collector:
             yield family
         for name, help_text in GAUGES.items():
             yield GaugeMetricFamily(PREFIX + name, help_text, value=values[name])
+        state = GaugeMetricFamily(PREFIX + "remote_state", "The fleet tier's state (off: no tier; down: unreachable, the host goes on alone)", labels=["state"])
+        for name in REMOTE_STATES:
+            state.add_metric([name], 1.0 if values["remote_state"] == name else 0.0)
+        yield state
         for name, series in self.metrics.histograms().items():
             label, buckets = HISTOGRAMS[name]
             family = HistogramMetricFamily(PREFIX + name, HISTOGRAM_HELP[name], labels=[label])

@@ -33,14 +33,15 @@ def fsync_path(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
-    """Temp file in the same directory (0600, or `mode`), fsync, os.replace."""
+def write_text_atomic(path: Path, text: str, mode: int | None = None, fsync: bool = True) -> None:
+    """Temp file in the same directory (0600, or `mode`), fsync (unless told not to), os.replace."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
@@ -50,8 +51,8 @@ def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
         raise
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True))
+def write_json_atomic(path: Path, data: dict, fsync: bool = True) -> None:
+    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True), fsync=fsync)
 
 
 def pid_alive(pid: int) -> bool:

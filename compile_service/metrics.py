@@ -24,7 +24,18 @@ from .fsutil import write_json_atomic
 
 log = logging.getLogger(__name__)
 
-COUNTERS = ("compiles", "hits", "misses", "failures", "failures_cached", "joined", "derived", "invalid", "corrupt", "evictions", "not_ready")
+# The fleet tier's (store.tiered, store.remote); zero on a daemon without --remote.
+REMOTE_COUNTERS = (
+    "remote_hits",
+    "remote_misses",
+    "remote_bytes_in",
+    "remote_bytes_out",
+    "remote_lease_waits",
+    "remote_takeovers",
+    "remote_errors",
+    "remote_corrupt",
+)
+COUNTERS = ("compiles", "hits", "misses", "failures", "failures_cached", "joined", "derived", "invalid", "corrupt", "evictions", "not_ready", *REMOTE_COUNTERS)
 SECONDS = ("compile_seconds", "device_compile_seconds")
 STATS_FILE = "stats.json"
 SAVE_EVERY = 30.0  # seconds between saves of the counters while the daemon runs

@@ -13,6 +13,10 @@
   its sizes recorded in the ABI for the loader (counted as `derived`).
 - Failures are remembered: a key whose compile failed answers with that
   failure for `failure_ttl` seconds instead of compiling again for every caller.
+- Other hosts: before compiling, a driver asks the store for a claim on the key
+  (Storage.claim). A store shared by a fleet (store.tiered) may answer with the
+  entry another host built, a failure it saw, or "being built elsewhere": the
+  job then waits outside the queue, and the store wakes it to ask again.
 - The budget: after each publish the driver evicts least recently used entries
   down to `max_bytes` / `max_entries` (see Store.evict).
 - Publishing (hashes, fsyncs, a rename) runs on a few publisher threads, not on
@@ -59,7 +63,7 @@ from . import metrics as metrics_
 from .build import compiler, devices
 from .fsutil import die_with_parent
 from .keys import cache_key
-from .store import Budget, Entry, Storage, StoreError
+from .store import BUILD, Budget, Claim, Entry, Storage, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +156,7 @@ class Scheduler:
         self._pool_factory = pool
         self._lock = threading.Lock()  # guards _inflight, _failed, _closing and the pool handle
         self._inflight: dict[str, cf.Future] = {}
+        self._parked: dict[str, _Job] = {}  # jobs asking the store for a claim, or waiting on another host
         # Who waits on each in-flight future, so that one no caller waits on any more can be
         # dropped (release): its request count, its queued job, or the build it is a copy of.
         self._waiters: dict[cf.Future, int] = {}
@@ -393,7 +398,18 @@ class Scheduler:
                 self._queue.put(_Job(_WARM, next(self._seq), "", None, None))
 
     def _run(self, job: _Job) -> None:
-        """Builds one job in a worker, then hands the result to a publisher thread."""
+        """Asks the store for a claim on the key; builds the job in a worker when it is this
+        host's to build, then hands the result to a publisher thread."""
+        claim = self._claim(job)
+        if claim.waiting:
+            return  # another host is building it; the store wakes the job when that is over
+        if claim.entry is not None:
+            self._finish(job.key, job.future, claim.entry)
+            return
+        if claim.failure is not None:
+            self.metrics.add(failures_cached=1)
+            self._finish(job.key, job.future, compiler.CompileFailed(claim.failure), remember=claim.failure_ttl)
+            return
         staging, built = None, None
         with self._lock:
             self._running += 1
@@ -409,6 +425,33 @@ class Scheduler:
             with self._lock:
                 self._running -= 1
         self._publish(self._settle, job.key, job.spec, job.future, staging, built)
+
+    def _claim(self, job: _Job) -> Claim:
+        """The store's claim on the key before building it: parked first, since a store that
+        answers "waiting" may wake the job before it has answered."""
+        with self._lock:
+            self._parked[job.key] = job
+        try:
+            claim = self.store.claim(job.key, self._key_of(job.spec)[1], lambda: self._resume(job))
+        except Exception:  # noqa: BLE001 - a store's trouble with other hosts never fails a request
+            log.exception("claiming %s failed; building it here", job.key[:16])
+            claim = BUILD
+        if not claim.waiting:
+            with self._lock:
+                self._parked.pop(job.key, None)
+        return claim
+
+    def _resume(self, job: _Job) -> None:
+        """Called by the store once another host's build of the job's key is over: ask again
+        (queued as before, so a caller that has gone away meanwhile may still drop it)."""
+        with self._lock:
+            if self._parked.pop(job.key, None) is None:
+                return
+            if not self._closing:
+                job.started = False
+                self._queue.put(job)
+                return
+        self._finish(job.key, job.future, ShuttingDown("the kernel service shut down while another host was building this kernel"))
 
     def _build_in_worker(self, job: _Job, staging: Path) -> dict:
         for attempt in (1, 2):
@@ -471,15 +514,26 @@ class Scheduler:
             if not derived:
                 self.metrics.add(failures=1)
             log.warning("compile of %s failed: %s", spec.to_json(), str(outcome)[:500])
-        # Leave the in-flight table before answering: a later request then finds the entry on
-        # disk, or the remembered failure (a cache write error is not remembered: it may clear).
+        if isinstance(outcome, BaseException):
+            try:  # the fleet remembers compile failures; a crash or a full disk is this host's
+                self.store.abandon(key, str(outcome) if isinstance(outcome, compiler.CompileFailed) else None, self.failure_ttl)
+            except Exception:  # noqa: BLE001 - the answer below matters more
+                log.exception("releasing the claim on %s failed", key[:16])
+        self._finish(key, future, outcome)
+
+    def _finish(self, key: str, future: cf.Future, outcome, remember: float | None = None) -> None:
+        """Answers every waiter of `key` with `outcome` (an Entry or an exception). It leaves the
+        in-flight table first: a later request then finds the entry on disk, or the remembered
+        failure, kept `remember` seconds (default --failure-ttl; a cache write error is not
+        remembered: it may clear)."""
+        ttl = self.failure_ttl if remember is None else remember
         with self._lock:
             self._inflight.pop(key, None)
             self._forget(future)
-            if isinstance(outcome, compiler.CompileFailed) and self.failure_ttl > 0:
+            if isinstance(outcome, compiler.CompileFailed) and ttl > 0:
                 now = time.monotonic()
                 self._failed = {k: v for k, v in self._failed.items() if v[0] > now}
-                self._failed[key] = (now + self.failure_ttl, now, outcome)
+                self._failed[key] = (now + ttl, now, outcome)
         if isinstance(outcome, BaseException):
             future.set_exception(outcome)
         else:

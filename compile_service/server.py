@@ -222,6 +222,18 @@ def _warm_target(cfg: ServiceConfig) -> str | None:
     return cfg.target if cfg.cuda_compiler == devices.NVRTC and cfg.warm_up and not cfg.no_compile else None
 
 
+def _with_fleet_tier(local: LocalStore, cfg: ServiceConfig, metrics: Metrics):
+    """The local store, under the fleet tier when --remote names one (Redis is imported only then)."""
+    if not cfg.remote:
+        return local
+    from .store.remote import RedisTier
+    from .store.tiered import TieredStore
+
+    tier = RedisTier(cfg.remote, read_only=cfg.remote_read_only, lease_seconds=cfg.remote_lease_seconds, timeout=cfg.remote_timeout, ttl=cfg.remote_ttl, metrics=metrics)
+    log.info("fleet tier %s%s, leases of %.0fs", tier.url, " (read-only)" if tier.read_only else "", cfg.remote_lease_seconds)
+    return TieredStore(local, tier, metrics)
+
+
 class Daemon:
     def __init__(self, config: ServiceConfig):
         self.config = config
@@ -260,7 +272,8 @@ class Daemon:
         self.metrics = Metrics()
         self.metrics.load(cfg.cache_dir / STATS_FILE)  # totals go on from the last daemon's
         # Every directory of the cache is checked before any work: a refusal costs no compile workers.
-        self.store = store = LocalStore(cfg.cache_dir, cfg.mode, metrics=self.metrics, extra_usage=(cfg.cache_dir / DEVICE_BINARIES,))
+        self.local = LocalStore(cfg.cache_dir, cfg.mode, metrics=self.metrics, extra_usage=(cfg.cache_dir / DEVICE_BINARIES,))
+        self.store = store = _with_fleet_tier(self.local, cfg, self.metrics)
         for d in (cfg.cache_dir / DEVICE_BINARIES, device_binary_dir(cfg.cache_dir, device.id)):
             private_dir(d, cfg.mode, "cache directory", CACHE_FIX)
         inductor_dir = inductor.ensure(cfg.cache_dir)
@@ -305,6 +318,12 @@ class Daemon:
             toolchain=lambda: describe_toolchain(device.id),
             cuda_compiler=lambda: device.id,
             inductor_dir=lambda: str(inductor_dir),
+        )
+        tier = getattr(store, "tier", None)
+        self.metrics.probes(
+            remote=lambda: tier.url if tier else "",
+            remote_state=lambda: tier.state if tier else "off",
+            remote_read_only=lambda: bool(tier and tier.read_only),
         )
         self.metrics.probe(("entries", "bytes"), store.usage)
         self.metrics.probe(("inductor_entries", "inductor_bytes"), lambda: inductor.usage(inductor_dir))
@@ -355,7 +374,7 @@ class Daemon:
     def _housekeeping(self) -> None:
         """After SERVING: the start-up chores that may walk a large cache, then the counters
         saved every SAVE_EVERY seconds until stop."""
-        swept = self.store.clean_staging()
+        swept = self.local.clean_staging()
         if swept:
             log.info("removed %d staging directories left by dead writers", swept)
         self.scheduler.enforce_budget()  # the budget may have shrunk since the last run
@@ -374,6 +393,7 @@ class Daemon:
         self.health.enter_graceful_shutdown()
         done = self.server.stop(grace) if self.server else None
         self.scheduler.shutdown(grace)
+        self.store.close()  # the fleet tier: queued uploads (bounded), our leases
         if done is not None:
             done.wait(grace + 5)
         if self.exporter is not None:

@@ -123,3 +123,20 @@ def test_hit_load_runs_every_phase_without_errors(tmp_path):
     for phase in ("direct", "direct_2p"):  # no GetKernel reached the daemon
         assert (report[phase]["daemon"]["hits"], report[phase]["daemon"]["misses"], report[phase]["checked"]) == (0, 0, 8), phase
     assert report["evict"]["daemon"]["evictions"] > 0  # cold kernels pushed others out of a 3-entry budget
+
+
+def test_fleet_benchmark_builds_each_kernel_once_and_fetches_every_one(tmp_path):
+    from tests.marks import require_redis_server
+
+    require_redis_server()
+    out_json = tmp_path / "fleet.json"
+    args = ["--quick", "--hosts", "2", "--modes", "fleet,fetch", "--fetches", "12", "--json", str(out_json), "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmark" / "fleet.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    report = json.loads(out_json.read_text())
+    n = report["kernels"]
+    assert n == 6 and report["hosts"] == 2
+    fleet, fetch = report["modes"]["fleet"], report["modes"]["fetch"]
+    assert fleet["compiles"] == n and fleet["remote_hits"] == n and fleet["remote_errors"] == 0  # one build each, the other host read it
+    assert fetch["samples"] >= 12 and 0 < fetch["p50_ms"] <= fetch["p99_ms"] and fetch["get_kernel_samples"] == n
+    assert report["goals"]["fleet_compiles_once"]["met"]

@@ -2,7 +2,9 @@
 
 A store is an action cache (key -> a small metadata record) over a content
 store (file bytes by sha256). The local disk is one implementation
-(store.local); a remote tier plugs in under the same interface.
+(store.local); the fleet tier (store.tiered) wraps it under the same interface,
+and adds `claim`: before compiling a key, the scheduler asks whether another
+host has built it, is building it, or saw it fail.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import abc
 import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,8 +59,22 @@ class Budget:
         return self.max_bytes is not None or self.max_entries is not None
 
 
+@dataclass(frozen=True)
+class Claim:
+    """The answer to "may I build this key?". All fields empty: build it."""
+
+    entry: Entry | None = None  # built elsewhere and now published here: serve it
+    failure: str | None = None  # failed elsewhere: answer with it, remembered `failure_ttl` more seconds
+    failure_ttl: float = 0.0
+    waiting: bool = False  # another host is building it: `wake` is called once that is over
+
+
+BUILD = Claim()
+
+
 class Storage(abc.ABC):
-    """The store interface: lookup, staged put, removal, budget and usage."""
+    """The store interface: lookup, staged put, removal, budget and usage; and the claim on a
+    key before building it, for stores shared with other builders."""
 
     root: Path
 
@@ -104,3 +120,16 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def evict(self, budget: Budget, protect: str | None = None) -> int:
         """Removes least recently used entries down to `budget`; returns how many."""
+
+    # ----- builds shared with other hosts (a store nobody else writes answers trivially)
+    def claim(self, key: str, spec: dict, wake: Callable[[], None]) -> Claim:
+        """Asked before building `key` (whose entry must record `spec`), after a local miss.
+        When the answer is `waiting`, `wake()` is called later, once: ask again then."""
+        return BUILD
+
+    def abandon(self, key: str, failure: str | None = None, failure_ttl: float = 0.0) -> None:
+        """The build of a claimed key ended without an entry: `failure` (the compiler's message)
+        when it failed, to be remembered `failure_ttl` seconds; None when it was cut short."""
+
+    def close(self) -> None:
+        """Finishes background work (bounded) and lets go of what the store holds for others."""

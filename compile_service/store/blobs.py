@@ -29,9 +29,9 @@ class Blobs:
     def path(self, sha256: str) -> Path:
         return self.dir / sha256[:2] / sha256
 
-    def adopt(self, file: Path, sha256: str) -> None:
-        """Makes `file` (sealed: final mode, fsynced) a link to the blob of its bytes: the
-        existing blob when one is whole, else `file` itself becomes the blob."""
+    def adopt(self, file: Path, sha256: str, durable: bool = True) -> None:
+        """Makes `file` (sealed: final mode, fsynced when `durable`) a link to the blob of its
+        bytes: the existing blob when one is whole, else `file` itself becomes the blob."""
         blob = self.path(sha256)
         private_dir(blob.parent, self.dir_mode, "cache blob directory", "run `kernel-service verify --repair`")
         st = file.stat()
@@ -52,7 +52,8 @@ class Blobs:
         tmp = blob.with_name(f".{blob.name}.{os.getpid()}.{os.urandom(4).hex()}")
         os.link(file, tmp)
         os.replace(tmp, blob)
-        fsync_path(blob.parent, directory=True)
+        if durable:
+            fsync_path(blob.parent, directory=True)
 
     @staticmethod
     def _whole(blob: Path, sha256: str, size: int) -> bool:

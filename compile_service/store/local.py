@@ -244,29 +244,33 @@ class LocalStore(Storage):
     def discard_staging(self, staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
-    def put(self, key: str, staging: Path, library: str, meta: dict) -> Entry:
+    def put(self, key: str, staging: Path, library: str, meta: dict, durable: bool = True) -> Entry:
         """Seals `staging` (entry.json, manifest, fsync, files linked to their blobs) and
         renames it into place.
 
+        `durable=False` skips the fsyncs, for an entry that can be had again cheaply (one read
+        through from the fleet tier): a crash may then leave it torn, which the digest check
+        after a restart (the index is in memory) turns into a miss, never a wrong kernel.
         Raises StoreError when the disk refuses; the staging directory is removed either way.
         """
+        sync = fsync_path if durable else _no_sync
         try:
-            write_json_atomic(staging / ENTRY_META, meta)
+            write_json_atomic(staging / ENTRY_META, meta, fsync=durable)
             files = {}
             for item in sorted(staging.iterdir()):
                 if item.name == MANIFEST or not item.is_file() or item.is_symlink():
                     continue
                 os.chmod(item, self.file_mode)  # never group/world-writable: loaders refuse that
-                fsync_path(item)
+                sync(item)
                 files[item.name] = {"size": item.stat().st_size, "sha256": sha256_file(item)}
                 if item.name != ENTRY_META:  # the entry's own record stays its own
-                    self.blobs.adopt(item, files[item.name]["sha256"])
+                    self.blobs.adopt(item, files[item.name]["sha256"], durable)
             if library not in files:
                 raise StoreError(errno.ENOENT, f"the compiler produced no {library}")
-            write_json_atomic(staging / MANIFEST, {"schema": MANIFEST_SCHEMA, "key": key, "library": library, "files": files})
+            write_json_atomic(staging / MANIFEST, {"schema": MANIFEST_SCHEMA, "key": key, "library": library, "files": files}, fsync=durable)
             os.chmod(staging / MANIFEST, self.file_mode)
             os.chmod(staging, self.mode)
-            fsync_path(staging, directory=True)
+            sync(staging, directory=True)
             final = self.entry_path(key)
             private_dir(final.parent, self.mode, "cache shard directory", "run `kernel-service verify --repair`")
             try:
@@ -277,7 +281,7 @@ class LocalStore(Storage):
                 # Someone published first (or a broken leftover sits there).
                 if self.lookup(key) is None:
                     os.rename(staging, final)
-            fsync_path(final.parent, directory=True)
+            sync(final.parent, directory=True)
         except (StoreError, UntrustedPath):
             self.discard_staging(staging)
             raise
@@ -345,6 +349,10 @@ def existing_mode(root: Path | str) -> int:
         return 0o750 if os.stat(root).st_mode & 0o777 == 0o750 else 0o700
     except FileNotFoundError:
         return 0o700
+
+
+def _no_sync(path: Path, directory: bool = False) -> None:
+    """fsync_path's stand-in for an entry published without durability (LocalStore.put)."""
 
 
 def _writer_alive(name: str) -> bool:

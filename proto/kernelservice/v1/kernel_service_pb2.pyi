@@ -147,7 +147,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes", "joined", "corrupt", "invalid", "compile_seconds", "cpu_quota", "cache_dir", "address", "uptime_seconds", "version", "toolchain", "inductor_dir", "inductor_entries", "inductor_bytes", "evictions", "failures_cached", "cuda_compiler", "device_compile_seconds", "derived", "stats_since", "workers_ready", "running", "queued", "not_ready")
+    __slots__ = ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes", "joined", "corrupt", "invalid", "compile_seconds", "cpu_quota", "cache_dir", "address", "uptime_seconds", "version", "toolchain", "inductor_dir", "inductor_entries", "inductor_bytes", "evictions", "failures_cached", "cuda_compiler", "device_compile_seconds", "derived", "stats_since", "workers_ready", "running", "queued", "not_ready", "remote", "remote_state", "remote_read_only", "remote_hits", "remote_misses", "remote_bytes_in", "remote_bytes_out", "remote_lease_waits", "remote_takeovers", "remote_errors", "remote_corrupt")
     COMPILES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,17 @@ class Stats(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     NOT_READY_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_STATE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_HITS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_LEASE_WAITS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TAKEOVERS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_CORRUPT_FIELD_NUMBER: _ClassVar[int]
     compiles: int
     hits: int
     misses: int
@@ -210,7 +221,18 @@ class Stats(_message.Message):
     running: int
     queued: int
     not_ready: int
-    def __init__(self, compiles: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., failures: _Optional[int] = ..., in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., joined: _Optional[int] = ..., corrupt: _Optional[int] = ..., invalid: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., cpu_quota: _Optional[int] = ..., cache_dir: _Optional[str] = ..., address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., inductor_entries: _Optional[int] = ..., inductor_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., failures_cached: _Optional[int] = ..., cuda_compiler: _Optional[str] = ..., device_compile_seconds: _Optional[float] = ..., derived: _Optional[int] = ..., stats_since: _Optional[float] = ..., workers_ready: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., not_ready: _Optional[int] = ...) -> None: ...
+    remote: str
+    remote_state: str
+    remote_read_only: bool
+    remote_hits: int
+    remote_misses: int
+    remote_bytes_in: int
+    remote_bytes_out: int
+    remote_lease_waits: int
+    remote_takeovers: int
+    remote_errors: int
+    remote_corrupt: int
+    def __init__(self, compiles: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., failures: _Optional[int] = ..., in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., joined: _Optional[int] = ..., corrupt: _Optional[int] = ..., invalid: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., cpu_quota: _Optional[int] = ..., cache_dir: _Optional[str] = ..., address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., inductor_entries: _Optional[int] = ..., inductor_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., failures_cached: _Optional[int] = ..., cuda_compiler: _Optional[str] = ..., device_compile_seconds: _Optional[float] = ..., derived: _Optional[int] = ..., stats_since: _Optional[float] = ..., workers_ready: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., not_ready: _Optional[int] = ..., remote: _Optional[str] = ..., remote_state: _Optional[str] = ..., remote_read_only: _Optional[bool] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_bytes_in: _Optional[int] = ..., remote_bytes_out: _Optional[int] = ..., remote_lease_waits: _Optional[int] = ..., remote_takeovers: _Optional[int] = ..., remote_errors: _Optional[int] = ..., remote_corrupt: _Optional[int] = ...) -> None: ...
 
 class ZeroStatsRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,232 @@
+"""The fleet tier's Redis side: its key layout, its few commands, and a circuit breaker.
+
+Keys (all under `ks:`, so one ACL pattern covers them):
+
+    ks:entry:<key>     the index: JSON {schema, host, library, files: {name: {sha256, size}},
+                       meta (entry.json)}; written after every blob it names
+    ks:blob:<sha256>   one file's bytes, stored once however many entries name them
+    ks:lease:<key>     the host building <key> now (SET NX PX, renewed while it builds)
+    ks:failed:<key>    JSON {host, error, at}: a compile that failed, for --failure-ttl
+
+Entries and blobs expire `ttl` seconds after they were last written;
+`maxmemory-policy allkeys-lru` on the server bounds the rest (README).
+
+Redis is an optimisation, never a dependency: every call has a bounded timeout,
+and the first connection error or timeout opens the breaker: for RETRY_AFTER
+seconds every call fails at once with TierUnavailable, then one call tries
+again (state "up" again when it works). A refused command (NOPERM from an ACL,
+OOM) is counted and raised the same way, without opening the breaker.
+Nothing here touches the local disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ..config import without_password
+
+log = logging.getLogger(__name__)
+
+PREFIX = "ks:"
+INDEX_SCHEMA = 1
+RETRY_AFTER = 5.0  # seconds the breaker stays open after a connection error or timeout
+MAX_INDEX = 1 << 20  # bytes of one index: far above any real one (a few KB)
+
+UP, DOWN = "up", "down"
+
+# Atomic lease steps. TAKE answers 2 when the entry or a failure is already there (so a
+# build that finished between our look and our take is never repeated), 1 when the
+# lease is ours, 0 when another host holds it.
+_TAKE = """
+if redis.call('exists', KEYS[2]) == 1 or redis.call('exists', KEYS[3]) == 1 then return 2 end
+if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+
+
+class TierUnavailable(Exception):
+    """Redis is down, slow, or refused the command: the caller goes on locally."""
+
+
+def entry_key(key: str) -> str:
+    return f"{PREFIX}entry:{key}"
+
+
+def blob_key(sha256: str) -> str:
+    return f"{PREFIX}blob:{sha256}"
+
+
+def lease_key(key: str) -> str:
+    return f"{PREFIX}lease:{key}"
+
+
+def failed_key(key: str) -> str:
+    return f"{PREFIX}failed:{key}"
+
+
+class RedisTier:
+    def __init__(self, url: str, *, read_only: bool = False, lease_seconds: float = 30.0, timeout: float = 1.0, ttl: float = 7 * 86400, metrics=None):
+        """`url`: redis://, rediss:// (TLS) or unix://, credentials and db included
+        (redis-py's from_url). Connects lazily: a Redis that is down at start costs nothing."""
+        self.url = without_password(url)
+        self.read_only = read_only
+        self.lease_ms = int(lease_seconds * 1000)
+        self.ttl_ms = int(ttl * 1000)
+        self.metrics = metrics
+        self.host = f"{socket.gethostname()}/{os.getpid()}/{os.urandom(3).hex()}"  # this daemon, as leases name it
+        # One immediate retry on a connection error only (a pooled socket the server
+        # closed on restart); a timeout is never retried: it already cost the caller.
+        self.redis = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+        )
+        self._lock = threading.Lock()
+        self.state = UP
+        self._retry_at = 0.0
+        self._refusals: set[str] = set()
+
+    # ----- the breaker
+    def _call(self, fn):
+        with self._lock:
+            if self.state == DOWN:
+                now = time.monotonic()
+                if now < self._retry_at:
+                    raise TierUnavailable(f"the fleet tier {self.url} is down; retrying in {self._retry_at - now:.1f}s")
+                self._retry_at = now + RETRY_AFTER  # this call is the one probe; the others go on locally
+        try:
+            result = fn(self.redis)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._count(remote_errors=1)
+            with self._lock:
+                if self.state == UP:
+                    log.warning("fleet tier %s unreachable (%s); serving from the local cache, retrying every %.0fs", self.url, exc, RETRY_AFTER)
+                self.state, self._retry_at = DOWN, time.monotonic() + RETRY_AFTER
+            raise TierUnavailable(str(exc)) from exc
+        except redis.RedisError as exc:  # refused (NOPERM, OOM): the tier is up, this command is not allowed
+            self._count(remote_errors=1)
+            with self._lock:
+                first = str(exc) not in self._refusals
+                self._refusals.add(str(exc))
+            if first:  # once per distinct refusal: a reader's every upload would say the same
+                log.warning("fleet tier %s refused a command: %s (read-only credentials? then pass --remote-read-only)", self.url, exc)
+            raise TierUnavailable(str(exc)) from exc
+        with self._lock:
+            if self.state == DOWN:
+                log.info("fleet tier %s is reachable again", self.url)
+            self.state = UP
+        return result
+
+    def retry_in(self) -> float:
+        """Seconds until a call may reach Redis again (0 when the breaker is closed)."""
+        with self._lock:
+            return max(0.0, self._retry_at - time.monotonic()) if self.state == DOWN else 0.0
+
+    def _count(self, **deltas) -> None:
+        if self.metrics is not None:
+            self.metrics.add(**deltas)
+
+    def ping(self) -> None:
+        self._call(lambda r: r.ping())
+
+    # ----- reading
+    def look(self, key: str) -> tuple[bytes | None, dict | None, float, bool]:
+        """One round trip: (the index as stored, the failure record, its seconds left, whether
+        a lease is held). The index is checked by the caller, with the entry it describes."""
+
+        def run(r):
+            p = r.pipeline(transaction=False)
+            p.get(entry_key(key)).get(failed_key(key)).pttl(failed_key(key)).exists(lease_key(key))
+            return p.execute()
+
+        raw_index, raw_failure, failure_ms, leased = self._call(run)
+        self._count(remote_bytes_in=len(raw_index or b"") + len(raw_failure or b""))
+        return raw_index, _failure(raw_failure), max(0, failure_ms) / 1000, bool(leased)
+
+    def blobs(self, digests: list[str]) -> list[bytes | None]:
+        found = self._call(lambda r: r.mget([blob_key(d) for d in digests]))
+        self._count(remote_bytes_in=sum(len(b) for b in found if b))
+        return found
+
+    def settled(self, keys: list[str]) -> list[bool]:
+        """For each key another host was building: is it over (entry or failure there, or the
+        lease gone)? One round trip for all of them."""
+
+        def run(r):
+            p = r.pipeline(transaction=False)
+            for key in keys:
+                p.exists(entry_key(key), failed_key(key)).exists(lease_key(key))
+            return p.execute()
+
+        flags = self._call(run)
+        return [done > 0 or not leased for done, leased in zip(flags[::2], flags[1::2])]
+
+    # ----- writing (never on a read-only tier: the caller checks, the ACL enforces)
+    def take_lease(self, key: str) -> int:
+        """1: the lease is ours; 0: another host holds it; 2: the entry or a failure is there."""
+        return int(self._call(lambda r: r.eval(_TAKE, 3, lease_key(key), entry_key(key), failed_key(key), self.host, self.lease_ms)))
+
+    def renew(self, keys: list[str]) -> list[str]:
+        """Extends our leases on `keys`; returns those no longer ours (expired, or the server lost them)."""
+
+        def run(r):
+            p = r.pipeline(transaction=False)
+            for key in keys:
+                p.eval(_RENEW, 1, lease_key(key), self.host, self.lease_ms)
+            return p.execute()
+
+        return [key for key, kept in zip(keys, self._call(run)) if not kept]
+
+    def release(self, key: str) -> None:
+        self._call(lambda r: r.eval(_RELEASE, 1, lease_key(key), self.host))
+
+    def put_entry(self, key: str, index: dict, files: dict[str, bytes]) -> None:
+        """Blobs first, then the index that names them: a reader never finds an index whose
+        blobs were not written (though LRU may evict one later: a reader's miss)."""
+        body = json.dumps({**index, "schema": INDEX_SCHEMA, "host": self.host}, sort_keys=True).encode()
+
+        def run(r):
+            p = r.pipeline(transaction=False)
+            for digest, data in files.items():
+                p.set(blob_key(digest), data, px=self.ttl_ms)
+            p.set(entry_key(key), body, px=self.ttl_ms).delete(failed_key(key))
+            return p.execute()
+
+        self._call(run)
+        self._count(remote_bytes_out=len(body) + sum(len(d) for d in files.values()))
+
+    def put_failure(self, key: str, error: str, ttl: float) -> None:
+        body = json.dumps({"host": self.host, "error": error, "at": time.time()}).encode()
+        self._call(lambda r: r.set(failed_key(key), body, px=max(1, int(ttl * 1000))))
+        self._count(remote_bytes_out=len(body))
+
+    def drop(self, key: str, digests: list[str]) -> None:
+        """Removes an index that cannot be served (a blob gone or corrupt) and those blobs, so
+        the key can be leased and built again, and its bytes stored whole."""
+        self._call(lambda r: r.delete(entry_key(key), *(blob_key(d) for d in digests)))
+
+    def close(self) -> None:
+        self.redis.close()
+
+
+def _failure(raw: bytes | None) -> dict | None:
+    """A failure record, or None when absent or unreadable (a failure is advice, never trusted further)."""
+    try:
+        record = json.loads(raw) if raw is not None and len(raw) <= MAX_INDEX else None
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("error"), str) or not isinstance(record.get("host"), str):
+        return None
+    return record if isinstance(record.get("at"), (int, float)) else None

@@ -1,0 +1,473 @@
+"""The fleet tier against a real redis-server: several daemons on this machine, each with its
+own cache and socket, stand in for hosts. Redis runs on a loopback port with the README's ACL
+lines applied: writer hosts connect as `fleet-writer`, read-only ones as `fleet-reader`, so
+the documented permissions are the ones every test runs under."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import redis
+
+import client
+import tests.slow_kind  # noqa: F401  (clients validate locally: they share the daemons' registry)
+from compile_service.metrics import Metrics
+from compile_service.store import BUILD, LocalStore
+from compile_service.store.remote import DOWN, RETRY_AFTER, UP, RedisTier, TierUnavailable, blob_key, entry_key
+from compile_service.store.tiered import TieredStore
+from compile_service.tools import redis_server
+from compile_service.tools.launch import wait_serving
+from proto.paths import socket_address
+from tests.marks import require_redis_server
+from tests.test_faults import assert_correct, get, specs, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+LEASE = 2.0  # seconds: short, so a dead holder's build is taken over quickly
+PASSWORDS = {"READER_PASSWORD": "reader-test-pw", "WRITER_PASSWORD": "writer-test-pw"}
+
+
+def documented_acl() -> list[str]:
+    """The README's ACL lines for the fleet's two users, with test passwords."""
+    lines = [line.strip() for line in (ROOT / "README.md").read_text().splitlines() if line.strip().startswith("user fleet-")]
+    assert sorted(line.split()[1] for line in lines) == ["fleet-reader", "fleet-writer"], lines
+    for placeholder, password in PASSWORDS.items():
+        lines = [line.replace(placeholder, password) for line in lines]
+    return lines
+
+
+@pytest.fixture(scope="module")
+def redis_proc(tmp_path_factory):
+    require_redis_server()
+    r = redis_server.RedisProcess(documented_acl(), log_path=tmp_path_factory.mktemp("redis") / "redis.log").start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def tier(redis_proc):
+    """The module's Redis, running and empty."""
+    if redis_proc.proc.poll() is not None:
+        redis_proc.start()
+    with redis_proc.admin() as r:
+        r.flushall()
+    return redis_proc
+
+
+def writer_url(r: redis_server.RedisProcess) -> str:
+    return r.url("fleet-writer", PASSWORDS["WRITER_PASSWORD"])
+
+
+def reader_url(r: redis_server.RedisProcess) -> str:
+    return r.url("fleet-reader", PASSWORDS["READER_PASSWORD"])
+
+
+def host(url: str, *extra: str, env: dict | None = None) -> dict:
+    """One simulated host on the tier at `url`: one compile worker, short leases."""
+    return {"args": ("--remote", url, "--remote-lease-seconds", str(LEASE), *extra), "env": env or {}}
+
+
+def start_hosts(make_daemon, *hosts: dict) -> list:
+    """The daemons, started together (each pays TileLang's import), each with its own cache and socket."""
+    daemons = [make_daemon(*h["args"], workers=1, env=h["env"], start=False) for h in hosts]
+    for d in daemons:
+        d.start(wait=False)
+    for d in daemons:
+        wait_serving(socket_address(d.socket), 180, d.proc)
+    return daemons
+
+
+def assert_no_tracebacks(*daemons) -> None:
+    """Background threads (the tier's watcher and uploader, housekeeping) fail only in the log."""
+    for d in daemons:
+        assert "Traceback" not in d.log(), d.log()[-3000:]
+
+
+def stats(d) -> dict:
+    with d.client() as c:
+        return c.stats()
+
+
+def shared(r: redis_server.RedisProcess, key: str) -> bool:
+    with r.admin() as a:
+        return a.exists(entry_key(key)) == 1
+
+
+def whole(r: redis_server.RedisProcess, key: str) -> bool:
+    """Whether the tier holds `key`'s index and every blob it names, each matching its digest."""
+    with r.admin() as a:
+        raw = a.get(entry_key(key))
+        if raw is None:
+            return False
+        digests = [f["sha256"] for f in json.loads(raw)["files"].values()]
+        return all((b is not None and hashlib.sha256(b).hexdigest() == d) for d, b in zip(digests, a.mget([blob_key(d) for d in digests])))
+
+
+def test_a_kernel_compiled_on_one_host_is_served_on_another_without_compiling(make_daemon, tier):
+    metrics_port = redis_server.free_port()
+    a, b = start_hosts(make_daemon, host(writer_url(tier)), host(writer_url(tier), "--metrics-address", f"127.0.0.1:{metrics_port}"))
+    spec = specs(1, base=40)[0]
+    with a.client() as ca, b.client() as cb:
+        ka = get(ca, spec)
+        key = ka.key
+        wait_for(lambda: shared(tier, key), timeout=30, what="host A's write-behind")
+        kb = get(cb, spec)
+        assert_correct(kb)
+    assert kb.path != ka.path and kb.path.read_bytes() == ka.path.read_bytes()
+    sa, sb = stats(a), stats(b)
+    assert (sb["compiles"], sb["remote_hits"], sb["entries"]) == (0, 1, 1)
+    assert sb["remote_bytes_in"] >= kb.path.stat().st_size
+    assert (sa["compiles"], sa["remote_misses"]) == (1, 1) and sa["remote_bytes_out"] >= ka.path.stat().st_size
+    for s in (sa, sb):  # the documented writer ACL allows everything a writer does
+        assert (s["remote_errors"], s["remote_state"], s["remote_read_only"]) == (0, "up", False)
+        assert s["remote"] == tier.url("fleet-writer", "***")
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    for line in ("kernel_service_remote_hits_total 1.0", 'kernel_service_remote_state{state="up"} 1.0', 'kernel_service_remote_state{state="down"} 0.0'):
+        assert line in scraped.splitlines(), line
+    out = subprocess.run([sys.executable, "-m", "compile_service.cli", "stats", "--socket", str(b.socket)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert re.search(r"remote: redis://fleet-writer:\*\*\*@127\.0\.0\.1:\d+/0 \(up\)", out.stdout) and re.search(r"remote_hits: 1\n", out.stdout), out.stdout
+    # B's copy is an ordinary local entry now: the next agent's request is a local hit.
+    with b.client(direct_hits=False) as cb:
+        get(cb, spec)
+        assert cb.stats()["hits"] == 1
+    assert_no_tracebacks(a, b)
+
+
+def test_four_hosts_asking_for_the_same_20_cold_kernels_compile_each_once(make_daemon, tier):
+    hosts = start_hosts(make_daemon, *[host(writer_url(tier))] * 4)
+    batch = specs(20, base=64)
+    start = threading.Barrier(len(hosts))
+    results: dict[int, list] = {}
+
+    def agent(i: int) -> None:
+        with hosts[i].client() as c:
+            start.wait()
+            results[i] = c.prefetch(batch, load=False)
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(len(hosts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert sorted(results) == [0, 1, 2, 3]
+    assert all(not isinstance(r, Exception) for rs in results.values() for r in rs), results
+    every = [stats(d) for d in hosts]
+    assert sum(s["compiles"] for s in every) == 20, [s["compiles"] for s in every]
+    assert sum(s["remote_hits"] for s in every) == 60  # every other host read each one through
+    assert all(s["entries"] == 20 and s["remote_errors"] == 0 for s in every)
+    assert sum(s["remote_lease_waits"] for s in every) > 0
+    assert sum(s["compiles"] > 0 for s in every) > 1, "one host built everything: the others only waited"
+    assert_no_tracebacks(*hosts)
+
+
+def test_a_compile_failure_is_remembered_by_the_whole_fleet_for_its_ttl(make_daemon, tier):
+    import tests.failing_kind  # noqa: F401
+
+    broken = ("--kernel-module", "tests.failing_kind", "--failure-ttl", "30")
+    a, b = start_hosts(make_daemon, host(writer_url(tier), *broken), host(writer_url(tier), *broken))
+    with a.client() as ca, pytest.raises(client.CompileError):
+        ca.get_kernel("broken", N=32, target="c")
+    with tier.admin() as r:
+        (failed,) = r.keys("ks:failed:*")
+        assert 0 < r.pttl(failed) <= 30_000
+    with b.client() as cb, pytest.raises(client.CompileError) as err:
+        cb.get_kernel("broken", N=32, target="c")
+    assert "this compile failed on" in str(err.value) and "the fleet tries it again in" in str(err.value)
+    sb = stats(b)
+    assert (sb["failures"], sb["failures_cached"], sb["compiles"]) == (0, 1, 0)
+    with tier.admin() as r:
+        assert r.keys("ks:lease:*") == []  # A let go of its lease when the compile failed
+
+
+def test_kill_9_of_the_lease_holder_lets_another_host_build_within_the_lease_time(make_daemon, tier):
+    # Host A builds slowly (its worker sleeps first), so it surely holds the lease when killed.
+    slow = ("--kernel-module", "tests.slow_kind")
+    a, b = start_hosts(make_daemon, host(writer_url(tier), *slow, env={"KS_TEST_BUILD_DELAY": "120"}), host(writer_url(tier), *slow))
+    spec = {"kind": "slow_rmsnorm", "M": None, "N": 24, "dtype": "float32", "target": "c"}
+
+    def ask_a() -> None:
+        with contextlib.suppress(client.ServiceUnavailable, client.ServiceError), a.client(timeout=30) as c:
+            get(c, spec)
+
+    threading.Thread(target=ask_a, daemon=True).start()
+    with tier.admin() as r:
+        wait_for(lambda: r.keys("ks:lease:*"), timeout=60, what="host A's lease")
+    got: dict = {}
+
+    def ask_b() -> None:
+        with b.client() as c:
+            got["kernel"] = get(c, spec)
+            got["at"] = time.monotonic()
+
+    tb = threading.Thread(target=ask_b)
+    tb.start()
+    wait_for(lambda: stats(b)["remote_lease_waits"] == 1, timeout=30, what="host B waiting on A's lease")
+    killed = time.monotonic()
+    os.killpg(a.proc.pid, signal.SIGKILL)  # the daemon and its compile workers: the whole host
+    a.proc.wait()
+    tb.join(60)
+    assert "kernel" in got, "host B never got the kernel"
+    k = got["kernel"]
+    assert_correct_like_rmsnorm(k)
+    # B started building within the lease time after the kill (plus one poll and some slack).
+    started_building = got["at"] - killed - k.compile_seconds
+    assert started_building <= LEASE + 1.5, started_building
+    sb = stats(b)
+    assert (sb["compiles"], sb["remote_takeovers"], sb["remote_lease_waits"]) == (1, 1, 1)
+    with tier.admin() as r:
+        wait_for(lambda: shared(tier, k.key) and not r.keys("ks:lease:*"), timeout=30, what="B's entry shared and its lease released")
+
+
+def assert_correct_like_rmsnorm(kernel) -> None:
+    import torch
+
+    from kernels.reference import make_inputs, reference
+
+    p = kernel.spec["params"]
+    inputs = make_inputs("rmsnorm", p)
+    torch.testing.assert_close(kernel(*inputs), reference("rmsnorm", p, inputs), rtol=1e-4, atol=1e-4)
+
+
+def test_redis_stopped_mid_burst_serves_every_request_and_the_tier_comes_back(make_daemon, tier):
+    hosts = start_hosts(make_daemon, host(writer_url(tier)), host(writer_url(tier)))
+    batch = specs(8, base=300)
+    errors: list = []
+    served = []
+
+    def agent(d, items) -> None:
+        with d.client() as c:
+            for spec in items:
+                try:
+                    get(c, spec)
+                    served.append(spec)
+                except Exception as exc:  # noqa: BLE001 - counted: there must be none
+                    errors.append(exc)
+
+    threads = [threading.Thread(target=agent, args=(d, batch[::step])) for d in hosts for step in (1, -1)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(served) >= 2, timeout=120, what="the burst under way")
+    tier.stop()
+    for t in threads:
+        t.join(300)
+    assert errors == [] and len(served) == 4 * len(batch)
+    down = [stats(d) for d in hosts]
+    assert any(s["remote_state"] == DOWN and s["remote_errors"] > 0 for s in down), [(s["remote_state"], s["remote_errors"]) for s in down]
+
+    tier.start()  # the same port, empty: the hosts find it again by themselves
+    wait_for(lambda: all(stats(d)["remote_state"] == UP for d in hosts), timeout=RETRY_AFTER + 10, what="the tier back up")
+    a, b = hosts
+    late = specs(1, base=600)[0]
+    with a.client() as ca, b.client() as cb:
+        key = get(ca, late).key
+        wait_for(lambda: shared(tier, key), timeout=30, what="a write-behind after the restart")
+        before = cb.stats()
+        assert_correct(get(cb, late))
+        after = cb.stats()
+    assert after["compiles"] == before["compiles"] and after["remote_hits"] == before["remote_hits"] + 1
+    assert_no_tracebacks(*hosts)
+
+
+def test_a_corrupt_blob_in_redis_is_refused_and_the_kernel_rebuilt_locally(make_daemon, tier):
+    a, b = start_hosts(make_daemon, host(writer_url(tier)), host(writer_url(tier)))
+    spec = specs(1, base=200)[0]
+    with a.client() as ca:
+        key = get(ca, spec).key
+    wait_for(lambda: shared(tier, key), timeout=30, what="host A's write-behind")
+    with tier.admin() as r:
+        index = json.loads(r.get(entry_key(key)))
+        library = blob_key(index["files"][index["library"]]["sha256"])
+        data = bytearray(r.get(library))
+        data[len(data) // 2] ^= 0xFF  # one flipped bit pattern, same size
+        r.set(library, bytes(data))
+    with b.client() as cb:
+        kb = get(cb, spec)
+        assert_correct(kb)
+    sb = stats(b)
+    assert (sb["remote_corrupt"], sb["remote_hits"], sb["compiles"], sb["corrupt"]) == (1, 0, 1, 0)
+    # B's rebuild replaced the damaged entry in the tier with a whole one.
+    wait_for(lambda: whole(tier, key), timeout=30, what="the tier's entry whole again")
+    assert_no_tracebacks(a, b)
+
+
+def test_a_read_only_hosts_writes_are_refused_by_redis_itself(make_daemon, tier, tmp_path):
+    # The ACL, not the flag: Redis refuses the reader user's writes, whoever sends them.
+    with redis.Redis.from_url(reader_url(tier)) as reader:
+        assert reader.get(entry_key("0" * 64)) is None  # reads are allowed
+        for write in (lambda: reader.set(entry_key("0" * 64), b"x"), lambda: reader.delete(entry_key("0" * 64)), lambda: reader.eval("return 1", 0)):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                write()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            reader.get("elsewhere:key")  # and only under ks:
+
+    # A daemon given reader credentials but not --remote-read-only tries to write: refused, counted, served anyway.
+    metrics = Metrics()
+    store = TieredStore(LocalStore(tmp_path / "cache", metrics=metrics), RedisTier(reader_url(tier), metrics=metrics), metrics)
+    try:
+        key = "ab" * 32
+        assert not store.claim(key, {"kind": "k"}, wake=lambda: None).waiting  # the lease was refused: build here
+        staging = store.new_staging(key)
+        (staging / "kernel.so").write_bytes(os.urandom(64))
+        meta = {"spec": {"kind": "k"}, "abi": {"loader": "c", "symbol": "call", "device": "cpu", "params": [], "outputs": [], "dynamic": []}}
+        assert store.put(key, staging, "kernel.so", meta).key == key
+        wait_for(lambda: metrics.counters()["remote_errors"] >= 2, timeout=10, what="the refused upload")
+    finally:
+        store.close()
+    with tier.admin() as r:
+        assert r.keys("ks:*") == []
+
+    # With the flag, the read-only host reads what writers share and tries no write at all.
+    w, ro = start_hosts(make_daemon, host(writer_url(tier)), host(reader_url(tier), "--remote-read-only"))
+    first, second = specs(2, base=500)
+    with w.client() as cw, ro.client() as cr:
+        key = get(cw, first).key
+        wait_for(lambda: shared(tier, key), timeout=30, what="the writer's write-behind")
+        assert_correct(get(cr, first))
+        own = get(cr, second).key
+    time.sleep(0.5)  # a write-behind, were there one, is done by now
+    s = stats(ro)
+    assert (s["remote_hits"], s["compiles"], s["remote_errors"], s["remote_bytes_out"], s["remote_read_only"]) == (1, 1, 0, 0, True)
+    assert not shared(tier, own)
+    assert_no_tracebacks(w, ro)
+
+
+# ----- the tier's store in this process, on fake entries (no TileLang): its checks one by one
+
+ABI = {"loader": "c", "symbol": "call", "device": "cpu", "params": [{"name": "Y", "dtype": "float32", "shape": [4]}], "outputs": [0], "dynamic": []}
+
+
+def tiered(url: str, root: Path) -> TieredStore:
+    metrics = Metrics()
+    return TieredStore(LocalStore(root, metrics=metrics), RedisTier(url, metrics=metrics), metrics)
+
+
+def share_fake_entry(url: str, root: Path, key: str, spec: dict) -> None:
+    """Publishes a fake entry on a writer host and waits until its write-behind is done."""
+    store = tiered(url, root)
+    try:
+        staging = store.new_staging(key)
+        (staging / "kernel.so").write_bytes(os.urandom(4096))
+        (staging / "kernel.c").write_text("/* generated */")
+        store.put(key, staging, "kernel.so", {"spec": spec, "abi": ABI})
+    finally:
+        store.close()  # drains the upload
+
+
+def test_a_read_through_is_checked_like_a_local_build_and_published_without_fsync(tier, tmp_path, monkeypatch):
+    key, spec = "cd" * 32, {"kind": "fake", "params": {"N": 4}}
+    share_fake_entry(writer_url(tier), tmp_path / "a", key, spec)
+    store = tiered(writer_url(tier), tmp_path / "b")
+    fsyncs = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd)))
+    try:
+        entry = store.claim(key, spec, wake=lambda: None).entry
+        assert entry is not None and entry.meta["spec"] == spec
+        assert fsyncs == []  # a fetch is cheap to repeat: no fsync on the way (LocalStore.put durable=False)
+        assert (entry.path / "kernel.c").read_text() == "/* generated */"
+        assert store.metrics.counters()["remote_hits"] == 1
+    finally:
+        store.close()
+    # Torn by a crash before the page cache reached the disk: after a restart, a miss.
+    (entry.path / "kernel.so").write_bytes(b"\0" * 4096)
+    assert LocalStore(tmp_path / "b", metrics=Metrics()).lookup(key, spec) is None
+
+
+PLANTED = {  # what a compromised or buggy writer might leave under an index
+    "another spec": lambda index: index["meta"].update(spec={"kind": "fake", "params": {"N": 8}}),
+    "a path for a file name": lambda index: index["files"].update({"../../evil.so": index["files"]["kernel.so"]}),
+    "no library": lambda index: index["files"].pop("kernel.so"),
+    "a garbage abi": lambda index: index["meta"].update(abi={"loader": "c", "params": "all"}),
+    "sizes past the limit": lambda index: index["files"]["kernel.so"].update(size=1 << 40),
+    "another schema": lambda index: index.update(schema=99),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(PLANTED))
+def test_an_index_that_fails_the_checks_is_refused_counted_and_dropped(tier, tmp_path, damage):
+    key, spec = "ef" * 32, {"kind": "fake", "params": {"N": 4}}
+    share_fake_entry(writer_url(tier), tmp_path / "a", key, spec)
+    with tier.admin() as r:
+        index = json.loads(r.get(entry_key(key)))
+        PLANTED[damage](index)
+        r.set(entry_key(key), json.dumps(index))
+    store = tiered(writer_url(tier), tmp_path / "b")
+    try:
+        claim = store.claim(key, spec, wake=lambda: None)
+        assert claim.entry is None and not claim.waiting  # refused: built here, under this host's lease
+        assert store.metrics.counters()["remote_corrupt"] == 1 and store.keys() == []
+        with tier.admin() as r:
+            assert r.get(entry_key(key)) is None and r.get(f"ks:lease:{key}") == store.tier.host.encode()
+        store.abandon(key)
+    finally:
+        store.close()
+    assert not (tmp_path / "evil.so").exists()
+
+
+def test_a_hung_redis_costs_one_timeout_per_interval_then_the_tier_recovers(tier):
+    """SIGSTOP: connections are accepted, nothing answers (a slow or wedged server)."""
+    tier_ = RedisTier(writer_url(tier), timeout=0.3, metrics=Metrics())
+    try:
+        tier_.ping()
+        os.kill(tier.proc.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(TierUnavailable):
+                tier_.look("0" * 64)
+            first = time.monotonic() - start
+            start = time.monotonic()
+            for _ in range(20):
+                with pytest.raises(TierUnavailable):
+                    tier_.look("0" * 64)
+            rest = time.monotonic() - start
+        finally:
+            os.kill(tier.proc.pid, signal.SIGCONT)
+        assert 0.25 <= first < 1.5 and rest < 0.1, (first, rest)
+        assert tier_.state == DOWN and tier_.metrics.counters()["remote_errors"] == 1
+        time.sleep(tier_.retry_in() + 0.05)
+        assert tier_.look("0" * 64) == (None, None, 0.0, False) and tier_.state == UP
+    finally:
+        tier_.close()
+
+
+def test_a_host_started_without_its_redis_says_so_and_finds_it_when_it_comes(tmp_path):
+    require_redis_server()
+    late = redis_server.RedisProcess(port=redis_server.free_port(), log_path=tmp_path / "late.log")
+    store = tiered(late.url(), tmp_path / "cache")
+    try:
+        wait_for(lambda: store.tier.state == DOWN, timeout=5, what="the tier reported down without any request")
+        assert store.claim("12" * 32, {}, wake=lambda: None) == BUILD  # served locally meanwhile
+        late.start()
+        wait_for(lambda: store.tier.state == UP, timeout=RETRY_AFTER + 5, what="the tier up again by itself")
+    finally:
+        store.close()
+        late.stop()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--remote", "http://u:secret@host/0"], r"--remote 'http://u:\*\*\*@host/0': expected a redis://, rediss:// or unix:// URL"),
+        (["--remote-read-only"], r"--remote-read-only needs a tier to read: pass --remote URL \(or set KERNEL_SERVICE_REMOTE\)"),
+        (["--remote", "redis://h:6379", "--remote-lease-seconds", "0"], r"--remote-lease-seconds must be positive, got 0.0"),
+    ],
+)
+def test_bad_fleet_flags_are_refused_with_one_line(args, message, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "KERNEL_SERVICE_REMOTE"}
+    out = subprocess.run(
+        [sys.executable, "-m", "compile_service.cli", "serve", "--socket", str(tmp_path / "s.sock"), "--cache-dir", str(tmp_path / "c"), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and re.search(message, out.stderr), out.stderr
+    assert "secret" not in out.stderr
