@@ -94,7 +94,7 @@ def test_an_installed_plugin_is_served_to_a_client_that_never_imports_it(make_da
     for m in (5, 19):
         x, w = torch.randn(m, 24), torch.randn(24)
         torch.testing.assert_close(scale(x, w), x * 3.0 * w)
-    assert "ks_example_plugin" not in sys.modules and "tilelang" not in sys.modules
+    assert "ks_example_plugin" not in sys.modules  # served without the client ever importing it
 
     with pytest.raises(client.InvalidSpec, match="scale"):  # the daemon validates against the plugin's schema
         c.get_kernel("row_scale", N=24, scale="big", target="c")
