@@ -429,13 +429,18 @@ def _prewarm(args) -> int:
     except ManifestError as exc:
         return _fail(str(exc), 2)
     address = socket_address(args.socket or default_socket())
+    try:  # one Prefetch may queue a quarter of the daemon's --queue-limit compiles: batches that fit
+        config = json.loads(_ask(args.socket, "GetServiceInfo", pb.GetServiceInfoRequest()).config_json or "{}")
+    except ConnectionError as exc:
+        return _fail(str(exc))
+    batch_size = max(1, min(wire.MAX_BATCH, config.get("queue_limit", {}).get("value", 1024) // 4))
     built, present, failed = [], [], []  # failed: (spec, reason)
     bar = _progress(len(specs))
     todo = list(range(len(specs)))
     with grpc.insecure_channel(address, options=wire.channel_options()) as channel:
         stub = pb_grpc.KernelServiceStub(channel)
         while todo:
-            batch = todo[: wire.MAX_BATCH]
+            batch = todo[:batch_size]
             request = pb.PrefetchRequest(specs=[wire.spec_to_proto(specs[i]["kind"], _params(specs[i]), specs[i]["target"]) for i in batch])
             try:
                 for event in stub.Prefetch(request, timeout=args.timeout, metadata=_auth(address)):
