@@ -30,7 +30,6 @@ import io
 import json
 import os
 import re
-import shutil
 import tarfile
 import tempfile
 import time
@@ -154,7 +153,7 @@ def import_(store: LocalStore, bundle: Path, cuda_compiler: str, max_member: int
     """Checks everything in `bundle` against this host (keys with device compiler id
     `cuda_compiler`), then publishes its entries into `store`. Raises BundleError, having
     published nothing, when any check fails; StoreError when the cache refuses a write."""
-    work = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}.import.", dir=store.staging_dir))  # swept if we die
+    work = store.new_staging("import")  # <pid>.import.<random>: swept, as any staging, if we die
     try:
         report = ImportReport()
         index, blobs = _unpack(Path(bundle), work, max_member, max_total, report)
@@ -175,7 +174,7 @@ def import_(store: LocalStore, bundle: Path, cuda_compiler: str, max_member: int
             report.imported += 1
         return report
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        store.discard_staging(work)
 
 
 class _Bounded(io.RawIOBase):

@@ -110,6 +110,18 @@ class NoDaemon(ConnectionError):
     """No daemon answers on the socket."""
 
 
+def _auth(address: str):
+    """Call metadata for the daemon at `address`: over TCP it wants its token ($KERNEL_SERVICE_TOKEN_FILE)."""
+    from proto.paths import default_token_file
+
+    if address.startswith("unix:"):
+        return None
+    try:
+        return (("authorization", f"Bearer {default_token_file().read_text().strip()}"),)
+    except OSError:
+        return None  # then the daemon answers UNAUTHENTICATED, and that is what we say
+
+
 def _ask(socket: str | None, rpc: str, request, timeout: float = 10):
     """One call to the daemon at `socket` (default: the default socket) through the contract's
     stubs. Raises NoDaemon at once when none answers, ValueError when it refuses the request as
@@ -118,21 +130,15 @@ def _ask(socket: str | None, rpc: str, request, timeout: float = 10):
 
     from proto import wire
     from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-    from proto.paths import default_socket, default_token_file, socket_address
+    from proto.paths import default_socket, socket_address
 
     address = socket_address(socket or default_socket())
     where = address.removeprefix("unix:")
     if address.startswith("unix:") and not os.path.exists(where):
         raise NoDaemon(f"no kernel-service daemon at {where}; start one with `kernel-service serve`")
-    metadata = None
-    if not address.startswith("unix:"):  # over TCP the daemon wants its token ($KERNEL_SERVICE_TOKEN_FILE)
-        try:
-            metadata = (("authorization", f"Bearer {default_token_file().read_text().strip()}"),)
-        except OSError:
-            pass  # then the daemon answers UNAUTHENTICATED, and that is what we say
     with grpc.insecure_channel(address, options=wire.channel_options()) as channel:
         try:
-            return getattr(pb_grpc.KernelServiceStub(channel), rpc)(request, timeout=timeout, metadata=metadata)
+            return getattr(pb_grpc.KernelServiceStub(channel), rpc)(request, timeout=timeout, metadata=_auth(address))
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 gone = " (its socket file is there, left by a daemon that was killed)" if address.startswith("unix:") else ""
@@ -423,16 +429,21 @@ def _prewarm(args) -> int:
     except ManifestError as exc:
         return _fail(str(exc), 2)
     address = socket_address(args.socket or default_socket())
+    try:  # one Prefetch may queue a quarter of the daemon's --queue-limit compiles: batches that fit
+        config = json.loads(_ask(args.socket, "GetServiceInfo", pb.GetServiceInfoRequest()).config_json or "{}")
+    except ConnectionError as exc:
+        return _fail(str(exc))
+    batch_size = max(1, min(wire.MAX_BATCH, config.get("queue_limit", {}).get("value", 1024) // 4))
     built, present, failed = [], [], []  # failed: (spec, reason)
     bar = _progress(len(specs))
     todo = list(range(len(specs)))
     with grpc.insecure_channel(address, options=wire.channel_options()) as channel:
         stub = pb_grpc.KernelServiceStub(channel)
         while todo:
-            batch = todo[: wire.MAX_BATCH]
+            batch = todo[:batch_size]
             request = pb.PrefetchRequest(specs=[wire.spec_to_proto(specs[i]["kind"], _params(specs[i]), specs[i]["target"]) for i in batch])
             try:
-                for event in stub.Prefetch(request, timeout=args.timeout):
+                for event in stub.Prefetch(request, timeout=args.timeout, metadata=_auth(address)):
                     spec = specs[batch[event.index]]
                     if event.error_code:
                         failed.append((spec, f"{event.error_code}: {event.error_message}"))

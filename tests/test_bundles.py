@@ -291,3 +291,11 @@ def test_a_cuda_bundle_names_the_builders_compiler(tmp_path):
     assert import_(store, bundle, "nvcc-13.0.88").present == 2
     # A CPU-only bundle does not depend on the CUDA compiler at all.
     assert import_(store, write(tmp_path / "cpu.tar", members([entry(*GOOD[1])])), "nvcc-none").imported == 1
+
+
+def test_an_import_cut_short_leaves_a_staging_dir_the_next_start_sweeps(tmp_path):
+    store = LocalStore(tmp_path / "cache")
+    work = store.new_staging("import")  # what import_ works in, named by its pid
+    dead = work.with_name(work.name.replace(f"{os.getpid()}.", "999999999.", 1))  # its writer gone
+    work.rename(dead)
+    assert store.clean_staging() == 1 and not dead.exists()

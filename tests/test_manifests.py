@@ -243,3 +243,14 @@ def test_serving_only_still_copies_a_shared_build_that_is_there(make_daemon):
         c.get_kernel("row_double", target="c", M=5, N=16)
     stats = c.stats()  # counters go on from the builder's (kept in the cache): its one compile
     assert (stats["compiles"], stats["derived"], stats["not_ready"]) == (1, 1, 1)
+
+
+def test_prewarm_sends_batches_the_daemon_accepts(make_daemon, tmp_path):
+    d = make_daemon("--queue-limit", "8")  # one Prefetch may queue 2 compiles
+    m = manifest.make("x", [{"kind": "rmsnorm", "target": "c", "params": {"M": None, "N": n, "dtype": "float32"}} for n in (8, 16, 24, 32, 40)])
+    path = tmp_path / "m.json"
+    path.write_text(manifest.dumps(m))
+    with pytest.raises(client.ServiceError, match="a Prefetch may queue at most 2 compiles"):
+        d.client().prefetch(m, load=False)  # all at once: refused
+    warmed = cli("prewarm", str(path), "--socket", str(d.socket))
+    assert warmed.returncode == 0 and "built 5, already there 0, failed 0" in warmed.stdout, warmed.stdout + warmed.stderr

@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 # What this process puts in staging/: "<pid>.<key>.<random>" build dirs and "<pid>.trash.<name>.<hex>"
 # dirs being deleted. Nothing else there is ever removed by the start-up sweep.
-STAGING_NAME = re.compile(r"([0-9]+)\.(?:[0-9a-f]{64}\.[a-z0-9_]+|trash\.[A-Za-z0-9_.-]+\.[0-9a-f]{8})")
+STAGING_NAME = re.compile(r"([0-9]+)\.(?:[0-9a-f]{64}\.[a-z0-9_]+|import\.[a-z0-9_]+|trash\.[A-Za-z0-9_.-]+\.[0-9a-f]{8})")
 KEY = re.compile(r"[0-9a-f]{64}")
 
 
@@ -235,7 +235,8 @@ class LocalStore(Storage):
 
     # ----- writing
     def new_staging(self, key: str) -> Path:
-        """A private directory to build `key`'s entry in."""
+        """A private directory to build `key`'s entry in (or, for "import", to check a bundle's
+        files in before their entries are built)."""
         try:
             return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}.{key}.", dir=self.staging_dir))  # 0700 until published
         except OSError as exc:
