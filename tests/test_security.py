@@ -36,6 +36,7 @@ import pytest
 
 import client
 from compile_service.tools.launch import wait_serving
+from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 
@@ -227,20 +228,8 @@ def victim(world):
     return d
 
 
-def param(value) -> pb.ParamValue:
-    if value is None:
-        return pb.ParamValue(null_value=0)
-    if isinstance(value, bool):
-        return pb.ParamValue(bool_value=value)
-    if isinstance(value, int):
-        return pb.ParamValue(int_value=value)
-    if isinstance(value, float):
-        return pb.ParamValue(float_value=value)
-    return pb.ParamValue(string_value=value)
-
-
 def rmsnorm(n: int, target: str = "c", **more) -> pb.KernelSpec:
-    return pb.KernelSpec(kind="rmsnorm", target=target, params={k: param(v) for k, v in {"M": None, "N": n, "dtype": "float32", **more}.items()})
+    return wire.spec_to_proto("rmsnorm", {"M": None, "N": n, "dtype": "float32", **more}, target)
 
 
 def tree(path: Path) -> dict:
@@ -697,7 +686,7 @@ def test_a_worker_crash_is_retried_then_reported_and_never_remembered(victim):
     stub = victim.stub()
 
     def crashing(n, times):
-        return pb.GetKernelRequest(spec=pb.KernelSpec(kind="crashing", target="c", params={"N": param(n), "times": param(times)}))
+        return pb.GetKernelRequest(spec=wire.spec_to_proto("crashing", {"N": n, "times": times}, "c"))
 
     assert stub.GetKernel(crashing(8, 1), timeout=180).outcome == pb.OUTCOME_COMPILED
     with pytest.raises(grpc.RpcError) as err:
