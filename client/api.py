@@ -282,12 +282,21 @@ class Client:
             from .fallback import build_locally
 
             kernel = build_locally(spec, self.cache_dir, compile=not self.strict)
+        if "dispatch" in kernel.abi and kernel.routes is None:
+            kernel.routes = [(upto, self._route(spec, timeout)) for upto, spec in kernel.dispatch]
         waited = time.monotonic() - started
         if waited > SLOW_GET:  # a silent pause gets a reason
             how = f"a copy of a shared build compiled in {kernel.shared_build['compile_seconds']:.1f} s" if kernel.shared_build else f"compile {kernel.compile_seconds:.1f} s"
             log.info("get_kernel(%s) waited %.1f s: %s (%s)", kind, waited, kernel.outcome, how)
         with self._memo_lock:
             return self._memo.setdefault(memo_key, kernel)
+
+    def _route(self, spec: dict, timeout: float | None) -> loader.Kernel:
+        """One build of a router (abi.dispatch), loaded now so that no call compiles or loads."""
+        kernel = self.get_kernel(spec["kind"], target=spec["target"], timeout=timeout, **spec["params"])
+        if "dispatch" in kernel.abi or kernel.spec != spec:
+            raise CorruptArtifact(f"a {spec['kind']} router names a build that is not one: {json.dumps(spec, sort_keys=True)[:200]}")
+        return kernel
 
     def _request(self, kind: str, params: dict, target: str | None) -> tuple[str, pb.KernelSpec, kernels.CanonicalSpec | None]:
         """(memo key, wire spec, canonical spec) of a request. Kinds this process knows are validated

@@ -213,9 +213,11 @@ class Kernel:
         self.outcome = "hit"  # how it was obtained: hit, compiled, joined (set by the client)
         self.compile_seconds = 0.0
         self.shared_build: dict | None = None  # for a copy of a shared build: that build's key, spec and compile seconds
+        self.routes: list[tuple[int | None, "Kernel"]] | None = None  # a router's builds by range (abi.dispatch), set by the client
         params = abi["params"]
         self._outputs = abi["outputs"]
-        self._inputs = [i for i in range(len(params)) if i not in self._outputs]
+        self._scratch = abi.get("scratch", [])  # workspaces allocated per call, never returned
+        self._inputs = [i for i in range(len(params)) if i not in self._outputs and i not in self._scratch]
         self._dtypes = [_torch_dtype(p["dtype"]) for p in params]
         self._lock = threading.Lock() if abi["loader"] == "c" else None
         self.input_names = [params[i]["name"] for i in self._inputs]
@@ -378,6 +380,22 @@ class Kernel:
                 if getattr(t, "requires_grad", False):
                     raise RuntimeError(INFERENCE_ONLY.format(name=name, kind=self.kind))
 
+    # ----- routing (a kind's dispatch: one callable over builds by range of a runtime dim)
+    @property
+    def dispatch(self) -> list[tuple[int | None, dict]] | None:
+        """A router's ranges as [(inclusive upper bound or None, the build's spec), ...], None for
+        a plain kernel: a call whose runtime `abi.dispatch.dim` is at most a bound runs that build."""
+        d = self.abi.get("dispatch")
+        return None if d is None else [(r["upto"], r["spec"]) for r in d["routes"]]
+
+    def route(self, size: int) -> "Kernel":
+        """The kernel a call runs when the dispatch dim is `size` (itself for a plain kernel)."""
+        if self.routes is None:
+            if "dispatch" in self.abi:
+                raise RuntimeError(f"{self.kind}: this router's builds are not loaded (Client.get_kernel loads them)")
+            return self
+        return next(k for upto, k in self.routes if upto is None or size <= upto)
+
     # ----- calls
     def __call__(self, *inputs, out=None):
         import torch
@@ -402,6 +420,8 @@ class Kernel:
         dims, device = self.check_inputs(inputs)
         if device is not None and device.type == "meta":
             return self._call_op(inputs, out)  # shapes only: the op's Meta kernel is its fake
+        if "dispatch" in self.abi:
+            return self.route(dims[self.abi["dispatch"]["dim"]]).run(inputs, out)
         params = self.abi["params"]
         args = [None] * len(params)
         for slot, t in zip(self._inputs, inputs):
@@ -414,6 +434,8 @@ class Kernel:
             self.check_overlap(inputs, outs)
             for slot, t in zip(self._outputs, outs):
                 args[slot] = t
+        for slot in self._scratch:
+            args[slot] = torch.empty([dims[d] if isinstance(d, str) else d for d in params[slot]["shape"]], dtype=self._dtypes[slot], device=device)
         if self.abi["loader"] == "c":
             extra = [_C_INTS[d["dtype"]](dims[d["name"]]) for d in self.abi["dynamic"]]
             with self._lock:  # the generated C keeps its error buffer in a static

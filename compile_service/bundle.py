@@ -87,7 +87,7 @@ def export(store: LocalStore, specs: list[CanonicalSpec], cuda_compiler: str, ou
     written whole or not at all. Returns {entries, blobs, bytes}. Raises BundleError when
     some are not in the cache."""
     entries, blobs, missing = {}, {}, []
-    for spec in specs:
+    for spec in with_routes(specs):
         key = cache_key(spec, cuda_compiler)
         entry = store.lookup(key, json.loads(spec.to_json()))  # verified against its manifest
         if entry is None:
@@ -129,6 +129,17 @@ def export(store: LocalStore, specs: list[CanonicalSpec], cuda_compiler: str, ou
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     return {"entries": len(entries), "blobs": len(blobs), "bytes": out.stat().st_size}
+
+
+def with_routes(specs: list[CanonicalSpec]) -> list[CanonicalSpec]:
+    """`specs` and, after each router (KernelKind.dispatch), the builds it routes to: a serving
+    host loads those too."""
+    out: dict[str, CanonicalSpec] = {}
+    for spec in specs:
+        routes = kernels.get_kind(spec.kind).routes(spec)
+        for s in [spec, *(build for _, build in routes[1])] if routes else [spec]:
+            out.setdefault(s.to_json(), s)
+    return list(out.values())
 
 
 def _add(tar: tarfile.TarFile, name: str, data, size: int | None = None) -> None:

@@ -161,7 +161,7 @@ class Scheduler:
         # dropped (release): its request count, its queued job, or the build it is a copy of.
         self._waiters: dict[cf.Future, int] = {}
         self._jobs: dict[cf.Future, _Job] = {}
-        self._bases: dict[cf.Future, cf.Future] = {}
+        self._bases: dict[cf.Future, list[cf.Future]] = {}
         self._background: set[cf.Future] = set()  # in flight for Prefetch (BACKGROUND) requests
         self.background_limit = max(1, queue_limit // 2)
         self.call_share = max(1, queue_limit // 4)  # compiles one Prefetch call may queue (the servicer enforces it)
@@ -244,8 +244,11 @@ class Scheduler:
         if entry is not None:
             tally(hits=1)
             return _done(entry), Outcome.HIT
-        shared = get_kind(spec.kind).shared_build(spec)  # the build that serves this spec, if not its own
-        if not (compile and self.compiles) and (shared is None or self.store.lookup(*self._key_of(shared[0])) is None):
+        kind = get_kind(spec.kind)
+        shared = kind.shared_build(spec)  # the build that serves this spec, if not its own
+        routes = kind.routes(spec) if shared is None else None  # or the builds a router picks from
+        bases = [shared[0]] if shared else [build for _, build in routes[1]] if routes else []
+        if not (compile and self.compiles) and (not bases or any(self.store.lookup(*self._key_of(b)) is None for b in bases)):
             tally(not_ready=1)
             why = "this daemon compiles nothing (serve --no-compile)" if not self.compiles else "the request asked for no compile (a strict client)"
             raise NotReady(spec, key, why)
@@ -279,39 +282,56 @@ class Scheduler:
             self._waiters[future] = 1
             if priority == BACKGROUND:
                 self._background.add(future)
-            if shared is None:
+            if not bases:
                 job = self._jobs[future] = _Job(priority, next(self._seq), key, spec, future)
                 self._queue.put(job)
         tally(misses=1)
-        if shared is not None:
-            self._serve_from_shared_build(key, spec, shared, priority, future, compile)
+        if shared is not None:  # a copy of the build that leaves its host-side dims to run time
+            build_spec, fixed = shared
+            self._serve_from_builds(key, spec, bases, lambda entries, staging: _derive(entries[0], spec, fixed, staging), priority, future, compile)
+        elif routes is not None:  # a router over the builds of each range of its dim
+            dim, ranges = routes
+            uppers = [upper for upper, _ in ranges]
+            self._serve_from_builds(key, spec, bases, lambda entries, staging: _route(entries, spec, dim, uppers, staging), priority, future, compile)
         return future, Outcome.COMPILED
 
-    def _serve_from_shared_build(self, key: str, spec: CanonicalSpec, shared: tuple[CanonicalSpec, dict], priority: int, future: cf.Future, compile: bool = True) -> None:
-        """`spec` is published as a copy of the build that leaves its host-side dims to run
-        time, once that is built (or found): no lowering, no device compile of its own."""
-        build_spec, fixed = shared
+    def _serve_from_builds(self, key: str, spec: CanonicalSpec, builds: list[CanonicalSpec], make, priority: int, future: cf.Future, compile: bool) -> None:
+        """`spec` is published as `make(entries, staging)` of other builds, once they are all built
+        (or found): no lowering, no device compile of its own."""
+        bases: list[cf.Future] = []
         try:
-            base, _ = self.request(build_spec, priority, counted=False, compile=compile)
+            for build in builds:
+                bases.append(self.request(build, priority, counted=False, compile=compile)[0])
         except (ShuttingDown, QueueFull, NotReady) as exc:  # refused like the request itself; joiners learn why
+            self.release(bases)
             with self._lock:
                 self._inflight.pop(key, None)
                 self._forget(future)
             future.set_exception(exc)
             raise
         with self._lock:
-            if not base.done():
-                self._bases[future] = base  # releasing the copy releases the build it waits on
-        # Published by a publisher thread once `base` is done (at once when it already is).
-        base.add_done_callback(lambda done: self._publish(self._publish_copy, key, spec, future, done, fixed))
+            self._bases[future] = [b for b in bases if not b.done()]  # releasing this releases the builds it waits on
+            left = [len(bases)]
 
-    def _publish_copy(self, key: str, spec: CanonicalSpec, future: cf.Future, base: cf.Future, fixed: dict) -> None:
+        def one_done(_):
+            with self._lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            # Published by a publisher thread once every build is done (at once when they are).
+            self._publish(self._publish_derived, key, spec, future, bases, make)
+
+        for base in bases:
+            base.add_done_callback(one_done)
+
+    def _publish_derived(self, key: str, spec: CanonicalSpec, future: cf.Future, bases: list[cf.Future], make) -> None:
         staging, built = None, None
         try:
             if self._closing:
                 raise ShuttingDown("the kernel service shut down before this kernel was compiled")
+            entries = [base.result() for base in bases]
             staging = self.store.new_staging(key)
-            built = _derive(base.result(), spec, fixed, staging)
+            built = make(entries, staging)
         except BaseException as exc:  # noqa: BLE001 - settled below
             built = exc
         self._settle(key, spec, future, staging, built, derived=True)
@@ -351,8 +371,8 @@ class Scheduler:
                     self._inflight.pop(job.key, None)
                     self._forget(future)
                     dropped.append(future)
-                elif future in self._bases:  # a copy: its build may now have no waiter
-                    pending.append(self._bases[future])
+                elif future in self._bases:  # a copy or a router: its builds may now have no waiter
+                    pending.extend(self._bases[future])
         for future in dropped:
             future.set_exception(Cancelled("everyone who asked for this kernel went away before its compile started"))
         if dropped:
@@ -593,12 +613,20 @@ def _derive(base: Entry, spec: CanonicalSpec, fixed: dict, staging: Path) -> tup
     meta = {
         **{k: v for k, v in base.meta.items() if k not in ("phases", "device_compiled")},
         "spec": json.loads(spec.to_json()),
-        "abi": abi.with_fixed(base.abi, fixed),
+        "abi": abi.with_fixed(base.abi, fixed) if fixed else base.abi,
         "shared_build": {"key": base.key, "spec": base.meta["spec"], "compile_seconds": base.meta["compile_seconds"]},
         "created": time.time(),
     }
     meta["compile_seconds"] = round(time.perf_counter() - start, 4)
     return base.library, meta
+
+
+def _route(entries: list[Entry], spec: CanonicalSpec, dim: str, uppers: list[int | None], staging: Path) -> tuple[str, dict]:
+    """A router entry for `spec`: a copy of its last range's build (correct for every value of
+    `dim`), whose ABI names every range's build for the client to load and pick from per call."""
+    library, meta = _derive(entries[-1], spec, {}, staging)
+    meta["abi"] = abi.with_routes(meta["abi"], dim, [(upper, e.meta["spec"]) for upper, e in zip(uppers, entries)])
+    return library, meta
 
 
 def _empty(directory: Path) -> None:

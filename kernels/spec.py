@@ -280,18 +280,69 @@ class KernelKind:
         (an in-place update, e.g. a residual stream); any other overlap is refused."""
         return {}
 
+    def scratch(self, p: dict) -> tuple[str, ...]:
+        """PrimFunc buffers that are per-call workspaces, by name (split-K partials, split-KV
+        log-sum-exps): the loader allocates them with torch.empty for each call (uninitialised,
+        never zeroed, never returned), so a kernel must write every element it reads back.
+        Their runtime dims must be dims of the inputs. They travel in the ABI (`abi.scratch`)."""
+        return ()
+
     def host_side_dims(self, p: dict, target: Target) -> tuple[str, ...]:
         """Dims that reach only the host code on `target` (a grid size, a TMA descriptor), never
         the device code. tests/test_shared_builds.py lowers both forms to hold kinds to the claim."""
         return ()
+
+    def dispatch(self, p: dict, target: Target) -> tuple[str, list[tuple[int | None, dict]]] | None:
+        """Builds by range of one runtime dim, for a kind whose best kernel depends on its value
+        (a GEMM's M: a few decode rows or thousands of prefill rows).
+
+        Returns (dim, [(upper, overrides), ..., (None, overrides)]) for canonical params `p`
+        that leave the choice open, None otherwise. Upper bounds are inclusive and increasing;
+        `overrides` pin one range's build: `canonicalize({**p, **overrides, dim: None})` is a
+        single build that runs correctly for every value of `dim` and fast in its range. With
+        `p[dim]` None, `p` is served by a router entry (abi.dispatch): the client loads every
+        range's build and picks one per call. With `p[dim]` static, by a copy of its range's
+        build (shared_build). Both ways each range is built once, however it was asked for."""
+        return None
+
+    def routes(self, spec: CanonicalSpec) -> tuple[str, list[tuple[int | None, CanonicalSpec]]] | None:
+        """(dim, [(upper, build spec), ...]) for a spec that `dispatch` serves through a router."""
+        table = self._dispatch_table(spec)
+        if table is None or spec.params[table[0]] is not None:
+            return None
+        dim, ranges = table
+        return dim, [(upper, self._range_build(spec, dim, overrides)) for upper, overrides in ranges]
+
+    def _dispatch_table(self, spec: CanonicalSpec) -> tuple[str, list[tuple[int | None, dict]]] | None:
+        table = self.dispatch(dict(spec.params), spec.target)
+        if table is None:
+            return None
+        dim, ranges = table
+        uppers = [upper for upper, _ in ranges]
+        if dim not in spec.params or not ranges or uppers[-1] is not None or any(u is None or u < 1 for u in uppers[:-1]) or uppers[:-1] != sorted(set(uppers[:-1])):
+            raise TypeError(f"kind {self.name!r}: dispatch must name a dim and increasing inclusive upper bounds ending with None, got {table!r}")
+        return dim, ranges
+
+    def _range_build(self, spec: CanonicalSpec, dim: str, overrides: dict) -> CanonicalSpec:
+        build = self.canonicalize({**spec.params, **overrides, dim: None}, spec.target)
+        if self.dispatch(dict(build.params), build.target) is not None:  # it would route again, forever
+            raise TypeError(f"kind {self.name!r}: the overrides {overrides!r} of a dispatch range leave the choice open")
+        return build
 
     def shared_build(self, spec: CanonicalSpec) -> tuple[CanonicalSpec, dict] | None:
         """The build that serves `spec` with the same device code, and the dims `spec` fixes.
 
         That build leaves the host-side dims to run time, so one lowering and one device
         binary serve every value; the fixed dims are enforced by the loader. None when
-        `spec` fixes no host-side dim (it is its own build).
+        `spec` fixes no host-side dim (it is its own build). A static value of a `dispatch`
+        dim is served by its range's build, the one the router would pick for it.
         """
+        table = self._dispatch_table(spec)
+        if table is not None and spec.params[table[0]] is not None:
+            dim, ranges = table
+            value = spec.params[dim]
+            overrides = next(o for upper, o in ranges if upper is None or value <= upper)
+            return self._range_build(spec, dim, overrides), {dim: value}
         fixed = {d: spec.params[d] for d in self.host_side_dims(spec.params, spec.target) if spec.params[d] is not None}
         if not fixed:
             return None

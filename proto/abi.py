@@ -13,9 +13,16 @@ not check, and the client's loader calls the library by them. An ABI, as JSON:
      "dynamic": [{"name": "M", "dtype": "int32"}],
                                      runtime sizes in the order the C loader passes them
      "fixed":   {"M": 256},          optional: runtime dims this spec fixes (a shared build's copy)
-     "inplace": {"C": "R"}}          optional: outputs the kernel may write over an input of the same
+     "inplace": {"C": "R"},          optional: outputs the kernel may write over an input of the same
                                      shape and dtype (KernelKind.inplace), by param name: the client
                                      takes that input as `out=`, an in-place update
+     "scratch": [3],                 optional: indices into params of per-call workspaces
+                                     (KernelKind.scratch) the loader allocates uninitialised for each
+                                     call and never returns; their runtime dims come from the inputs
+     "dispatch": {"dim": "M", "routes": [{"upto": 16, "spec": SPEC}, ..., {"upto": null, "spec": SPEC}]}}
+                                     optional: a router (KernelKind.dispatch): the client loads each
+                                     route's build (a canonical spec: kind, params, target) and calls,
+                                     per call, the first whose inclusive `upto` bounds the runtime dim
 """
 
 from __future__ import annotations
@@ -36,17 +43,22 @@ class AbiError(ValueError):
     """An ABI or entry metadata that a loader could not safely call."""
 
 
-def make(loader: str, symbol: str, params: list[dict], outputs: list[int], dynamic: list[dict], inplace: dict[str, str] | None = None) -> dict:
+def make(
+    loader: str, symbol: str, params: list[dict], outputs: list[int], dynamic: list[dict], inplace: dict[str, str] | None = None, scratch: list[int] | None = None
+) -> dict:
     abi = {"loader": loader, "symbol": symbol, "device": LOADERS.get(loader, "?"), "params": params, "outputs": outputs, "dynamic": dynamic}
     if inplace:
         abi["inplace"] = dict(inplace)
+    if scratch:
+        abi["scratch"] = list(scratch)
     check(abi)
     return abi
 
 
 def with_fixed(abi: dict, fixed: dict[str, int]) -> dict:
-    """The ABI of a copy of a shared build whose spec fixes some of its runtime dims."""
-    out = {**abi, "fixed": dict(fixed)}
+    """The ABI of a copy of a shared build whose spec fixes some of its runtime dims
+    (beside those the build, itself a copy, may fix)."""
+    out = {**abi, "fixed": {**abi.get("fixed", {}), **fixed}}
     check(out)
     return out
 
@@ -77,6 +89,17 @@ def check(abi) -> None:
     for d in abi["dynamic"]:
         if not isinstance(d, dict) or d.get("name") not in names or d.get("dtype") not in C_INT_DTYPES:
             raise AbiError("abi.dynamic entries must name a dim of the params, with an int32 or int64 dtype")
+    scratch = abi.get("scratch", [])
+    if not isinstance(scratch, list) or not all(_is_int(i) and 0 <= i < n for i in scratch) or len(set(scratch)) != len(scratch):
+        raise AbiError("abi.scratch must be distinct indices into abi.params")
+    if set(scratch) & set(abi["outputs"]):
+        raise AbiError("abi.scratch and abi.outputs must not share a param")
+    bound = {d for i, p in enumerate(abi["params"]) if i not in scratch and i not in abi["outputs"] for d in p["shape"] if isinstance(d, str)}
+    for i in scratch:  # the loader sizes a workspace from the inputs' runtime dims
+        if not {d for d in abi["params"][i]["shape"] if isinstance(d, str)} <= bound:
+            raise AbiError(f"abi.scratch {abi['params'][i]['name']!r} has a runtime dim no input binds")
+    if "dispatch" in abi:
+        _check_dispatch(abi["dispatch"], abi)
     fixed = abi.get("fixed", {})
     if not isinstance(fixed, dict) or not all(isinstance(k, str) and _is_int(v) for k, v in fixed.items()):
         raise AbiError("abi.fixed is not a mapping of dims to ints")
@@ -90,6 +113,28 @@ def check(abi) -> None:
             raise AbiError(f"abi.inplace {out!r} -> {into!r} must name an output and an input")
         if (o[1]["dtype"], o[1]["shape"]) != (i[1]["dtype"], i[1]["shape"]):
             raise AbiError(f"abi.inplace {out!r} -> {into!r}: an output can be written only over an input of its shape and dtype")
+
+
+def _check_dispatch(dispatch, abi: dict) -> None:
+    if not isinstance(dispatch, dict) or dispatch.get("dim") not in {d["name"] for d in abi["dynamic"]}:
+        raise AbiError("abi.dispatch must name one of the ABI's runtime dims")
+    routes = dispatch.get("routes")
+    if not isinstance(routes, list) or not routes:
+        raise AbiError("abi.dispatch.routes must be a non-empty list")
+    for r in routes:
+        spec = r.get("spec") if isinstance(r, dict) else None
+        if not isinstance(spec, dict) or not all(isinstance(spec.get(f), t) for f, t in (("kind", str), ("params", dict), ("target", str))):
+            raise AbiError("abi.dispatch.routes entries need a spec with a kind, params and a target")
+    uppers = [r.get("upto") for r in routes]
+    if uppers[-1] is not None or not all(_is_int(u) and u >= 1 for u in uppers[:-1]) or uppers[:-1] != sorted(set(uppers[:-1])):
+        raise AbiError("abi.dispatch.routes must have increasing int bounds (upto) and end with null")
+
+
+def with_routes(abi: dict, dim: str, routes: list[tuple[int | None, dict]]) -> dict:
+    """The ABI of a router: a copy of its last route's build that names every route's spec."""
+    out = {**abi, "dispatch": {"dim": dim, "routes": [{"upto": upto, "spec": spec} for upto, spec in routes]}}
+    check(out)
+    return out
 
 
 def check_entry_meta(meta) -> None:

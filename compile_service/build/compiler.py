@@ -204,7 +204,7 @@ def _shape(dims) -> list:
     return out
 
 
-def call_abi(func, outputs: tuple[int, ...], target, inplace: dict[str, str] | None = None) -> dict:
+def call_abi(func, outputs: tuple[int, ...], target, inplace: dict[str, str] | None = None, scratch: tuple[str, ...] = ()) -> dict:
     """How to call the built library, read off the PrimFunc."""
     from tvm import tirx
 
@@ -220,6 +220,10 @@ def call_abi(func, outputs: tuple[int, ...], target, inplace: dict[str, str] | N
                 dynamic.setdefault(d.name, str(d.dtype))
         params.append({"name": buf.name, "dtype": str(buf.dtype), "shape": _shape(buf.shape)})
     n = len(params)
+    names = [p["name"] for p in params]
+    unknown = [name for name in scratch if name not in names]
+    if unknown:
+        raise CompileFailed(f"scratch buffer {unknown[0]!r} is not a parameter of the kernel ({', '.join(names)})")
     symbol = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else "main"
     try:
         return call_abi_schema.make(
@@ -229,6 +233,7 @@ def call_abi(func, outputs: tuple[int, ...], target, inplace: dict[str, str] | N
             outputs=sorted(i % n for i in outputs),
             dynamic=[{"name": name, "dtype": dtype} for name, dtype in dynamic.items()],
             inplace=inplace,
+            scratch=[names.index(name) for name in scratch],
         )
     except call_abi_schema.AbiError as exc:
         raise CompileFailed(f"the kernel's call ABI is not one the loader can call: {exc}") from None
@@ -253,7 +258,8 @@ def build(spec_json: str, staging: str) -> dict:
     _device["seconds"], _device["compiled"] = 0.0, None
     try:
         func = kind.build(dict(spec["params"]), target)
-        abi = call_abi(func, kind.outputs, target, kind.inplace(dict(spec["params"])))
+        params = dict(spec["params"])
+        abi = call_abi(func, kind.outputs, target, kind.inplace(params), kind.scratch(params))
         traced = time.perf_counter()
         # No out_idx: the caller allocates outputs, which keeps one plain ABI
         # for both loaders (TileLang's tvm_ffi path would otherwise switch to
