@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from proto import wire
 from proto.paths import socket_address
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: daemons run with it as cwd
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository: daemons run with i
 def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
     """Blocks until the daemon's health service says SERVING; raises if `proc` exits first."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with grpc.insecure_channel(address, options=wire.channel_options()) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -35,7 +36,7 @@ def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = N
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(0.1)
+            time.sleep(0.02)
     raise TimeoutError(f"no healthy kernel service at {address} after {timeout:.0f}s")
 
 
