@@ -408,7 +408,9 @@ class Kernel:
     def _call_op(self, inputs, out):
         if out is None:
             result = self._op(self.spec_json, list(inputs))
-            return result if len(self._outputs) == 1 else tuple(result)
+            if not isinstance(result, (list, tuple)):
+                return result
+            return result[0] if len(self._outputs) == 1 else tuple(result)  # a list from a kind whose output count varies
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         self._op_out(self.spec_json, list(inputs), out=outs)
         return out

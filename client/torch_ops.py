@@ -48,7 +48,7 @@ NAMESPACE = "kernel_service"
 
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 _ops: dict[str, tuple] = {}  # kind -> (default overload, out overload)
-_n_outputs: dict[str, int] = {}
+_returns_list: dict[str, bool] = {}  # kind -> whether its op returns a list
 _kernels: dict[str, Kernel] = {}  # canonical spec JSON -> the loaded kernel
 _lock = threading.RLock()
 
@@ -101,20 +101,22 @@ def _check_grad(kind: str, spec_json: str, inputs, outs=()) -> None:
                 raise RuntimeError(INFERENCE_ONLY.format(name=f"out {name}", kind=kind))
 
 
-def register_kind(kind: str, n_outputs: int = 1) -> tuple:
+def register_kind(kind: str, n_outputs: int = 1, multi: bool | None = None) -> tuple:
     """Defines kernel_service::<kind> and its .out overload (once per process); returns both overloads.
 
+    The op returns a list when `multi` (default: `n_outputs` is not 1): a kind whose output count
+    depends on its params (layernorm with `residual`) always returns a list, of one or more.
     Kinds this process imports are registered with the client; a kind only the daemon
     serves (a plugin) gets its ops when its first kernel loads. A fresh process that
     loads a saved program calling such a kind registers it first: register_kind(name)."""
+    multi = n_outputs != 1 if multi is None else multi
     with _lock:
         if kind in _ops:
-            if _n_outputs[kind] != n_outputs:
-                raise ValueError(f"kernel_service::{kind} was registered for {_n_outputs[kind]} output(s), this kernel has {n_outputs}")
+            if n_outputs != 1 and not _returns_list[kind]:  # a list op takes any count
+                raise ValueError(f"kernel_service::{kind} was registered for 1 output, this kernel has {n_outputs}")
             return _ops[kind]
         if not kind.isidentifier():
             raise ValueError(f"kind {kind!r} cannot name a torch op (not an identifier)")
-        multi = n_outputs != 1
         _lib.define(f"{kind}(str spec, Tensor[] inputs) -> {'Tensor[]' if multi else 'Tensor'}", tags=_layout_tag())
         _lib.define(f"{kind}.out(str spec, Tensor[] inputs, *, Tensor(a!)[] out) -> ()", tags=_layout_tag())
         packet = getattr(getattr(torch.ops, NAMESPACE), kind)
@@ -122,7 +124,9 @@ def register_kind(kind: str, n_outputs: int = 1) -> tuple:
 
         def impl(spec, inputs):
             result = _kernel(kind, spec).run(inputs)
-            return list(result) if multi else result
+            if not multi:
+                return result
+            return list(result) if isinstance(result, tuple) else [result]
 
         def impl_out(spec, inputs, *, out):
             _kernel(kind, spec).run(inputs, out)
@@ -160,13 +164,14 @@ def register_kind(kind: str, n_outputs: int = 1) -> tuple:
         torch.library.register_fake(f"{NAMESPACE}::{kind}", fake, lib=_lib)
         torch.library.register_fake(f"{NAMESPACE}::{kind}.out", fake_out, lib=_lib)
         _ops[kind] = (default, out_op)
-        _n_outputs[kind] = n_outputs
+        _returns_list[kind] = multi
         return _ops[kind]
 
 
 def ops_for(kernel: Kernel) -> tuple:
     """The kind's two overloads for a freshly loaded kernel, which becomes its spec's kernel here."""
-    ops = register_kind(kernel.kind, len(kernel._outputs))
+    known = kernels.kinds().get(kernel.kind)
+    ops = register_kind(kernel.kind, len(kernel._outputs), known.multi_output if known is not None else None)
     remember(kernel)
     return ops
 
@@ -174,7 +179,7 @@ def ops_for(kernel: Kernel) -> tuple:
 def register_all() -> None:
     """Registers the ops of every kind this process knows."""
     for name, kind in kernels.kinds().items():
-        register_kind(name, len(kind.outputs))
+        register_kind(name, len(kind.outputs), kind.multi_output)
 
 
 register_all()

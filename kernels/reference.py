@@ -11,7 +11,7 @@ from __future__ import annotations
 from .registry import get_kind
 
 # Runtime sizes used for dimensions a spec leaves dynamic (None).
-RUNTIME_DIMS = {"M": 37, "batch": 2, "seq_len": 70}
+RUNTIME_DIMS = {"M": 37, "batch": 2, "seq_len": 70, "tokens": 37, "max_position": 53}
 
 
 def make_inputs(kind: str, p: dict, device="cpu", runtime: dict | None = None, seed: int = 0) -> list:
@@ -32,9 +32,13 @@ def make_inputs(kind: str, p: dict, device="cpu", runtime: dict | None = None, s
 
 
 def reference(kind: str, p: dict, inputs: list):
-    """The expected output, computed in fp32 and cast back to the inputs' dtype."""
-    out = get_kind(kind).reference(p, [t.float() for t in inputs])
-    return out.to(inputs[0].dtype)
+    """The expected output (a tuple for several outputs), computed in fp32 and cast back to
+    the spec's dtype. Integer inputs (positions) are passed as they are."""
+    dtype = next(t.dtype for t in inputs if t.is_floating_point())
+    out = get_kind(kind).reference(p, [t.float() if t.is_floating_point() else t for t in inputs])
+    if isinstance(out, (tuple, list)):
+        return tuple(o.to(dtype) for o in out)
+    return out.to(dtype)
 
 
 def tolerance(dtype: str) -> dict:

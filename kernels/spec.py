@@ -241,7 +241,8 @@ class KernelKind:
     name: ClassVar[str]
     doc: ClassVar[str] = ""
     params: ClassVar[tuple[Param, ...]]
-    # Which PrimFunc parameters are outputs, in order (negative counts from the end).
+    # Which PrimFunc parameters are outputs, in order (negative counts from the end);
+    # a kind whose outputs depend on its params overrides `output_slots` too.
     outputs: ClassVar[tuple[int, ...]] = (-1,)
     # Small CUDA param sets a compile worker lowers at start: NVRTC then parses the
     # headers their generated source includes once, before any request needs them.
@@ -271,6 +272,16 @@ class KernelKind:
     def check(self, p: dict, target: Target) -> dict | None:
         """Cross-field rules and default tilings; raise InvalidSpec, or return an updated dict."""
         return None
+
+    def output_slots(self, p: dict) -> tuple[int, ...]:
+        """The outputs of the PrimFunc for canonical params `p` (by default `outputs`)."""
+        return self.outputs
+
+    @property
+    def multi_output(self) -> bool:
+        """Whether some spec of the kind has several outputs: its torch op then returns a list
+        (a kind whose count depends on its params sets this to True)."""
+        return len(self.outputs) != 1
 
     def inplace(self, p: dict) -> dict[str, str]:
         """Outputs the kernel may write over one of its inputs, {output: input} by buffer name:
@@ -365,7 +376,8 @@ class KernelKind:
         raise NotImplementedError(f"kind {self.name!r} has no input maker")
 
     def reference(self, p: dict, x: list):
-        """The expected output (of a single-output kind) from fp32 inputs `x`, in fp32."""
+        """The expected output (a tuple for several outputs) from fp32 inputs `x`, in fp32
+        (integer inputs, such as positions, stay integers)."""
         raise NotImplementedError(f"kind {self.name!r} has no torch reference")
 
     def source_files(self) -> list[str]:

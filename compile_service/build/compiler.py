@@ -259,7 +259,7 @@ def build(spec_json: str, staging: str) -> dict:
     try:
         func = kind.build(dict(spec["params"]), target)
         params = dict(spec["params"])
-        abi = call_abi(func, kind.outputs, target, kind.inplace(params), kind.scratch(params))
+        abi = call_abi(func, kind.output_slots(params), target, kind.inplace(params), kind.scratch(params))
         traced = time.perf_counter()
         # No out_idx: the caller allocates outputs, which keeps one plain ABI
         # for both loaders (TileLang's tvm_ffi path would otherwise switch to

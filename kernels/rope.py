@@ -1,0 +1,204 @@
+"""Rotary position embedding of queries and keys, vLLM's layout and styles, fp32 arithmetic.
+
+cos_sin_cache[max_position, rotary_dim] holds cos(pos * f_i) in its first rotary_dim/2
+columns and sin(pos * f_i) in the rest (vLLM's RotaryEmbedding.cos_sin_cache). For each
+token t at p = positions[t] and each head, the first rotary_dim elements are rotated in
+pairs (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with (cos, sin) of pair i:
+  neox: pairs (i, i + rotary_dim/2): the two halves (GPT-NeoX, Llama);
+  gptj: pairs (2i, 2i + 1): interleaved (GPT-J).
+Elements past rotary_dim (partial rotary) are copied unchanged. positions are int64 (what
+torch and vLLM use) and must lie in [0, max_position): they are not checked on the device.
+"""
+# No `from __future__ import annotations` here: TileLang reads the T.Tensor
+# annotations of the PrimFuncs below at trace time.
+
+import math
+
+from .registry import register
+from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
+from .tiling import cuda_only, pow2, smem_limit
+
+STYLES = ("neox", "gptj")
+
+
+def _shapes(T, p):
+    tokens = p["tokens"] if p["tokens"] is not None else T.dynamic("tokens")
+    max_pos = p["max_position"] if p["max_position"] is not None else T.dynamic("max_position")
+    d = p["head_dim"]
+    return tokens, max_pos, (tokens, p["heads"], d), (tokens, p["kv_heads"], d), (max_pos, p["rotary_dim"])
+
+
+@register
+class RoPE(KernelKind):
+    name = "rope"
+    warm_up = ({"tokens": None, "heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float16"},)
+    compile_cost = 0.5
+    outputs = (-2, -1)
+    doc = (
+        "Rotary embedding: Q[tokens,heads,head_dim], K[tokens,kv_heads,head_dim] rotated by cos_sin_cache[positions[t]] "
+        "(int64 positions; cache [max_position, rotary_dim], cos then sin); returns (Q', K'); out=(Q, K) rotates in place."
+    )
+    params = (
+        dim("tokens", "tokens (rows of positions, Q, K); None makes it a runtime size", dynamic=True),
+        dim("heads", "query heads"),
+        dim("kv_heads", "key heads"),
+        dim("head_dim"),
+        Param("rotary_dim", int, default=None, min=2, max=1 << 20, nullable=True, doc="leading elements of each head rotated (even, at most head_dim); None: head_dim"),
+        Param("style", str, default="neox", choices=STYLES, doc="neox: rotate halves; gptj: rotate interleaved pairs"),
+        Param("max_position", int, default=None, min=1, max=1 << 24, nullable=True, doc="rows of cos_sin_cache; None (default) makes it a runtime size"),
+        dtype_param("element type of Q, K and cos_sin_cache"),
+        tile("threads", "threads per token (CUDA only)"),
+    )
+
+    def inplace(self, p):
+        # One token per block (a thread on the CPU): its heads are read whole before they are written.
+        return {"Qout": "Q", "Kout": "K"}
+
+    def check(self, p, target):
+        d = p["head_dim"]
+        p["rotary_dim"] = p["rotary_dim"] or d
+        rot = p["rotary_dim"]
+        if rot > d or rot % 2:
+            raise InvalidSpec("rotary_dim", f"must be even and at most head_dim ({d}), got {rot}; leave it unset to rotate the whole head")
+        cuda_only(p, target, "threads")
+        if target.is_cpu:
+            return p
+        align = 4 if p["dtype"] == "float32" else 8
+        for name in ("head_dim", "rotary_dim"):  # heads and cos/sin rows move in 16-byte pieces
+            if p[name] % align:
+                raise InvalidSpec(name, f"must be a multiple of {align} for {p['dtype']} on CUDA (16-byte vectors), got {p[name]}")
+        p["threads"] = p["threads"] or 128
+        pow2("threads", p["threads"], 32, 1024)
+        elems = (p["heads"] + p["kv_heads"]) * d
+        size = 4 if p["dtype"] == "float32" else 2
+        if 2 * elems * size + rot * size > smem_limit(target):  # inputs and results staged
+            raise InvalidSpec("heads", f"(heads + kv_heads) * head_dim = {elems} elements per token do not fit one block's shared memory on {target}; use fewer heads per call")
+        if math.ceil(p["heads"] * d / p["threads"]) > 128:
+            raise InvalidSpec("threads", f"{p['threads']} threads would hold {math.ceil(p['heads'] * d / p['threads'])} elements each (max 128); use more threads")
+        return p
+
+    def build_cpu(self, p):
+        import tilelang.language as T
+
+        tokens, _, q_shape, k_shape, cs_shape = _shapes(T, p)
+        dtype, d, rot = p["dtype"], p["head_dim"], p["rotary_dim"]
+        half, neox = rot // 2, p["style"] == "neox"
+
+        @T.macro
+        def rotate(pos, src, dst, t, heads, CS):
+            # Both elements of a pair are read before either is written: dst may be src.
+            x = T.alloc_local((2,), "float32")
+            for h, i in T.grid(heads, half):
+                a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
+                x[0] = src[t, h, a]
+                x[1] = src[t, h, b]
+                dst[t, h, a] = x[0] * CS[pos, i] - x[1] * CS[pos, half + i]
+                dst[t, h, b] = x[1] * CS[pos, i] + x[0] * CS[pos, half + i]
+            for h, j in T.grid(heads, d - rot):
+                dst[t, h, rot + j] = src[t, h, rot + j]
+
+        @T.prim_func
+        def main(
+            positions: T.Tensor((tokens,), "int64"),
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(k_shape, dtype),
+            cos_sin_cache: T.Tensor(cs_shape, dtype),
+            Qout: T.Tensor(q_shape, dtype),
+            Kout: T.Tensor(k_shape, dtype),
+        ):
+            with T.Kernel(tokens) as t:
+                rotate(positions[t], Q, Qout, t, p["heads"], cos_sin_cache)
+                rotate(positions[t], K, Kout, t, p["kv_heads"], cos_sin_cache)
+
+        return main
+
+    def build_cuda(self, p, target: Target):
+        import tilelang.language as T
+
+        tokens, _, q_shape, k_shape, cs_shape = _shapes(T, p)
+        dtype, d, rot = p["dtype"], p["head_dim"], p["rotary_dim"]
+        heads, kv_heads, threads = p["heads"], p["kv_heads"], p["threads"]
+        half, neox = rot // 2, p["style"] == "neox"
+
+        @T.macro
+        def rotate(src, dst, n_heads, cs):
+            # One thread per pair: both elements are read (from shared memory) and both written.
+            for h, i in T.Parallel(n_heads, half):
+                a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
+                c, s = T.cast(cs[i], "float32"), T.cast(cs[half + i], "float32")
+                dst[h, a] = T.cast(T.cast(src[h, a], "float32") * c - T.cast(src[h, b], "float32") * s, dtype)
+                dst[h, b] = T.cast(T.cast(src[h, b], "float32") * c + T.cast(src[h, a], "float32") * s, dtype)
+            if rot != d:  # partial rotary: the rest of each head unchanged
+                for h, j in T.Parallel(n_heads, d - rot):
+                    dst[h, rot + j] = src[h, rot + j]
+
+        @T.prim_func
+        def main(
+            positions: T.Tensor((tokens,), "int64"),
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(k_shape, dtype),
+            cos_sin_cache: T.Tensor(cs_shape, dtype),
+            Qout: T.Tensor(q_shape, dtype),
+            Kout: T.Tensor(k_shape, dtype),
+        ):
+            # One token per block. Its heads and its cos/sin row are staged in shared memory
+            # with 16-byte coalesced loads, so a pair's two elements (other threads' loads) are
+            # both readable; the results are staged there too and stored with 16-byte stores.
+            # Everything is read before anything is written: Qout may be Q, Kout K.
+            with T.Kernel(tokens, threads=threads) as t:
+                q_s = T.alloc_shared((heads, d), dtype)
+                k_s = T.alloc_shared((kv_heads, d), dtype)
+                qo_s = T.alloc_shared((heads, d), dtype)
+                ko_s = T.alloc_shared((kv_heads, d), dtype)
+                cs_s = T.alloc_shared((rot,), dtype)
+                T.copy(Q[t, :, :], q_s)
+                T.copy(K[t, :, :], k_s)
+                T.copy(cos_sin_cache[positions[t], :], cs_s)
+                rotate(q_s, qo_s, heads, cs_s)
+                rotate(k_s, ko_s, kv_heads, cs_s)
+                T.copy(qo_s, Qout[t, :, :])
+                T.copy(ko_s, Kout[t, :, :])
+
+        return main
+
+    def inputs(self, p, randn, size):
+        import torch
+
+        tokens, max_pos = size("tokens"), size("max_position")
+        q, k = randn(tokens, p["heads"], p["head_dim"]), randn(tokens, p["kv_heads"], p["head_dim"])
+        positions = (torch.arange(tokens, device=q.device) * 7 + 3) % max_pos  # spread over the cache, repeats included
+        return [positions.to(torch.int64), q, k, cos_sin_cache(max_pos, p["rotary_dim"] or p["head_dim"], device=q.device).to(q.dtype)]
+
+    def reference(self, p, x):
+        positions, q, k, cache = x
+        return rope_reference(positions, q, k, cache, p["style"])
+
+
+def cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0, device="cpu"):
+    """vLLM's cache layout in fp32: [max_position, rotary_dim], cos of each frequency, then sin."""
+    import torch
+
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim)
+    angles = torch.arange(max_position, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def rope_reference(positions, q, k, cache, style: str):
+    """(Q', K') in torch, for either style; rotary_dim is the cache's width."""
+    import torch
+
+    rot = cache.shape[-1]
+    cos, sin = cache[positions.long()].chunk(2, dim=-1)  # [tokens, rot/2] each
+    cos, sin = cos[:, None, :].float(), sin[:, None, :].float()
+
+    def apply(x):
+        r, rest = x[..., :rot].float(), x[..., rot:]
+        if style == "neox":
+            x1, x2 = r.chunk(2, dim=-1)
+            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:
+            x1, x2 = r[..., 0::2], r[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        return torch.cat([out.to(x.dtype), rest], dim=-1)
+
+    return apply(q), apply(k)

@@ -1,0 +1,308 @@
+"""The fused kinds agents used to write by hand: add_rmsnorm, layernorm, rope (issue #18).
+
+CPU numerics through the session daemon (float32, ragged sizes, in-place use through
+`out=`); validation; CUDA lowering for sm_90a on this machine (and a full nvcc build
+where nvcc is installed); on a GPU, correctness at ragged sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import InvalidSpec
+from kernels.rope import cos_sin_cache, rope_reference
+from tests.marks import needs_gpu, needs_nvcc
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def close(out, ref, tol=1e-5):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)
+    assert err < tol, f"relative error {err:.2e}"
+
+
+def rmsnorm(h, w, eps):
+    return h * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + eps).to(h.dtype) * w
+
+
+# ----- add_rmsnorm
+
+@pytest.mark.parametrize("M,N", [(None, 33), (7, 100)])
+def test_add_rmsnorm(cpu_kernel, M, N):
+    k = cpu_kernel("add_rmsnorm", M=M, N=N, eps=1e-5, dtype="float32")
+    assert (k.input_names, k.output_names) == (["X", "R", "W"], ["Y", "Rout"])
+    w = torch.randn(N)
+    for rows in ((1, 3, 37) if M is None else (M,)):
+        x, r = torch.randn(rows, N) * 3, torch.randn(rows, N)
+        y, r_out = k(x, r, w)
+        close(r_out, x + r)
+        close(y, rmsnorm(x + r, w, 1e-5))
+
+
+def test_add_rmsnorm_updates_the_residual_stream_in_place(cpu_kernel):
+    k = cpu_kernel("add_rmsnorm", M=None, N=48, dtype="float32")
+    x, r, w = torch.randn(5, 48), torch.randn(5, 48), torch.randn(48)
+    want_r = x + r
+    want_y = rmsnorm(want_r, w, 1e-6)
+    y = torch.empty_like(x)
+    assert k(x, r, w, out=(y, r))[1] is r  # the residual update: r += x, y = rmsnorm(r)
+    close(r, want_r)
+    close(y, want_y)
+    x2, r2 = x.clone(), r.clone()
+    k(x2, r2, w, out=(x2, r2))  # both in place: y over x as well
+    close(r2, want_r + x)
+    close(x2, rmsnorm(want_r + x, w, 1e-6))
+    with pytest.raises(ValueError, match="only R may be"):
+        k(x, r, w, out=(y, x))
+
+
+# ----- layernorm
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_layernorm(cpu_kernel, bias, residual):
+    N = 45
+    k = cpu_kernel("layernorm", M=None, N=N, dtype="float32", bias=bias, residual=residual)
+    assert k.input_names == ["X"] + ["R"] * residual + ["W"] + ["B"] * bias
+    assert k.output_names == ["Y"] + ["Rout"] * residual
+    w, b = torch.randn(N), torch.randn(N)
+    for rows in (1, 37):
+        x, r = torch.randn(rows, N) * 2 + 1, torch.randn(rows, N)
+        ins = [x] + [r] * residual + [w] + [b] * bias
+        h = x + r if residual else x
+        want = F.layer_norm(h.double(), (N,), w.double(), b.double() if bias else None, 1e-5).float()
+        out = k(*ins)
+        if residual:
+            close(out[1], h)
+            out = out[0]
+        close(out, want)
+
+
+def test_layernorm_static_rows_and_in_place_residual(cpu_kernel):
+    k = cpu_kernel("layernorm", M=6, N=20, eps=1e-3, dtype="float32", bias=True, residual=True)
+    x, r, w, b = torch.randn(6, 20), torch.randn(6, 20), torch.randn(20), torch.randn(20)
+    h = x + r
+    k(x, r, w, b, out=(x, r))
+    close(r, h)
+    close(x, F.layer_norm(h, (20,), w, b, 1e-3))
+
+
+def test_layernorm_torch_op_returns_one_or_two_outputs(cpu_kernel):
+    """layernorm's op returns a list (its output count depends on `residual`); a Kernel still
+    returns a tensor for one output and a tuple for two, traced or not."""
+    plain = cpu_kernel("layernorm", M=None, N=16, dtype="float32")
+    fused = cpu_kernel("layernorm", M=None, N=16, dtype="float32", residual=True)
+    x, r, w = torch.randn(3, 16), torch.randn(3, 16), torch.randn(16)
+    listed = torch.ops.kernel_service.layernorm(plain.spec_json, [x, w])
+    assert isinstance(listed, list) and len(listed) == 1
+    torch.testing.assert_close(listed[0], plain(x, w))
+    fn = torch.compile(lambda x, r, w: (plain(x, w), fused(x, r, w)), fullgraph=True, dynamic=False)
+    y, (y2, h) = fn(x, r, w)
+    torch.testing.assert_close(y, F.layer_norm(x, (16,), w))
+    torch.testing.assert_close(h, x + r)
+    torch.testing.assert_close(y2, F.layer_norm(x + r, (16,), w))
+
+
+# ----- rope
+
+ROPE = dict(heads=3, kv_heads=2, head_dim=20, dtype="float32")
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("rotary_dim", [None, 12])
+def test_rope(cpu_kernel, style, rotary_dim):
+    k = cpu_kernel("rope", tokens=None, style=style, rotary_dim=rotary_dim, **ROPE)
+    assert (k.input_names, k.output_names) == (["positions", "Q", "K", "cos_sin_cache"], ["Qout", "Kout"])
+    rot = rotary_dim or 20
+    cache = cos_sin_cache(50, rot)
+    for tokens in (1, 37):
+        pos = torch.randint(0, 50, (tokens,), dtype=torch.int64)
+        q, kk = torch.randn(tokens, 3, 20), torch.randn(tokens, 2, 20)
+        got_q, got_k = k(pos, q, kk, cache)
+        want_q, want_k = rope_reference(pos, q, kk, cache, style)
+        close(got_q, want_q)
+        close(got_k, want_k)
+        if rot < 20:  # partial rotary: the tail of each head is untouched
+            assert torch.equal(got_q[..., rot:], q[..., rot:])
+
+
+def test_rope_matches_the_textbook_rotation():
+    """The reference itself: neox rotates halves, gptj interleaved pairs, by angle pos * base^(-2i/d)."""
+    pos = torch.tensor([0, 1, 5])
+    q = torch.randn(3, 1, 8)
+    cache = cos_sin_cache(8, 8)
+    angles = pos[:, None, None].double() * 10000.0 ** (-torch.arange(0, 8, 2).double() / 8)
+    as_complex = torch.polar(torch.ones_like(angles), angles)
+    neox = torch.view_as_complex(torch.stack(q.double().chunk(2, -1), -1).contiguous()) * as_complex
+    close(rope_reference(pos, q, q, cache, "neox")[0], torch.cat([neox.real, neox.imag], -1).float())
+    gptj = torch.view_as_complex(q.double().reshape(3, 1, 4, 2).contiguous()) * as_complex
+    close(rope_reference(pos, q, q, cache, "gptj")[0], torch.view_as_real(gptj).flatten(-2).float())
+
+
+def test_rope_in_place_with_a_static_cache(cpu_kernel):
+    k = cpu_kernel("rope", tokens=5, max_position=16, style="gptj", **ROPE)
+    cache = cos_sin_cache(16, 20)
+    pos = torch.tensor([15, 0, 3, 3, 9])
+    q, kk = torch.randn(5, 3, 20), torch.randn(5, 2, 20)
+    want_q, want_k = rope_reference(pos, q, kk, cache, "gptj")
+    assert k(pos, q, kk, cache, out=(q, kk))[0] is q  # vLLM's rotary_embedding is in place too
+    close(q, want_q)
+    close(kk, want_k)
+    with pytest.raises(ValueError, match="cos_sin_cache must have shape"):
+        k(pos, q, kk, cos_sin_cache(17, 20))
+    with pytest.raises(TypeError, match="positions must be int64"):
+        k(pos.int(), q, kk, cache)
+
+
+# ----- validation
+
+@pytest.mark.parametrize(
+    "kind,params,target,field,words",
+    [
+        ("add_rmsnorm", {"M": 8, "N": 32768, "dtype": "float16"}, "sm_90a", "N", "not supported"),
+        ("add_rmsnorm", {"M": 8, "N": 100, "dtype": "bfloat16"}, "sm_90a", "N", "multiple of 8"),
+        ("add_rmsnorm", {"M": 8, "N": 64, "dtype": "float16"}, "c", "dtype", "float32"),
+        ("add_rmsnorm", {"M": 8, "N": 64, "dtype": "float32", "threads": 128}, "c", "threads", "CUDA"),
+        ("layernorm", {"M": None, "N": 64, "dtype": "float32", "bias": 1}, "c", "bias", "true or false"),
+        ("layernorm", {"M": None, "N": 60, "dtype": "float16", "residual": True}, "sm_90a", "N", "multiple of 8"),
+        ("layernorm", {"M": None, "N": 64, "dtype": "float16", "eps": -1}, "sm_90a", "eps", "at least"),
+        ("rope", {**ROPE, "tokens": None, "rotary_dim": 21}, "c", "rotary_dim", "even"),
+        ("rope", {**ROPE, "tokens": None, "rotary_dim": 24}, "c", "rotary_dim", "at most head_dim"),
+        ("rope", {**ROPE, "tokens": None, "style": "llama"}, "c", "style", "not one of"),
+        ("rope", {**ROPE, "tokens": None, "threads": 64}, "c", "threads", "CUDA"),
+        ("rope", {**ROPE, "tokens": None, "dtype": "float16"}, "sm_90a", "head_dim", "multiple of 8"),
+        ("rope", {**ROPE, "tokens": None, "head_dim": 128, "rotary_dim": 100, "dtype": "float16"}, "sm_90a", "rotary_dim", "multiple of 8"),
+        ("rope", {**ROPE, "tokens": None, "heads": 512, "head_dim": 256, "dtype": "float16"}, "sm_90a", "heads", "shared memory"),
+        ("rope", {**ROPE, "tokens": None, "head_dim": 128, "threads": 48, "dtype": "float16"}, "sm_90a", "threads", "power of two"),
+    ],
+)
+def test_rejected(kind, params, target, field, words):
+    with pytest.raises(InvalidSpec) as info:
+        kernels.canonicalize(kind, params, target)
+    assert info.value.field == field and words in str(info.value), str(info.value)
+
+
+def test_rope_rotary_dim_defaults_to_head_dim_in_the_key():
+    implicit = kernels.canonicalize("rope", {**ROPE, "tokens": None}, "c")
+    assert implicit.params["rotary_dim"] == 20 and implicit.params["style"] == "neox" and implicit.params["max_position"] is None
+    assert implicit.to_json() == kernels.canonicalize("rope", {**ROPE, "tokens": None, "rotary_dim": 20}, "c").to_json()
+
+
+# ----- CUDA: lowering on this machine, a full build where nvcc is installed
+
+LLAMA = dict(heads=32, kv_heads=8, head_dim=128)
+CUDA_SPECS = [
+    ("add_rmsnorm", {"M": None, "N": 4096, "eps": 1e-5, "dtype": "float16"}),
+    ("add_rmsnorm", {"M": 64, "N": 1000, "dtype": "bfloat16"}),
+    ("layernorm", {"M": None, "N": 4096, "dtype": "float16"}),
+    ("layernorm", {"M": None, "N": 1000, "dtype": "bfloat16", "bias": True, "residual": True}),
+    ("rope", {"tokens": None, **LLAMA, "dtype": "float16"}),
+    ("rope", {"tokens": None, **LLAMA, "rotary_dim": 64, "style": "gptj", "max_position": 4096, "dtype": "bfloat16"}),
+]
+
+
+def _cuda_source(kind, params, arch="sm_90a"):
+    import tilelang
+    import tvm
+
+    target = kernels.parse_target(arch)
+    spec = kernels.canonicalize(kind, params, arch)
+    tvm_target = tvm.target.Target(target.tilelang_target())
+    with tvm.transform.PassContext(opt_level=3), tvm_target:
+        return tilelang.lower(kernels.get_kind(kind).build(dict(spec.params), target), target=tvm_target).kernel_source
+
+
+@pytest.mark.parametrize("kind,params", CUDA_SPECS, ids=lambda v: v if isinstance(v, str) else None)
+def test_cuda_forms_lower_for_sm_90a(kind, params):
+    src = _cuda_source(kind, params)
+    assert "__global__" in src
+    # One pass over memory: rows (and a token's heads) move in 16-byte vectors.
+    assert "uint4" in src, "expected 16-byte vector loads"
+
+
+@needs_nvcc
+def test_cuda_forms_build_with_nvcc(make_daemon):
+    c = make_daemon("--cuda-compiler", "nvcc").client()
+    specs = [{"kind": kind, "target": "sm_90a", **params} for kind, params in CUDA_SPECS[::2]]
+    assert c.prefetch(specs, load=False) == ["compiled"] * len(specs)
+    for s in specs:
+        k = c.get_kernel(s["kind"], target="sm_90a", **{n: v for n, v in s.items() if n not in ("kind", "target")})
+        assert k.abi["loader"] == "tvm_ffi" and k.abi["inplace"]
+
+
+# ----- GPU correctness at ragged sizes
+
+def _assert_close(got, want, dtype):
+    from kernels.reference import tolerance
+
+    torch.testing.assert_close(got.float(), want.float(), **tolerance(dtype))
+
+
+@pytest.fixture(scope="module")
+def gpu_client(tmp_path_factory):
+    from compile_service.tools.launch import DaemonProcess
+
+    base = tmp_path_factory.mktemp("fused-gpu")
+    d = DaemonProcess(base / "cache", "--target", "sm_90a", workers=2, log_path=base / "daemon.log").start(timeout=300)
+    yield d.client()
+    d.stop()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("N", [4096, 1000])
+def test_gpu_add_rmsnorm(gpu_client, dtype, N):
+    k = gpu_client.get_kernel("add_rmsnorm", M=None, N=N, eps=1e-5, dtype=dtype, target="sm_90a")
+    t = getattr(torch, dtype)
+    w = torch.randn(N, device="cuda", dtype=t)
+    for rows in (1, 7, 64, 333, 2048):
+        x, r = torch.randn(rows, N, device="cuda", dtype=t), torch.randn(rows, N, device="cuda", dtype=t)
+        y, r_out = k(x, r, w)
+        assert torch.equal(r_out, x + r)  # fp32 sum, rounded once: what torch's 16-bit add gives
+        h = (x + r).float()
+        _assert_close(y, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float(), dtype)
+        want = y.clone()
+        k(x, r, w, out=(x, r))  # in place over both
+        assert torch.equal(x, want) and torch.equal(r, r_out)
+
+
+@needs_gpu
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, False), (False, True), (True, True)])
+def test_gpu_layernorm(gpu_client, bias, residual):
+    from kernels.reference import make_inputs, reference
+
+    for N, dtype in ((4096, "float16"), (1000, "bfloat16")):
+        k = gpu_client.get_kernel("layernorm", M=None, N=N, dtype=dtype, bias=bias, residual=residual, target="sm_90a")
+        for rows in (1, 37, 2048):
+            ins = make_inputs("layernorm", k.spec["params"], "cuda", runtime={"M": rows})
+            got, want = k(*ins), reference("layernorm", k.spec["params"], ins)
+            for g, w in zip(got if residual else (got,), want if residual else (want,)):
+                _assert_close(g, w, dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("rotary_dim", [128, 64])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_rope(gpu_client, style, rotary_dim, dtype):
+    k = gpu_client.get_kernel("rope", tokens=None, **LLAMA, rotary_dim=rotary_dim, style=style, dtype=dtype, target="sm_90a")
+    t = getattr(torch, dtype)
+    cache = cos_sin_cache(8192, rotary_dim, base=500000.0, device="cuda").to(t)
+    for tokens in (1, 7, 64, 1000, 4096):
+        pos = torch.randint(0, 8192, (tokens,), device="cuda", dtype=torch.int64)
+        q = torch.randn(tokens, 32, 128, device="cuda", dtype=t)
+        kk = torch.randn(tokens, 8, 128, device="cuda", dtype=t)
+        want_q, want_k = rope_reference(pos, q, kk, cache, style)
+        got_q, got_k = k(pos, q, kk, cache)
+        _assert_close(got_q, want_q, dtype)
+        _assert_close(got_k, want_k, dtype)
+        k(pos, q, kk, cache, out=(q, kk))
+        assert torch.equal(q, got_q) and torch.equal(kk, got_k)
