@@ -19,7 +19,7 @@ def rejects(kind, params, target, field, words=""):
 
 
 def test_all_kinds_registered():
-    assert set(kernels.kinds()) >= {"gemm", "attention", "rmsnorm", "swiglu", "softmax"}
+    assert set(kernels.kinds()) >= {"gemm", "attention", "rmsnorm", "swiglu", "softmax", "add_rmsnorm", "layernorm", "rope"}
 
 
 @pytest.mark.parametrize(
@@ -114,6 +114,9 @@ def test_explicit_default_tiling_is_the_same_key():
         ("rmsnorm", dict(M=None, N=1, dtype="float32", eps=0)),
         ("swiglu", dict(M=1, N=1, dtype="float32")),
         ("softmax", dict(M=None, N=1, dtype="float32")),
+        ("add_rmsnorm", dict(M=None, N=1, dtype="float32")),
+        ("layernorm", dict(M=1, N=1, dtype="float32", bias=True, residual=True)),
+        ("rope", dict(tokens=None, heads=1, kv_heads=1, head_dim=2, max_position=1, dtype="float32")),
     ],
 )
 def test_cpu_accepts_any_positive_sizes(kind, params):
