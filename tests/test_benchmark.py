@@ -9,6 +9,7 @@ many agents asked.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -140,3 +141,29 @@ def test_fleet_benchmark_builds_each_kernel_once_and_fetches_every_one(tmp_path)
     assert fleet["compiles"] == n and fleet["remote_hits"] == n and fleet["remote_errors"] == 0  # one build each, the other host read it
     assert fetch["samples"] >= 12 and 0 < fetch["p50_ms"] <= fetch["p99_ms"] and fetch["get_kernel_samples"] == n
     assert report["goals"]["fleet_compiles_once"]["met"]
+
+
+# ----- benchmark/decode_step.py: its layer and checks, on the CPU (timing needs a GPU)
+
+def test_decode_step_checks_a_served_layer_against_torch_on_the_cpu(shared_daemon):
+    import argparse
+
+    import decode_step
+
+    cfg = decode_step.LayerConfig(hidden=64, heads=2, kv_heads=1, head_dim=32, ffn=96, kv_len=21, prefill=12, page_size=8, dtype="float32", target="c")
+    c = shared_daemon.client()
+    kinds = {k["name"] for k in c.kinds()}
+    args = argparse.Namespace(check_only=True)
+    w = decode_step.make_weights(cfg, "cpu")
+    for residual in ("gemm", "norm"):
+        cfg = decode_step.replace(cfg, residual=residual)
+        for batch, q_len in ((3, 1), (1, cfg.prefill)):
+            row = decode_step.run_case(c, cfg, w, batch, q_len, kinds, args, None)
+            assert row["problems"] == [], row
+    c.close()
+
+
+def test_decode_step_without_cuda_says_how_to_check_on_the_cpu():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_step.py")], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode != 0 and "needs a CUDA GPU" in out.stderr and "--small --check-only" in out.stderr
