@@ -7,12 +7,11 @@ pairs (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with (cos, sin) of pair i:
   neox: pairs (i, i + rotary_dim/2): the two halves (GPT-NeoX, Llama);
   gptj: pairs (2i, 2i + 1): interleaved (GPT-J).
 Elements past rotary_dim (partial rotary) are copied unchanged. positions are int64 (what
-torch and vLLM use) and must lie in [0, max_position): they are not checked on the device.
+torch and vLLM use) and must lie in [0, max_position); one outside is not reported, but it
+never reads past the cache: its cos/sin row reads as zeros (its rotated elements come out zero).
 """
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
-
-import math
 
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
@@ -73,27 +72,25 @@ class RoPE(KernelKind):
         size = 4 if p["dtype"] == "float32" else 2
         if 2 * elems * size + rot * size > smem_limit(target):  # inputs and results staged
             raise InvalidSpec("heads", f"(heads + kv_heads) * head_dim = {elems} elements per token do not fit one block's shared memory on {target}; use fewer heads per call")
-        if math.ceil(p["heads"] * d / p["threads"]) > 128:
-            raise InvalidSpec("threads", f"{p['threads']} threads would hold {math.ceil(p['heads'] * d / p['threads'])} elements each (max 128); use more threads")
         return p
 
     def build_cpu(self, p):
         import tilelang.language as T
 
-        tokens, _, q_shape, k_shape, cs_shape = _shapes(T, p)
+        tokens, max_pos, q_shape, k_shape, cs_shape = _shapes(T, p)
         dtype, d, rot = p["dtype"], p["head_dim"], p["rotary_dim"]
         half, neox = rot // 2, p["style"] == "neox"
 
         @T.macro
-        def rotate(pos, src, dst, t, heads, CS):
+        def rotate(src, dst, t, heads, cs):
             # Both elements of a pair are read before either is written: dst may be src.
             x = T.alloc_local((2,), "float32")
             for h, i in T.grid(heads, half):
                 a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
                 x[0] = src[t, h, a]
                 x[1] = src[t, h, b]
-                dst[t, h, a] = x[0] * CS[pos, i] - x[1] * CS[pos, half + i]
-                dst[t, h, b] = x[1] * CS[pos, i] + x[0] * CS[pos, half + i]
+                dst[t, h, a] = x[0] * cs[i] - x[1] * cs[half + i]
+                dst[t, h, b] = x[1] * cs[i] + x[0] * cs[half + i]
             for h, j in T.grid(heads, d - rot):
                 dst[t, h, rot + j] = src[t, h, rot + j]
 
@@ -107,8 +104,14 @@ class RoPE(KernelKind):
             Kout: T.Tensor(k_shape, dtype),
         ):
             with T.Kernel(tokens) as t:
-                rotate(positions[t], Q, Qout, t, p["heads"], cos_sin_cache)
-                rotate(positions[t], K, Kout, t, p["kv_heads"], cos_sin_cache)
+                # The position's cos/sin row; a position outside the cache reads zeros, as the CUDA form's
+                # bounds-checked copy does, never memory past the cache.
+                cs = T.alloc_local((rot,), "float32")
+                last = T.cast(max_pos, "int64") - 1
+                for i in T.serial(rot):
+                    cs[i] = T.if_then_else(positions[t] >= 0 and positions[t] <= last, cos_sin_cache[T.max(T.min(positions[t], last), 0), i], 0)
+                rotate(Q, Qout, t, p["heads"], cs)
+                rotate(K, Kout, t, p["kv_heads"], cs)
 
         return main
 

@@ -309,3 +309,13 @@ def test_gpu_rope(gpu_client, style, rotary_dim, dtype):
         _assert_close(got_k, want_k, dtype)
         k(pos, q, kk, cache, out=(q, kk))
         assert torch.equal(q, got_q) and torch.equal(kk, got_k)
+
+
+def test_rope_position_outside_the_cache_reads_zeros_not_memory(cpu_kernel):
+    k = cpu_kernel("rope", tokens=None, **ROPE)
+    cache = cos_sin_cache(8, 20)
+    pos = torch.tensor([2, 8, -1, 1 << 40])
+    q, kk = torch.randn(4, 3, 20), torch.randn(4, 2, 20)
+    got_q, got_k = k(pos, q, kk, cache)
+    close(got_q[0], rope_reference(pos[:1], q[:1], kk[:1], cache, "neox")[0][0])
+    assert not got_q[1:].any() and not got_k[1:].any()
