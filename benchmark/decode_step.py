@@ -125,7 +125,10 @@ def attention_kernel(client, cfg: LayerConfig, batch: int, q_len: int, served_ki
     if "kv_attention" not in served_kinds:
         return None, "kv_attention is not served by this daemon"
     # The interface the kv_attention helper announced; adapt here once it lands if it differs.
-    k = client.get_kernel("kv_attention", batch=batch, heads=c.heads, kv_heads=c.kv_heads, q_len=q_len, head_dim=d, paged=True, page_size=c.page_size, **common)
+    try:
+        k = client.get_kernel("kv_attention", batch=batch, heads=c.heads, kv_heads=c.kv_heads, q_len=q_len, head_dim=d, paged=True, page_size=c.page_size, **common)
+    except ValueError as exc:  # InvalidSpec: the kind landed with other params
+        raise SystemExit(f"kv_attention refused the spec attention_kernel() in {Path(__file__).name} asks for ({exc}); adapt it to the kind's params") from None
 
     def attend(q, k_new, v_new, cache):
         return k(q, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens)
