@@ -11,6 +11,127 @@ from .tiling import cuda_only, pow2, smem_limit
 ACTS = ("none", "gelu", "silu", "relu")
 
 
+SCHEDULES = ("auto", "tma", "splitk", "gemv")
+# Every tiling knob; a range's overrides name all of them (None where its schedule has no use for one).
+TILES = ("block_M", "block_N", "block_K", "num_stages", "threads", "split_k")
+
+
+def schedule(name, **tiles):
+    """Complete overrides: the schedule and every tile param."""
+    return {"schedule": name, **dict.fromkeys(TILES), **tiles}
+
+
+def prefill_tiles(p, target):
+    if p["dtype"] == "float32" or smem_limit(target) < 200 * 1024:
+        # tf32 (4-byte elements) or a pre-Hopper part: a tile that fits ~100 KiB
+        return {"block_M": 128, "block_N": 128, "block_K": 32, "num_stages": 3 if smem_limit(target) >= 80 * 1024 else 2, "threads": 256}
+    # 128x256x64 in 3 stages: the wgmma-friendly Hopper tile (measured 0.96x cuBLAS on H200)
+    return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256}
+
+
+def ranges(p, target):
+    """The M ranges of a CUDA spec and each one's build: [(upper M inclusive, overrides), ..., (None, overrides)].
+
+    Small M is a weight-streaming problem (decode): the weight is read once, so what counts is
+    keeping enough loads in flight on every SM; the prefill tile leaves most SMs idle there.
+    """
+    big = schedule("tma", **prefill_tiles(p, target))
+    if p["dtype"] == "float32" or smem_limit(target) < 200 * 1024:
+        return [(None, big)]
+    table = []
+    if p["trans_b"]:
+        table.append((8, schedule("gemv", block_M=8, block_N=8, block_K=1024, threads=256)))
+    table += [
+        (32, schedule("splitk", block_M=32, block_N=32, block_K=128, num_stages=6, threads=128, split_k=1)),
+        (128, schedule("splitk", block_M=64, block_N=64, block_K=128, num_stages=4, threads=128, split_k=1)),
+        (512, schedule("tma", block_M=128, block_N=128, block_K=64, num_stages=4, threads=256)),
+        (None, big),
+    ]
+    return table
+
+
+def overrides_for(table, m):
+    """The overrides of the range holding M = m."""
+    return next(o for upper, o in table if upper is None or m <= upper)
+
+
+def check_cpu(p):
+    for name, value in {"block_M": 32, "block_N": 32, "block_K": 32}.items():
+        if p[name] is None:
+            p[name] = value
+        pow2(name, p[name], 1, 128)
+    return p
+
+
+def unused(p, *names):
+    for name in names:
+        if p[name] is not None:
+            raise InvalidSpec(name, f"does not apply to schedule {p['schedule']!r}; leave it unset")
+
+
+def fill(p, defaults):
+    for name, value in defaults.items():
+        if p[name] is None:
+            p[name] = value
+
+
+def check_mma_tile(p, target):
+    """A tensor-core tile staged through shared memory (schedules tma and splitk)."""
+    bm, bn, bk = p["block_M"], p["block_N"], p["block_K"]
+    pow2("block_M", bm, 16, 256)
+    pow2("block_N", bn, 16, 256)
+    pow2("block_K", bk, 16, 256)
+    if p["threads"] not in (128, 256):
+        raise InvalidSpec("threads", f"must be 128 or 256, got {p['threads']}")
+    if not 1 <= p["num_stages"] <= 8:
+        raise InvalidSpec("num_stages", f"must be in [1, 8], got {p['num_stages']}")
+    # Each thread holds bm*bn/threads fp32 accumulators; past 128 they spill.
+    if bm * bn // p["threads"] > 128:
+        raise InvalidSpec("block_N", f"a {bm}x{bn} tile needs {bm * bn // p['threads']} accumulator registers per thread (max 128); use smaller tiles or more threads")
+    # Every warp needs at least a 16x16 piece of the tile.
+    if bm * bn < p["threads"] // 32 * 16 * 16:
+        raise InvalidSpec("block_M", f"a {bm}x{bn} tile is too small for {p['threads']} threads")
+    size = 4 if p["dtype"] == "float32" else 2
+    smem = p["num_stages"] * (bm * bk + bk * bn) * size + bm * bn * size
+    if smem > smem_limit(target):
+        raise InvalidSpec("num_stages", f"tiles need {smem // 1024} KiB of shared memory, over the {smem_limit(target) // 1024} KiB a block gets on {target}")
+    return p
+
+
+def check_tma(p, target):
+    unused(p, "split_k")
+    fill(p, prefill_tiles(p, target))
+    return check_mma_tile(p, target)
+
+
+def check_splitk(p, target):
+    fill(p, {"block_M": 64, "block_N": 64, "block_K": 128, "num_stages": 4, "threads": 128, "split_k": 1})
+    if not 1 <= p["split_k"] <= 16:
+        raise InvalidSpec("split_k", f"must be in [1, 16], got {p['split_k']}")
+    if p["split_k"] > -(-p["K"] // p["block_K"]):
+        raise InvalidSpec("split_k", f"{p['split_k']} slices of K={p['K']} leave some without a single block_K={p['block_K']} tile; use fewer")
+    return check_mma_tile(p, target)
+
+
+def check_gemv(p, target):
+    """CUDA-core GEMV: one warp per row of B, 16-byte loads along K, block_M rows of A per block."""
+    unused(p, "num_stages", "split_k")
+    if not p["trans_b"]:
+        raise InvalidSpec("schedule", "'gemv' reads B as [N, K] rows: it needs trans_b=True; use schedule 'splitk'")
+    vec = 4 if p["dtype"] == "float32" else 8
+    fill(p, {"block_M": 4, "block_N": 8, "block_K": 32 * vec * 4})
+    fill(p, {"threads": 32 * p["block_N"]})
+    pow2("block_M", p["block_M"], 1, 16)
+    pow2("block_N", p["block_N"], 1, 32)
+    pow2("block_K", p["block_K"], 32 * vec, 32 * vec * 8)
+    if p["threads"] != 32 * p["block_N"]:
+        raise InvalidSpec("threads", f"schedule 'gemv' runs one warp per row: threads must be 32 * block_N = {32 * p['block_N']}, got {p['threads']}")
+    return p
+
+
+SCHEDULE_CHECKS = {"tma": check_tma, "splitk": check_splitk, "gemv": check_gemv}
+
+
 def activation(T, x, act):
     """The epilogue's activation as a TIR expression on fp32 `x` (traced, so shared by both forms)."""
     if act == "gelu":  # exact erf form, as torch's default GELU
@@ -22,24 +143,47 @@ def activation(T, x, act):
     return x
 
 
-def prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res):
-    """The PrimFunc of the ABI (A, B[, Bias][, R], C) around `body(A, B, Bias, R, C)`."""
+def prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res, w_shape=None):
+    """The PrimFunc of the ABI (A, B[, Bias][, R][, W], C) around `body(A, B, Bias, R, W, C)`;
+    W (fp32, `w_shape`) is per-call scratch (Gemm.scratch), there only when a schedule needs one."""
+    if w_shape is not None:
+        return prim_func_scratch(T, body, M, N, K, b_shape, dtype, has_bias, has_res, w_shape)
     if has_bias and has_res:
         @T.prim_func
         def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), R: T.Tensor((M, N), dtype), C: T.Tensor((M, N), dtype)):
-            body(A, B, Bias, R, C)
+            body(A, B, Bias, R, None, C)
     elif has_bias:
         @T.prim_func
         def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), C: T.Tensor((M, N), dtype)):
-            body(A, B, Bias, None, C)
+            body(A, B, Bias, None, None, C)
     elif has_res:
         @T.prim_func
         def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), R: T.Tensor((M, N), dtype), C: T.Tensor((M, N), dtype)):
-            body(A, B, None, R, C)
+            body(A, B, None, R, None, C)
     else:
         @T.prim_func
         def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor((M, N), dtype)):
-            body(A, B, None, None, C)
+            body(A, B, None, None, None, C)
+    return main
+
+
+def prim_func_scratch(T, body, M, N, K, b_shape, dtype, has_bias, has_res, w_shape):
+    if has_bias and has_res:
+        @T.prim_func
+        def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), R: T.Tensor((M, N), dtype), W: T.Tensor(w_shape, "float32"), C: T.Tensor((M, N), dtype)):
+            body(A, B, Bias, R, W, C)
+    elif has_bias:
+        @T.prim_func
+        def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), W: T.Tensor(w_shape, "float32"), C: T.Tensor((M, N), dtype)):
+            body(A, B, Bias, None, W, C)
+    elif has_res:
+        @T.prim_func
+        def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), R: T.Tensor((M, N), dtype), W: T.Tensor(w_shape, "float32"), C: T.Tensor((M, N), dtype)):
+            body(A, B, None, R, W, C)
+    else:
+        @T.prim_func
+        def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), W: T.Tensor(w_shape, "float32"), C: T.Tensor((M, N), dtype)):
+            body(A, B, None, None, W, C)
     return main
 
 
@@ -57,11 +201,13 @@ class Gemm(KernelKind):
         Param("bias", bool, default=False, doc="add a bias[N] input (after B) to every row"),
         Param("act", str, default="none", choices=ACTS, doc="activation applied in the epilogue (gelu is the exact erf form)"),
         Param("residual", bool, default=False, doc="add an R[M,N] input (last) after the activation; `out=R` updates it in place"),
+        Param("schedule", str, default="auto", choices=SCHEDULES, doc="CUDA kernel: 'tma' (prefill tile), 'splitk' (narrow tiles for small M), 'gemv' (CUDA cores, M <= 8); 'auto' picks by M (dispatch), or 'tma' when tiles are given"),
         tile("block_M"),
         tile("block_N"),
         tile("block_K"),
         tile("num_stages", "shared-memory pipeline depth (CUDA only)"),
-        tile("threads", "threads per block: 128 or 256 (CUDA only)"),
+        tile("threads", "threads per block: 128 or 256 (CUDA only; gemv: 32 * block_N)"),
+        tile("split_k", "K slices of schedule 'splitk' (CUDA only)"),
     )
 
     def inplace(self, p):
@@ -69,52 +215,37 @@ class Gemm(KernelKind):
         return {"C": "R"} if p["residual"] else {}
 
     def check(self, p, target):
-        cuda_only(p, target, "num_stages", "threads")
+        cuda_only(p, target, *TILES[3:])
         if target.is_cpu:
-            defaults = {"block_M": 32, "block_N": 32, "block_K": 32}
-        elif p["dtype"] == "float32" or smem_limit(target) < 200 * 1024:
-            # tf32 (4-byte elements) or a pre-Hopper part: a tile that fits ~100 KiB
-            defaults = {"block_M": 128, "block_N": 128, "block_K": 32, "num_stages": 3 if smem_limit(target) >= 80 * 1024 else 2, "threads": 256}
-        else:  # 128x256x64 in 3 stages: the wgmma-friendly Hopper tile (measured 0.96x cuBLAS on H200)
-            defaults = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256}
-        for name, value in defaults.items():
-            if p[name] is None:
-                p[name] = value
-        bm, bn, bk = p["block_M"], p["block_N"], p["block_K"]
-        if target.is_cpu:
-            for name in ("block_M", "block_N", "block_K"):
-                pow2(name, p[name], 1, 128)
-            return p
-        pow2("block_M", bm, 16, 256)
-        pow2("block_N", bn, 16, 256)
-        pow2("block_K", bk, 16, 128)
-        if p["threads"] not in (128, 256):
-            raise InvalidSpec("threads", f"must be 128 or 256, got {p['threads']}")
-        if not 1 <= p["num_stages"] <= 6:
-            raise InvalidSpec("num_stages", f"must be in [1, 6], got {p['num_stages']}")
-        # Each thread holds bm*bn/threads fp32 accumulators; past 128 they spill.
-        if bm * bn // p["threads"] > 128:
-            raise InvalidSpec("block_N", f"a {bm}x{bn} tile needs {bm * bn // p['threads']} accumulator registers per thread (max 128); use smaller tiles or more threads")
-        # Every warp needs at least a 16x16 piece of the tile.
-        if bm * bn < p["threads"] // 32 * 16 * 16:
-            raise InvalidSpec("block_M", f"a {bm}x{bn} tile is too small for {p['threads']} threads")
+            p["schedule"] = "auto"  # one CPU kernel, whatever was asked: one key per CPU spec
+            return check_cpu(p)
         size = 4 if p["dtype"] == "float32" else 2
-        smem = p["num_stages"] * (bm * bk + bk * bn) * size + bm * bn * size
-        if smem > smem_limit(target):
-            raise InvalidSpec("num_stages", f"tiles need {smem // 1024} KiB of shared memory, over the {smem_limit(target) // 1024} KiB a block gets on {target}")
-        # TMA / cp.async move 16-byte-aligned rows: rows of A, B and C have K or N elements.
-        align = 16 // size
+        # TMA / cp.async / vector loads move 16-byte-aligned rows: rows of A, B and C have K or N elements.
         for name in ("K", "N"):  # a runtime N must be one too: the call's TMA descriptor refuses others
-            if p[name] is not None and p[name] % align:
-                raise InvalidSpec(name, f"must be a multiple of {align} for {p['dtype']} on CUDA (16-byte rows)")
-        return p
+            if p[name] is not None and p[name] % (16 // size):
+                raise InvalidSpec(name, f"must be a multiple of {16 // size} for {p['dtype']} on CUDA (16-byte rows)")
+        if p["schedule"] == "auto":
+            if any(p[name] is not None for name in TILES):
+                p["schedule"] = "tma"  # explicit tiles meant the prefill kernel before schedules existed
+            elif p["M"] is None:
+                return p  # the dispatching spec: dispatch() names the build of each M range
+            else:
+                p.update(overrides_for(ranges(p, target), p["M"]))
+        return SCHEDULE_CHECKS[p["schedule"]](p, target)
+
+    def dispatch(self, p: dict, target) -> tuple[str, list[tuple[int | None, dict]]] | None:
+        """("M", [(upper M inclusive, overrides), ..., (None, overrides)]) for the dispatching spec
+        (CUDA, M left to run time, schedule "auto"): one build per range, each correct for any M."""
+        if target.is_cpu or p["M"] is not None or p["schedule"] != "auto":
+            return None
+        return "M", ranges(p, target)
 
     def host_side_dims(self, p, target):
         # With TMA (sm_90 and newer) M and N only size the grid and the tensors' descriptors,
         # so every value, multiple of the tile or not, runs the same device code; except where
         # TileLang lowers a static size of a single tile otherwise, and a bias reads N.
-        if target.is_cpu or target.compute_capability < 90:
-            return ()
+        if target.is_cpu or target.compute_capability < 90 or p["schedule"] not in ("tma", "splitk"):
+            return ()  # gemv guards rows and columns in device code; "auto" builds depend on N's table
         if p["residual"] or any(p[d] is not None and p[d] <= p[f"block_{d}"] for d in ("M", "N")):
             return ()  # a residual's tile is read by TMA too, but that claim is not checked (tests/test_shared_builds.py)
         return ("M",) if p["bias"] else ("M", "N")
@@ -130,7 +261,7 @@ class Gemm(KernelKind):
         b_shape = (N, K) if trans_b else (K, N)
 
         @T.macro
-        def body(A, B, Bias, R, C):
+        def body(A, B, Bias, R, W, C):
             with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm)) as (bx, by):
                 acc = T.alloc_local((bm, bn), "float32")
                 for i, j in T.grid(bm, bn):
@@ -156,6 +287,16 @@ class Gemm(KernelKind):
         return prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res)
 
     def build_cuda(self, p, target: Target):
+        if p["schedule"] == "auto":  # the dispatching spec built whole: its last range is correct for every M
+            p = self.canonicalize({**p, **ranges(p, target)[-1][1]}, target).params
+        if p["schedule"] == "gemv":
+            return self.build_gemv(p)
+        return self.build_mma(p)
+
+    def build_mma(self, p):
+        """Schedules tma and splitk: a tensor-core tile fed by a TMA (cp.async before Hopper) pipeline.
+        splitk with split_k > 1 gives each block one K slice, its fp32 partial tile going to the
+        scratch W[split_k, M, N]; a second kernel sums the slices and applies the epilogue."""
         import tilelang.language as T
 
         M = p["M"] if p["M"] is not None else T.dynamic("M")
@@ -165,39 +306,129 @@ class Gemm(KernelKind):
         trans_b, act, has_bias, has_res = p["trans_b"], p["act"], p["bias"], p["residual"]
         b_shape = (N, K) if trans_b else (K, N)
         b_tile = (bn, bk) if trans_b else (bk, bn)
+        split = p["split_k"] or 1
+        per = -(-(-(-K // bk)) // split)  # K tiles per slice; a last slice past K reads TMA's zero fill
+        # Grouped block order keeps a panel of B tiles hot in L2 (many M tiles share it); a
+        # narrow grid (decode) reads each B tile once, in launch order.
+        swizzle = p["schedule"] == "tma"
+        rn = 256  # columns per block of the split-K reduction
 
         @T.macro
-        def body(A, B, Bias, R, C):
-            with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=p["threads"]) as (bx, by):
+        def body(A, B, Bias, R, W, C):
+            with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), split, threads=p["threads"]) as (bx, by, bz):
                 A_s = T.alloc_shared((bm, bk), dtype)
                 B_s = T.alloc_shared(b_tile, dtype)
                 C_s = T.alloc_shared((bm, bn), dtype)
                 C_f = T.alloc_fragment((bm, bn), "float32")
-                # Grouped block order keeps a panel of B tiles hot in L2.
-                T.use_swizzle(panel_size=10)
+                if swizzle:
+                    T.use_swizzle(panel_size=10)
                 T.clear(C_f)
-                for ko in T.Pipelined(T.ceildiv(K, bk), num_stages=p["num_stages"]):
-                    T.copy(A[by * bm, ko * bk], A_s)
+                for ko in T.Pipelined(per, num_stages=p["num_stages"]):
+                    k0 = (bz * per + ko) * bk
+                    T.copy(A[by * bm, k0], A_s)
                     if trans_b:
-                        T.copy(B[bx * bn, ko * bk], B_s)
+                        T.copy(B[bx * bn, k0], B_s)
                     else:
-                        T.copy(B[ko * bk, bx * bn], B_s)
+                        T.copy(B[k0, bx * bn], B_s)
                     T.gemm(A_s, B_s, C_f, transpose_B=trans_b)
-                if has_bias or act != "none":
+                if split > 1:
+                    # Every (slice, row < M, column < N) is written, so the reduction reads no stale scratch.
                     for i, j in T.Parallel(bm, bn):
-                        if has_bias:  # clamped: columns past N are computed but never stored
-                            C_f[i, j] += T.cast(Bias[T.min(bx * bn + j, N - 1)], "float32")
-                        C_f[i, j] = activation(T, C_f[i, j], act)
-                if has_res:
-                    # The residual's tile comes in through shared memory (TMA on Hopper), coalesced;
-                    # it is read whole before this block stores its tile of C: C may be R.
-                    T.copy(R[by * bm, bx * bn], C_s)
-                    for i, j in T.Parallel(bm, bn):
-                        C_f[i, j] += T.cast(C_s[i, j], "float32")
-                # Staging through shared memory makes the store coalesced (TMA on Hopper).
-                T.copy(C_f, C_s)
-                T.copy(C_s, C[by * bm, bx * bn])
+                        if by * bm + i < M and bx * bn + j < N:
+                            W[bz, by * bm + i, bx * bn + j] = C_f[i, j]
+                else:
+                    if has_bias or act != "none":
+                        for i, j in T.Parallel(bm, bn):
+                            if has_bias:  # clamped: columns past N are computed but never stored
+                                C_f[i, j] += T.cast(Bias[T.min(bx * bn + j, N - 1)], "float32")
+                            C_f[i, j] = activation(T, C_f[i, j], act)
+                    if has_res:
+                        # The residual's tile comes in through shared memory (TMA on Hopper), coalesced;
+                        # it is read whole before this block stores its tile of C: C may be R.
+                        T.copy(R[by * bm, bx * bn], C_s)
+                        for i, j in T.Parallel(bm, bn):
+                            C_f[i, j] += T.cast(C_s[i, j], "float32")
+                    # Staging through shared memory makes the store coalesced (TMA on Hopper).
+                    T.copy(C_f, C_s)
+                    T.copy(C_s, C[by * bm, bx * bn])
+            if split > 1:
+                with T.Kernel(T.ceildiv(N, rn), M, threads=128) as (bx, row):
+                    acc = T.alloc_fragment((rn,), "float32")
+                    T.clear(acc)
+                    for z in T.serial(split):
+                        for j in T.Parallel(rn):  # clamped: columns past N are summed but never stored
+                            acc[j] += W[z, row, T.min(bx * rn + j, N - 1)]
+                    for j in T.Parallel(rn):
+                        col = bx * rn + j
+                        if col < N:
+                            x = acc[j]
+                            if has_bias:
+                                x += T.cast(Bias[col], "float32")
+                            x = activation(T, x, act)
+                            if has_res:
+                                x += T.cast(R[row, col], "float32")
+                            C[row, col] = T.cast(x, dtype)
 
+        w_shape = (split, M, N) if split > 1 else None
+        return prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res, w_shape)
+
+    def build_gemv(self, p):
+        """Schedule gemv: CUDA cores, one warp per row of B ([N, K]) streaming it with 16-byte
+        loads, `unroll` of them in flight per thread, each reused for block_M rows of A (from
+        L1/L2: every block reads the same A); a warp shuffle sums the lanes' partial dot products.
+        After TileLang's examples/gemv (splitk_gemv_vectorized), written for this ABI."""
+        import tilelang.language as T
+
+        M = p["M"] if p["M"] is not None else T.dynamic("M")
+        N = p["N"] if p["N"] is not None else T.dynamic("N")
+        K, dtype = p["K"], p["dtype"]
+        bm, bn, bk = p["block_M"], p["block_N"], p["block_K"]
+        act, has_bias, has_res = p["act"], p["bias"], p["residual"]
+        vec = 4 if dtype == "float32" else 8  # 16 bytes
+        unroll = bk // (32 * vec)
+
+        @T.macro
+        def body(A, B, Bias, R, W, C):
+            with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=(32, bn)) as (bx, by):
+                lane = T.get_thread_binding(0)
+                n = bx * bn + T.get_thread_binding(1)
+                acc = T.alloc_local((bm,), "float32")
+                a = T.alloc_local((vec,), dtype)
+                b = T.alloc_local((unroll, vec), dtype)
+                for i in T.unroll(bm):
+                    acc[i] = 0
+                for ko in T.serial(T.ceildiv(K, bk)):
+                    # All loads of B first: `unroll` 16-byte loads in flight per thread.
+                    for u in T.unroll(unroll):
+                        k = ko * bk + (u * 32 + lane) * vec
+                        if n < N and k < K:  # K is a multiple of vec: a vector is wholly in or out
+                            for v in T.vectorized(vec):
+                                b[u, v] = B[n, k + v]
+                        else:
+                            for v in T.vectorized(vec):
+                                b[u, v] = T.cast(0, dtype)
+                    for u in T.unroll(unroll):
+                        k = ko * bk + (u * 32 + lane) * vec
+                        for i in T.unroll(bm):
+                            if by * bm + i < M and k < K:
+                                for v in T.vectorized(vec):
+                                    a[v] = A[by * bm + i, k + v]
+                                for v in T.unroll(vec):
+                                    acc[i] += T.cast(a[v], "float32") * T.cast(b[u, v], "float32")
+                for i in T.unroll(bm):
+                    acc[i] = T.warp_reduce_sum(acc[i])
+                for i in T.unroll(bm):
+                    row = by * bm + i
+                    if lane == 0 and n < N and row < M:
+                        x = acc[i]
+                        if has_bias:
+                            x += T.cast(Bias[n], "float32")
+                        x = activation(T, x, act)
+                        if has_res:
+                            x += T.cast(R[row, n], "float32")
+                        C[row, n] = T.cast(x, dtype)
+
+        b_shape = (N, K)
         return prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res)
 
     def inputs(self, p, randn, size):
