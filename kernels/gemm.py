@@ -233,6 +233,20 @@ class Gemm(KernelKind):
                 p.update(overrides_for(ranges(p, target), p["M"]))
         return SCHEDULE_CHECKS[p["schedule"]](p, target)
 
+    def scratch(self, p):
+        # splitk's fp32 partials: every element the reduction reads is written first (build_mma).
+        return ("W",) if p["schedule"] == "splitk" and p["split_k"] > 1 else ()
+
+    def shared_build(self, spec):
+        """A static M given with schedule "auto" (check pinned its range's overrides) is served by
+        that range's M=None build, the one the router of the same spec with M=None calls."""
+        p, target = spec.params, spec.target
+        if not target.is_cpu and p["M"] is not None and p["schedule"] != "auto":
+            overrides = overrides_for(ranges(p, target), p["M"])
+            if all(p[name] == value for name, value in overrides.items()):
+                return self.canonicalize({**p, "M": None}, target), {"M": p["M"]}
+        return super().shared_build(spec)
+
     def dispatch(self, p: dict, target) -> tuple[str, list[tuple[int | None, dict]]] | None:
         """("M", [(upper M inclusive, overrides), ..., (None, overrides)]) for the dispatching spec
         (CUDA, M left to run time, schedule "auto"): one build per range, each correct for any M."""
@@ -244,8 +258,8 @@ class Gemm(KernelKind):
         # With TMA (sm_90 and newer) M and N only size the grid and the tensors' descriptors,
         # so every value, multiple of the tile or not, runs the same device code; except where
         # TileLang lowers a static size of a single tile otherwise, and a bias reads N.
-        if target.is_cpu or target.compute_capability < 90 or p["schedule"] not in ("tma", "splitk"):
-            return ()  # gemv guards rows and columns in device code; "auto" builds depend on N's table
+        if target.is_cpu or target.compute_capability < 90 or not (p["schedule"] == "tma" or p["schedule"] == "splitk" and p["split_k"] == 1):
+            return ()  # gemv and split-K partials index rows and columns in device code; "auto" builds depend on N's table
         if p["residual"] or any(p[d] is not None and p[d] <= p[f"block_{d}"] for d in ("M", "N")):
             return ()  # a residual's tile is read by TMA too, but that claim is not checked (tests/test_shared_builds.py)
         return ("M",) if p["bias"] else ("M", "N")
