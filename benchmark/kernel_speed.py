@@ -1,6 +1,6 @@
 """Speed and correctness of the kernel zoo on a CUDA GPU, against torch's best path.
 
-    python benchmark/kernel_speed.py [--target auto|sm_90a] [--only gemm,attention,...] [--out DIR]
+    python benchmark/kernel_speed.py [--target auto|sm_90a] [--only gemm,decode,attention,...] [--out DIR]
 
 Builds every kernel through the service (a daemon on a fresh cache, the zoo
 prefetched by the client, which loads each kernel as an agent would), checks
@@ -12,6 +12,13 @@ its own pair of events, and the median is reported. Memory-bound kinds rotate
 over enough input sets to exceed L2. Tolerances: relative Frobenius error
 against an fp32/fp64 torch reference below 1e-2 for 16-bit dtypes (fp16/bf16
 rounding of outputs is ~4e-3), 1e-4 for float32.
+
+`decode` (in --only) times GEMMs of decode-sized M: each weight N x K is one
+M=None build (the gemm kind routes each call to the build of its M range) called
+at M = 1 ... 4096, against F.linear (cuBLAS), both under CUDA graphs (20 calls
+captured, replays timed with events, median) and rotating weights past L2, so the
+numbers are what a decode step's graph sees; it prints the ratio and the weight
+bytes per second each achieves.
 """
 
 import argparse
@@ -51,6 +58,9 @@ CASES = [
     ("softmax", "4096x4096 bf16", dict(M=None, N=4096, dtype="bfloat16"), ROW_VARIANTS[4096]),
     ("softmax", "4096x14336 bf16", dict(M=None, N=14336, dtype="bfloat16"), ROW_VARIANTS[14336]),
 ]
+# Decode GEMMs (issue #18): weight N x K (trans_b, fp16), one M=None build each, timed at these M.
+DECODE = [(14336, 4096), (4096, 4096), (6144, 4096), (4096, 14336)]
+DECODE_M = (1, 8, 32, 128, 512, 4096)
 ROWS = 4096  # runtime M for the dynamic memory-bound kernels
 # Ragged shapes: correctness only (not multiples of any tile; dynamic sizes at two values).
 RAGGED = [
@@ -64,6 +74,14 @@ RAGGED = [
     ("swiglu", dict(M=None, N=1000, dtype="bfloat16"), [dict(M=37)]),
     ("softmax", dict(M=None, N=16384, dtype="float16"), [dict(M=5)]),
     ("rmsnorm", dict(M=None, N=4104, dtype="bfloat16"), [dict(M=9)]),
+    # Every gemm schedule, and the router of M ranges, at sizes no multiple of any tile.
+    ("gemm", dict(M=None, N=4104, K=4104, dtype="float16", trans_b=True), [dict(M=1), dict(M=7), dict(M=33), dict(M=129), dict(M=1000)]),
+    ("gemm", dict(M=None, N=1000, K=1000, dtype="bfloat16", bias=True, act="gelu", residual=True), [dict(M=1), dict(M=7), dict(M=33), dict(M=129), dict(M=1000)]),
+    ("gemm", dict(M=None, N=4104, K=4104, dtype="float16", trans_b=True, schedule="gemv", block_M=1, block_N=8, block_K=1024), [dict(M=1), dict(M=7), dict(M=33)]),
+    ("gemm", dict(M=None, N=1000, K=1000, dtype="bfloat16", trans_b=True, bias=True, act="silu", residual=True, schedule="gemv", block_M=4, block_N=4, block_K=512), [dict(M=1), dict(M=7), dict(M=129)]),
+    ("gemm", dict(M=None, N=1000, K=1000, dtype="float16", bias=True, act="relu", schedule="splitk", block_M=16, block_N=64, block_K=256, num_stages=4, threads=128, split_k=1), [dict(M=1), dict(M=7), dict(M=33), dict(M=1000)]),
+    ("gemm", dict(M=None, N=4104, K=4104, dtype="bfloat16", trans_b=True, residual=True, schedule="splitk", block_M=128, block_N=128, block_K=64, num_stages=5, threads=256, split_k=4), [dict(M=1), dict(M=129), dict(M=1000)]),
+    ("gemm", dict(M=None, N=1000, K=1000, dtype="float16", trans_b=True, bias=True, act="gelu", schedule="splitk", block_M=64, block_N=64, block_K=128, num_stages=4, threads=128, split_k=3), [dict(M=7), dict(M=129)]),
     # Non-default tilings that validation accepts must also compute the right thing.
     ("gemm", dict(M=None, N=72, K=88, dtype="float16", block_M=32, block_N=32, block_K=32, threads=128, num_stages=2), [dict(M=70)]),
     ("gemm", dict(M=None, N=72, K=88, dtype="float16", block_M=64, block_N=16, block_K=16, threads=128, num_stages=2), [dict(M=70)]),
@@ -131,6 +149,54 @@ def bench(fn, arg_sets, reps=50, warmup=10):
     return times[len(times) // 2]
 
 
+def bench_graph(fn, arg_sets, calls=20, replays=7):
+    """Median ms of one fn(*args) under a CUDA graph: `calls` calls (args rotating through
+    arg_sets) captured once, each replay timed with events. What a decode step's graph sees:
+    no host launch overhead, back-to-back kernels."""
+    for args in arg_sets:
+        fn(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(*arg_sets[i % len(arg_sets)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def decode_rows(kernels_by_shape):
+    """Times each decode GEMM at every M in DECODE_M against F.linear; returns the rows and prints them."""
+    rows = []
+    print(f"{'N x K':12} {'M':>5} {'ours us':>8} {'cuBLAS us':>9} {'cuBLAS/ours':>11} {'ours TB/s':>9} {'cuBLAS TB/s':>11} {'err':>7}  build", flush=True)
+    for (n, k), ker in kernels_by_shape.items():
+        weight_bytes = n * k * 2
+        copies = max(2, math.ceil(3 * 50e6 / weight_bytes))  # the weights rotate past the 50 MB L2
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.float16) / math.sqrt(k) for _ in range(copies)]
+        for m in DECODE_M:
+            sets = [(torch.randn(m, k, device="cuda", dtype=torch.float16), w) for w in weights]
+            err = rel_err(ker(*sets[0]), F.linear(sets[0][0].float(), sets[0][1].float()))
+            ours = bench_graph(ker, sets)
+            theirs = bench_graph(lambda a, w: F.linear(a, w), sets)
+            build = ker.route(m).spec["params"]
+            tiles = f"{build['schedule']} {build['block_M']}x{build['block_N']}x{build['block_K']}" + (f" s{build['num_stages']}" if build["num_stages"] else "") + (f" sk{build['split_k']}" if (build["split_k"] or 1) > 1 else "")
+            row = dict(N=n, K=k, M=m, ours_us=ours * 1e3, cublas_us=theirs * 1e3, speed=theirs / ours, ours_TBs=weight_bytes / ours / 1e9,
+                       cublas_TBs=weight_bytes / theirs / 1e9, err=err, build=tiles)
+            rows.append(row)
+            print(f"{f'{n} x {k}':12} {m:5} {row['ours_us']:8.1f} {row['cublas_us']:9.1f} {row['speed']:11.2f} {row['ours_TBs']:9.2f} {row['cublas_TBs']:11.2f} {err:7.1e}  {tiles}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
 def work(kind, p, rt):
     """(flops, bytes) of one call: bytes are each input read once and the output written once."""
     size = torch.tensor([], dtype=DT[p["dtype"]]).element_size()
@@ -178,9 +244,16 @@ def main():
     for kind, params, rts in RAGGED:
         if not only or kind in only:
             jobs.append(("ragged", kind, str(params), params, rts))
+    if not only or "decode" in only:
+        for n, k in DECODE:
+            jobs.append(("decode", "gemm", f"{n} x {k}", dict(M=None, N=n, K=k, dtype="float16", trans_b=True), None))
     t0 = time.time()
     with DaemonProcess(Path(tempfile.mkdtemp(prefix="ks-speed-")) / "cache", "--target", args.target) as daemon:
         results = daemon.client().prefetch([{"kind": j[1], **j[3], "target": args.target} for j in jobs])
+        routers = daemon.client()  # get_kernel loads a router's builds (a prefetched router comes without them)
+        for i, (j, k) in enumerate(zip(jobs, results)):
+            if not isinstance(k, Exception) and "dispatch" in k.abi:
+                results[i] = routers.get_kernel(j[1], target=args.target, **j[3])
     built = []
     for j, k in zip(jobs, results):
         if isinstance(k, Exception):  # a failed build is reported, not fatal to the rest
@@ -195,7 +268,11 @@ def main():
     print(f"device copy bandwidth: {bw / 1e9:.0f} GB/s ({100 * bw / PEAK_HBM:.0f}% of {PEAK_HBM / 1e12:.1f} TB/s)", flush=True)
 
     rows, failures, copy_at_size = [], [], {}
+    decode = decode_rows({tuple(map(int, label.split(" x "))): ker for (tag, kind, label, params, extra), ker, ctime, p in built if tag == "decode"})
+    failures += [("gemm decode", r["N"], r["K"], r["M"], r["err"]) for r in decode if not r["err"] < 1e-2]
     for (tag, kind, label, params, extra), ker, ctime, p in built:
+        if tag == "decode":
+            continue
         tol = 1e-4 if p["dtype"] == "float32" else 1e-2
         if kind == "gemm" and p["dtype"] == "float32":
             tol = 5e-3  # tensor cores run fp32 GEMM in tf32
@@ -237,7 +314,7 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "kernel_speed.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_GBs": bw / 1e9, "rows": rows, "failures": [str(x) for x in failures]}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "copy_GBs": bw / 1e9, "rows": rows, "decode": decode, "failures": [str(x) for x in failures]}, f, indent=1)
     hdr = f"{'kind':9} {'shape':40} {'tiles':34} {'ours ms':>8} {'torch ms':>9} {'torch':>10} {'t/ours':>6} {'TFLOP/s':>8} {'GB/s':>6} {'%4.8T':>5} {'%copy':>5} {'err':>7}"
     lines = [f"copy bandwidth (2 GiB) {bw / 1e9:.0f} GB/s = {100 * bw / PEAK_HBM:.0f}% of 4.8 TB/s; t/ours > 1 means ours is faster;",
              "%4.8T = our bytes/s over 4.8 TB/s; %copy = a device copy moving the same bytes, in time, over ours", hdr]

@@ -29,25 +29,57 @@ def prefill_tiles(p, target):
     return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256}
 
 
+# SMs of an H100/H200 SXM: the decode tiles below aim at one wave of blocks.
+SMS = 132
+
+
 def ranges(p, target):
     """The M ranges of a CUDA spec and each one's build: [(upper M inclusive, overrides), ..., (None, overrides)].
 
-    Small M is a weight-streaming problem (decode): the weight is read once, so what counts is
-    keeping enough loads in flight on every SM; the prefill tile leaves most SMs idle there.
+    Small M is a weight-streaming problem (decode): each weight is read once, so what counts is
+    a grid that fills the SMs and enough loads in flight on each; the prefill tile leaves most
+    SMs idle there. The tiles are the fastest measured on an H200 under CUDA graphs for
+    N x K in {14336, 4096, 6144} x 4096 and 4096 x 14336 (benchmark/kernel_speed.py, DECODE).
     """
     big = schedule("tma", **prefill_tiles(p, target))
     if p["dtype"] == "float32" or smem_limit(target) < 200 * 1024:
         return [(None, big)]
+    n, k = p["N"] or 4096, p["K"]  # a runtime N: tuned for a 4096-wide layer
+
+    def narrowest(widths):  # the narrowest column tile whose grid is one wave
+        return next((bn for bn in widths if -(-n // bn) <= SMS), widths[-1])
+
     table = []
-    if p["trans_b"]:
-        table.append((8, schedule("gemv", block_M=8, block_N=8, block_K=1024, threads=256)))
-    table += [
-        (32, schedule("splitk", block_M=32, block_N=32, block_K=128, num_stages=6, threads=128, split_k=1)),
-        (128, schedule("splitk", block_M=64, block_N=64, block_K=128, num_stages=4, threads=128, split_k=1)),
-        (512, schedule("tma", block_M=128, block_N=128, block_K=64, num_stages=4, threads=256)),
-        (None, big),
-    ]
-    return table
+    if p["trans_b"]:  # one row: CUDA cores, 16-byte loads, no tensor-core padding
+        table.append((1, schedule("gemv", block_M=1, block_N=8, block_K=1024, threads=256)))
+    # Up to 64 rows: one M tile, narrow column tiles, a deep TMA pipeline (>= 128 KiB in flight per SM).
+    pipe = {(16, 64): (256, 4), (16, 128): (64, 8), (32, 32): (256, 4), (32, 64): (128, 6), (32, 128): (128, 4), (64, 32): (128, 6), (64, 64): (128, 4), (64, 128): (64, 6)}
+    for bm, widths in ((16, (64, 128)), (32, (32, 64, 128)), (64, (32, 64, 128))):
+        bn = narrowest(widths)
+        bk, stages = pipe[bm, bn]
+        table.append((bm, schedule("splitk", block_M=bm, block_N=bn, block_K=bk, num_stages=stages, threads=128, split_k=1)))
+    # 65-512 rows: tensor-core bound as much as memory bound; bigger tiles, split K where N is narrow and K long.
+    if -(-n // 128) >= 96:
+        mid = schedule("tma", block_M=128, block_N=128, block_K=64, num_stages=5, threads=256)
+    elif k >= 8192:
+        mid = schedule("splitk", block_M=128, block_N=128, block_K=64, num_stages=5, threads=256, split_k=4)
+    elif -(-n // 64) * 2 <= SMS:
+        mid = schedule("splitk", block_M=64, block_N=64, block_K=128, num_stages=4, threads=128, split_k=1)
+    else:
+        mid = schedule("tma", block_M=64, block_N=128, block_K=64, num_stages=6, threads=128)
+    table.append((128, mid))
+    if n >= 12288:
+        table.append((256, big))
+    elif k >= 8192:
+        table.append((256, schedule("splitk", block_M=128, block_N=256, block_K=64, num_stages=3, threads=256, split_k=4)))
+    elif n <= 4224:
+        table.append((256, schedule("tma", block_M=64, block_N=128, block_K=64, num_stages=6, threads=128)))
+    else:
+        table.append((256, schedule("tma", block_M=128, block_N=128, block_K=64, num_stages=5, threads=256)))
+    table.append((512, schedule("tma", block_M=128, block_N=128, block_K=64, num_stages=5, threads=256) if n <= 4224 else big))
+    table.append((None, big))
+    # Neighbours with one build become one range.
+    return [(upper, o) for (upper, o), (_, after) in zip(table, table[1:] + [(None, None)]) if o != after]
 
 
 def overrides_for(table, m):
@@ -225,12 +257,15 @@ class Gemm(KernelKind):
             if p[name] is not None and p[name] % (16 // size):
                 raise InvalidSpec(name, f"must be a multiple of {16 // size} for {p['dtype']} on CUDA (16-byte rows)")
         if p["schedule"] == "auto":
+            table = ranges(p, target)
             if any(p[name] is not None for name in TILES):
                 p["schedule"] = "tma"  # explicit tiles meant the prefill kernel before schedules existed
+            elif len(table) == 1:
+                p.update(table[0][1])  # nothing to choose (fp32, pre-Hopper): the prefill kernel
             elif p["M"] is None:
                 return p  # the dispatching spec: dispatch() names the build of each M range
             else:
-                p.update(overrides_for(ranges(p, target), p["M"]))
+                p.update(overrides_for(table, p["M"]))
         return SCHEDULE_CHECKS[p["schedule"]](p, target)
 
     def scratch(self, p):
@@ -241,8 +276,9 @@ class Gemm(KernelKind):
         """A static M given with schedule "auto" (check pinned its range's overrides) is served by
         that range's M=None build, the one the router of the same spec with M=None calls."""
         p, target = spec.params, spec.target
-        if not target.is_cpu and p["M"] is not None and p["schedule"] != "auto":
-            overrides = overrides_for(ranges(p, target), p["M"])
+        table = None if target.is_cpu or p["M"] is None else ranges(p, target)
+        if table and len(table) > 1:
+            overrides = overrides_for(table, p["M"])
             if all(p[name] == value for name, value in overrides.items()):
                 return self.canonicalize({**p, "M": None}, target), {"M": p["M"]}
         return super().shared_build(spec)

@@ -41,10 +41,12 @@ TILINGS = (
 )
 ATTENTION = {"heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float16"}
 # (kind, params, arch, the dims its shared build leaves to run time)
-SHARING = [("gemm", {"M": 4096, "N": 3072, "K": 2048, "dtype": "float16", "trans_b": True, **t}, "sm_90a", {"M", "N"}) for t in TILINGS] + [
-    ("gemm", {"M": 256, "N": 384, "K": 64, "dtype": "bfloat16", "act": "gelu"}, "sm_90a", {"M", "N"}),
-    ("gemm", {"M": 256, "N": 384, "K": 64, "dtype": "float16", "bias": True}, "sm_90a", {"M"}),  # a bias reads N
-    ("gemm", {"M": 512, "N": 1024, "K": 512, "dtype": "float16", "trans_b": True}, "sm_100a", {"M", "N"}),
+# (The first tiling is the build of the gemm's largest M range, which serves M=4096 with N kept.)
+SHARING = [("gemm", {"M": 4096, "N": 3072, "K": 2048, "dtype": "float16", "trans_b": True, **t}, "sm_90a", {"M"} if t is TILINGS[0] else {"M", "N"}) for t in TILINGS] + [
+    ("gemm", {"M": 256, "N": 384, "K": 64, "dtype": "bfloat16", "act": "gelu", "schedule": "tma"}, "sm_90a", {"M", "N"}),
+    ("gemm", {"M": 256, "N": 384, "K": 64, "dtype": "float16", "bias": True, "schedule": "tma"}, "sm_90a", {"M"}),  # a bias reads N
+    ("gemm", {"M": 512, "N": 1024, "K": 512, "dtype": "float16", "trans_b": True, "schedule": "tma"}, "sm_100a", {"M", "N"}),
+    ("gemm", {"M": 100, "N": 1024, "K": 512, "dtype": "float16", "schedule": "splitk", "block_M": 32, "block_N": 64, "block_K": 128, "num_stages": 6, "threads": 128}, "sm_90a", {"M", "N"}),
     ("attention", {**ATTENTION, "batch": 1, "seq_len": 4096, "causal": True, "block_M": 64}, "sm_90a", {"seq_len"}),
     ("attention", {**ATTENTION, "batch": 2, "seq_len": 4096, "causal": True, "block_M": 128}, "sm_90a", {"batch", "seq_len"}),
     ("attention", {**ATTENTION, "batch": 2, "seq_len": 1024, "causal": True, "dtype": "bfloat16", "head_dim": 64, "block_N": 64, "num_stages": 3}, "sm_90a", {"batch", "seq_len"}),
@@ -90,7 +92,10 @@ def test_which_specs_share_a_build():
     assert gemm.shared_build(_gemm(M=384, bias=True))[1] == {"M": 384}  # a bias reads N in device code
     # Where TileLang lowers a static size of a single tile otherwise.
     assert gemm.shared_build(_gemm(M=128, block_M=128)) is None
-    assert gemm.shared_build(_gemm(M=4096, N=256, block_N=256)) is None
+    assert gemm.shared_build(_gemm(M=4096, N=256, block_M=64, block_N=256, threads=128)) is None
+    # A static M with schedule "auto" is a copy of its M range's build (Gemm.dispatch), N kept.
+    auto = _gemm(M=384, block_N=None)
+    assert gemm.shared_build(auto) == (gemm.canonicalize({**auto.params, "M": None}, auto.target), {"M": 384})
     assert gemm.shared_build(_gemm("sm_80", M=384)) is None  # no TMA: M reaches the device code
     attention = kernels.get_kind("attention")
 

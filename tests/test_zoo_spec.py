@@ -93,16 +93,20 @@ def test_params_must_be_a_mapping():
 
 def test_defaults_filled_per_target():
     cpu = kernels.canonicalize("gemm", {"M": None, "N": 64, "K": 64, "dtype": "float32"}, "c").params
-    gpu = kernels.canonicalize("gemm", {"M": None, "N": 64, "K": 64, "dtype": "float16"}, "sm_90a").params
+    gpu = kernels.canonicalize("gemm", {"M": 4096, "N": 64, "K": 64, "dtype": "float16"}, "sm_90a").params
     assert cpu["block_M"] and cpu["num_stages"] is None
     assert gpu["block_N"] >= cpu["block_N"] and gpu["num_stages"] >= 1 and gpu["threads"] in (128, 256)
+    # A runtime M on CUDA leaves the tiles open: that spec routes each call by M (Gemm.dispatch).
+    router = kernels.canonicalize("gemm", {"M": None, "N": 64, "K": 64, "dtype": "float16"}, "sm_90a").params
+    assert router["schedule"] == "auto" and router["block_N"] is None
     attn = kernels.canonicalize("attention", ATTN, "sm_90a").params
     assert attn["causal"] is False and attn["block_M"] and attn["block_N"]
 
 
 def test_explicit_default_tiling_is_the_same_key():
     implicit = kernels.canonicalize("gemm", GEMM, "sm_90a")
-    explicit = kernels.canonicalize("gemm", {**GEMM, **{k: implicit.params[k] for k in ("block_M", "block_N", "block_K", "num_stages", "threads")}}, "sm_90a")
+    pinned = ("schedule", "block_M", "block_N", "block_K", "num_stages", "threads", "split_k")  # the schedule M picked, and its tiles
+    explicit = kernels.canonicalize("gemm", {**GEMM, **{k: implicit.params[k] for k in pinned}}, "sm_90a")
     assert implicit.to_json() == explicit.to_json()
 
 
