@@ -173,10 +173,18 @@ def bench_graph(fn, arg_sets, calls=20, replays=7):
     return sorted(times)[len(times) // 2]
 
 
+DECODE_HEADER = f"{'N x K':12} {'M':>5} {'ours us':>8} {'cuBLAS us':>9} {'cuBLAS/ours':>11} {'ours TB/s':>9} {'cuBLAS TB/s':>11} {'err':>7}  build"
+
+
+def decode_line(r):
+    shape = f"{r['N']} x {r['K']}"
+    return f"{shape:12} {r['M']:5} {r['ours_us']:8.1f} {r['cublas_us']:9.1f} {r['speed']:11.2f} {r['ours_TBs']:9.2f} {r['cublas_TBs']:11.2f} {r['err']:7.1e}  {r['build']}"
+
+
 def decode_rows(kernels_by_shape):
     """Times each decode GEMM at every M in DECODE_M against F.linear; returns the rows and prints them."""
     rows = []
-    print(f"{'N x K':12} {'M':>5} {'ours us':>8} {'cuBLAS us':>9} {'cuBLAS/ours':>11} {'ours TB/s':>9} {'cuBLAS TB/s':>11} {'err':>7}  build", flush=True)
+    print(DECODE_HEADER, flush=True)
     for (n, k), ker in kernels_by_shape.items():
         weight_bytes = n * k * 2
         copies = max(2, math.ceil(3 * 50e6 / weight_bytes))  # the weights rotate past the 50 MB L2
@@ -191,7 +199,7 @@ def decode_rows(kernels_by_shape):
             row = dict(N=n, K=k, M=m, ours_us=ours * 1e3, cublas_us=theirs * 1e3, speed=theirs / ours, ours_TBs=weight_bytes / ours / 1e9,
                        cublas_TBs=weight_bytes / theirs / 1e9, err=err, build=tiles)
             rows.append(row)
-            print(f"{f'{n} x {k}':12} {m:5} {row['ours_us']:8.1f} {row['cublas_us']:9.1f} {row['speed']:11.2f} {row['ours_TBs']:9.2f} {row['cublas_TBs']:11.2f} {err:7.1e}  {tiles}", flush=True)
+            print(decode_line(row), flush=True)
         del weights
         torch.cuda.empty_cache()
     return rows
@@ -322,6 +330,9 @@ def main():
         t = ",".join(f"{k[6:] if k.startswith('block_') else k[:6]}={v}" for k, v in r["tiles"].items())
         tf = f"{r['tflops']:.0f}" if r["tflops"] else "-"
         lines.append(f"{r['kind']:9} {r['shape']:40} {t:34} {r['ours_ms']:8.4f} {r['torch_ms']:9.4f} {r['torch_best']:>10} {r['speed']:6.2f} {tf:>8} {r['gbs']:6.0f} {r['hbm_pct']:5.0f} {r['copy_pct']:5.0f} {r['err']:7.1e}")
+    if decode:
+        lines += ["", "decode GEMMs (fp16, trans_b, one M=None build each), under CUDA graphs; TB/s = weight bytes / time", DECODE_HEADER]
+        lines += [decode_line(r) for r in decode]
     lines.append("correctness failures: " + (", ".join(map(str, failures)) if failures else "none"))
     text = "\n".join(lines)
     with open(os.path.join(args.out, "kernel_speed.txt"), "w") as f:
