@@ -258,10 +258,6 @@ def main():
     t0 = time.time()
     with DaemonProcess(Path(tempfile.mkdtemp(prefix="ks-speed-")) / "cache", "--target", args.target) as daemon:
         results = daemon.client().prefetch([{"kind": j[1], **j[3], "target": args.target} for j in jobs])
-        routers = daemon.client()  # get_kernel loads a router's builds (a prefetched router comes without them)
-        for i, (j, k) in enumerate(zip(jobs, results)):
-            if not isinstance(k, Exception) and "dispatch" in k.abi:
-                results[i] = routers.get_kernel(j[1], target=args.target, **j[3])
     built = []
     for j, k in zip(jobs, results):
         if isinstance(k, Exception):  # a failed build is reported, not fatal to the rest

@@ -429,6 +429,12 @@ class Client:
                     progress(event.done, event.total, json_format.MessageToDict(event, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
         except grpc.RpcError as err:
             _raise_for(err, "prefetch", self.address)
+        for i, kernel in enumerate(results):  # a router's builds, loaded as get_kernel loads them (every one is built by now)
+            if isinstance(kernel, loader.Kernel) and "dispatch" in kernel.abi and kernel.routes is None:
+                try:
+                    kernel.routes = [(upto, self._route(spec, timeout)) for upto, spec in kernel.dispatch]
+                except (CorruptArtifact, CompileError, ServiceError, KernelNotReady) as exc:
+                    results[i] = exc
         return results
 
     def explain(self, kind: str, *, target: str | None = None, **params) -> dict:

@@ -117,3 +117,12 @@ def test_dispatch_tables_are_checked():
             kind.routes(spec)
     finally:
         routed_kind.RANGES = original
+
+
+def test_a_prefetched_router_comes_with_its_builds(routed):
+    c = routed.client()
+    (k,) = c.prefetch([{"kind": "row_scale", "target": "c", "M": None, "N": N}])
+    assert c.get_kernel("row_scale", target="c", M=None, N=N) is k  # the memo: no second load
+    for m, factor in ((2, 2), (5, 3)):
+        x = torch.randn(m, N)
+        torch.testing.assert_close(k(x), x * factor)
