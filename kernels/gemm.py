@@ -274,14 +274,17 @@ class Gemm(KernelKind):
 
     def shared_build(self, spec):
         """A static M given with schedule "auto" (check pinned its range's overrides) is served by
-        that range's M=None build, the one the router of the same spec with M=None calls."""
+        that range's M=None build, the one the router of the same spec with M=None calls; where M
+        (and N) are host-side dims, by the build that leaves them to run time, which that range's
+        build is itself a copy of."""
+        shared = super().shared_build(spec)
+        if shared is not None and "M" in shared[1]:
+            return shared
         p, target = spec.params, spec.target
         table = None if target.is_cpu or p["M"] is None else ranges(p, target)
-        if table and len(table) > 1:
-            overrides = overrides_for(table, p["M"])
-            if all(p[name] == value for name, value in overrides.items()):
-                return self.canonicalize({**p, "M": None}, target), {"M": p["M"]}
-        return super().shared_build(spec)
+        if table and len(table) > 1 and all(p[name] == value for name, value in overrides_for(table, p["M"]).items()):
+            return self.canonicalize({**p, "M": None}, target), {"M": p["M"]}
+        return shared
 
     def dispatch(self, p: dict, target) -> tuple[str, list[tuple[int | None, dict]]] | None:
         """("M", [(upper M inclusive, overrides), ..., (None, overrides)]) for the dispatching spec

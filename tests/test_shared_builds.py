@@ -41,8 +41,7 @@ TILINGS = (
 )
 ATTENTION = {"heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float16"}
 # (kind, params, arch, the dims its shared build leaves to run time)
-# (The first tiling is the build of the gemm's largest M range, which serves M=4096 with N kept.)
-SHARING = [("gemm", {"M": 4096, "N": 3072, "K": 2048, "dtype": "float16", "trans_b": True, **t}, "sm_90a", {"M"} if t is TILINGS[0] else {"M", "N"}) for t in TILINGS] + [
+SHARING = [("gemm", {"M": 4096, "N": 3072, "K": 2048, "dtype": "float16", "trans_b": True, **t}, "sm_90a", {"M", "N"}) for t in TILINGS] + [
     ("gemm", {"M": 256, "N": 384, "K": 64, "dtype": "bfloat16", "act": "gelu", "schedule": "tma"}, "sm_90a", {"M", "N"}),
     ("gemm", {"M": 256, "N": 384, "K": 64, "dtype": "float16", "bias": True, "schedule": "tma"}, "sm_90a", {"M"}),  # a bias reads N
     ("gemm", {"M": 512, "N": 1024, "K": 512, "dtype": "float16", "trans_b": True, "schedule": "tma"}, "sm_100a", {"M", "N"}),
@@ -93,9 +92,14 @@ def test_which_specs_share_a_build():
     # Where TileLang lowers a static size of a single tile otherwise.
     assert gemm.shared_build(_gemm(M=128, block_M=128)) is None
     assert gemm.shared_build(_gemm(M=4096, N=256, block_M=64, block_N=256, threads=128)) is None
-    # A static M with schedule "auto" is a copy of its M range's build (Gemm.dispatch), N kept.
-    auto = _gemm(M=384, block_N=None)
-    assert gemm.shared_build(auto) == (gemm.canonicalize({**auto.params, "M": None}, auto.target), {"M": 384})
+    # A static M with schedule "auto" is a copy of its M range's build (Gemm.dispatch), or of the
+    # build that range's build is a copy of, where N is a host-side dim too.
+    for m, fixed in ((384, {"M": 384, "N": 512}), (33, {"M": 33})):
+        auto = _gemm(M=m, block_N=None)
+        route = gemm.routes(_gemm(M=None, block_N=None))[1]
+        range_build = next(b for upto, b in route if upto is None or m <= upto)
+        build, shared_fixed = gemm.shared_build(auto)
+        assert shared_fixed == fixed and build in (range_build, gemm.shared_build(range_build)[0])
     assert gemm.shared_build(_gemm("sm_80", M=384)) is None  # no TMA: M reaches the device code
     attention = kernels.get_kind("attention")
 
