@@ -233,7 +233,7 @@ class Gemm(KernelKind):
         Param("bias", bool, default=False, doc="add a bias[N] input (after B) to every row"),
         Param("act", str, default="none", choices=ACTS, doc="activation applied in the epilogue (gelu is the exact erf form)"),
         Param("residual", bool, default=False, doc="add an R[M,N] input (last) after the activation; `out=R` updates it in place"),
-        Param("schedule", str, default="auto", choices=SCHEDULES, doc="CUDA kernel: 'tma' (prefill tile), 'splitk' (narrow tiles for small M), 'gemv' (CUDA cores, M <= 8); 'auto' picks by M (dispatch), or 'tma' when tiles are given"),
+        Param("schedule", str, default="auto", choices=SCHEDULES, doc="CUDA kernel: 'tma' (prefill tile), 'splitk' (narrow tiles for few rows, K split over split_k blocks), 'gemv' (CUDA cores, trans_b); 'auto' picks by M (dispatch), or 'tma' when tiles are given; the CPU has one kernel"),
         tile("block_M"),
         tile("block_N"),
         tile("block_K"),
@@ -360,7 +360,8 @@ class Gemm(KernelKind):
         b_shape = (N, K) if trans_b else (K, N)
         b_tile = (bn, bk) if trans_b else (bk, bn)
         split = p["split_k"] or 1
-        per = -(-(-(-K // bk)) // split)  # K tiles per slice; a last slice past K reads TMA's zero fill
+        k_tiles = -(-K // bk)
+        per = -(-k_tiles // split)  # K tiles per slice; a last slice past K reads TMA's zero fill
         # Grouped block order keeps a panel of B tiles hot in L2 (many M tiles share it); a
         # narrow grid (decode) reads each B tile once, in launch order.
         swizzle = p["schedule"] == "tma"
