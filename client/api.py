@@ -282,8 +282,7 @@ class Client:
             from .fallback import build_locally
 
             kernel = build_locally(spec, self.cache_dir, compile=not self.strict)
-        if "dispatch" in kernel.abi and kernel.routes is None:
-            kernel.routes = [(upto, self._route(spec, timeout)) for upto, spec in kernel.dispatch]
+        self._load_routes(kernel, timeout)
         waited = time.monotonic() - started
         if waited > SLOW_GET:  # a silent pause gets a reason
             how = f"a copy of a shared build compiled in {kernel.shared_build['compile_seconds']:.1f} s" if kernel.shared_build else f"compile {kernel.compile_seconds:.1f} s"
@@ -291,12 +290,17 @@ class Client:
         with self._memo_lock:
             return self._memo.setdefault(memo_key, kernel)
 
-    def _route(self, spec: dict, timeout: float | None) -> loader.Kernel:
-        """One build of a router (abi.dispatch), loaded now so that no call compiles or loads."""
-        kernel = self.get_kernel(spec["kind"], target=spec["target"], timeout=timeout, **spec["params"])
-        if "dispatch" in kernel.abi or kernel.spec != spec:
-            raise CorruptArtifact(f"a {spec['kind']} router names a build that is not one: {json.dumps(spec, sort_keys=True)[:200]}")
-        return kernel
+    def _load_routes(self, router: loader.Kernel, timeout: float | None) -> None:
+        """Loads every build of a router (abi.dispatch) now, so that no call compiles or loads."""
+        if "dispatch" not in router.abi or router.routes is not None:
+            return
+        routes = []
+        for upto, spec in router.dispatch:
+            kernel = self.get_kernel(spec["kind"], target=spec["target"], timeout=timeout, **spec["params"])
+            if "dispatch" in kernel.abi or kernel.spec != spec:
+                raise CorruptArtifact(f"a {spec['kind']} router names a build that is not one: {json.dumps(spec, sort_keys=True)[:200]}")
+            routes.append((upto, kernel))
+        router.routes = routes
 
     def _request(self, kind: str, params: dict, target: str | None) -> tuple[str, pb.KernelSpec, kernels.CanonicalSpec | None]:
         """(memo key, wire spec, canonical spec) of a request. Kinds this process knows are validated
@@ -430,9 +434,9 @@ class Client:
         except grpc.RpcError as err:
             _raise_for(err, "prefetch", self.address)
         for i, kernel in enumerate(results):  # a router's builds, loaded as get_kernel loads them (every one is built by now)
-            if isinstance(kernel, loader.Kernel) and "dispatch" in kernel.abi and kernel.routes is None:
+            if isinstance(kernel, loader.Kernel):
                 try:
-                    kernel.routes = [(upto, self._route(spec, timeout)) for upto, spec in kernel.dispatch]
+                    self._load_routes(kernel, timeout)
                 except (CorruptArtifact, CompileError, ServiceError, KernelNotReady) as exc:
                     results[i] = exc
         return results
