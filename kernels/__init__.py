@@ -7,7 +7,7 @@ factories). Importing this package is cheap: kinds import TileLang only when
 they build.
 """
 
-from . import add_rmsnorm, attention, gemm, layernorm, rmsnorm, rope, softmax, swiglu  # noqa: F401  (registers the kinds)
+from . import add_rmsnorm, attention, gemm, kv_attention, layernorm, rmsnorm, rope, softmax, swiglu  # noqa: F401  (registers the kinds)
 from .registry import canonicalize, get_kind, kinds, origin, register, source_digest
 from .spec import CanonicalSpec, InvalidSpec, KernelKind, Param, Target, parse_target
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from .registry import get_kind
 
 # Runtime sizes used for dimensions a spec leaves dynamic (None).
-RUNTIME_DIMS = {"M": 37, "batch": 2, "seq_len": 70, "tokens": 37, "max_position": 53}
+RUNTIME_DIMS = {"M": 37, "batch": 2, "seq_len": 70, "tokens": 37, "max_position": 53, "q_len": 5, "max_kv": 150}
 
 
 def make_inputs(kind: str, p: dict, device="cpu", runtime: dict | None = None, seed: int = 0) -> list:

@@ -1,0 +1,470 @@
+"""Attention of new queries against a KV cache: decode (q_len=1) and chunked prefill, contiguous
+or paged (vLLM/FlashInfer NHD pages), GQA, split-KV (flash-decoding) with a log-sum-exp combine."""
+# No `from __future__ import annotations` here: TileLang reads the T.Tensor
+# annotations of the PrimFuncs below at trace time.
+
+import math
+from dataclasses import replace
+
+from .registry import register
+from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
+from .tiling import cuda_only, pow2, smem_limit
+
+LOG2E = 1.4426950408889634
+CPU_SCRATCH = 256 * 1024
+# Split-KV on CUDA: blocks to aim for (about two per SM of an H100/H200; more for the page-gather
+# path, which hides load latency by occupancy, not a pipeline), and the fewest keys a split gets
+# (below that a block's pipeline is mostly prologue).
+TARGET_BLOCKS = 264
+GATHER_TARGET_BLOCKS = 1056
+MIN_SPLIT_KEYS = 256
+DEFAULT_MAX_SPLITS = 32
+
+
+def _splits_by_rule(p):
+    """Most splits a build may use: split-KV pays for small batches of few query rows; a chunked
+    prefill (many or runtime q_len) has parallelism enough in its query blocks."""
+    return DEFAULT_MAX_SPLITS if p["q_len"] is not None and p["q_len"] <= 16 else 1
+
+
+@register
+class KVAttention(KernelKind):
+    name = "kv_attention"
+    warm_up = ({"batch": None, "q_len": 1, "heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float16"},)
+    compile_cost = 3.0
+    doc = (
+        "O = softmax(Q K^T / sqrt(d)) V of Q,O [batch,q_len,heads,head_dim] against a KV cache: K,V [batch,max_kv,kv_heads,head_dim], "
+        "or with paged [num_pages,page_size,kv_heads,head_dim] plus block_table int32 [batch,max_blocks]; seq_lens int32 [batch] keys "
+        "per sequence; query i sees keys 0..seq_lens[b]-q_len+i (a query that sees none gets zeros)."
+    )
+    params = (
+        dim("batch", "sequences; None makes it a runtime size", dynamic=True),
+        replace(dim("q_len", "new queries per sequence (1: decode); None makes it a runtime size", dynamic=True), default=1),
+        dim("heads", "query heads"),
+        dim("kv_heads", "key/value heads; heads must be a multiple (GQA)"),
+        dim("head_dim"),
+        Param("paged", bool, default=False, doc="K,V are pages [num_pages,page_size,kv_heads,head_dim] found through block_table"),
+        Param("page_size", int, default=None, min=1, max=1024, nullable=True, doc="keys per page (paged only; default 16)"),
+        dtype_param(),
+        tile("num_splits", "most KV splits per sequence (split-KV); the kernel uses fewer when batch or the cache is large"),
+        tile("block_H", "query rows (query x head of a GQA group) per block"),
+        tile("block_N", "keys per inner step"),
+        tile("num_stages", "K/V pipeline depth (CUDA only)"),
+        tile("threads", "threads per block (CUDA only)"),
+    )
+
+    def check(self, p, target):
+        if p["heads"] % p["kv_heads"]:
+            raise InvalidSpec("kv_heads", f"heads ({p['heads']}) must be a multiple of kv_heads ({p['kv_heads']})")
+        if not p["paged"] and p["page_size"] is not None:
+            raise InvalidSpec("page_size", "applies only with paged=True")
+        if p["paged"]:
+            p["page_size"] = p["page_size"] or 16
+            pow2("page_size", p["page_size"], 16, 1024)
+        cuda_only(p, target, "num_stages", "threads")
+        if p["num_splits"] is None:
+            p["num_splits"] = 1 if target.is_cpu else _splits_by_rule(p)
+        if p["num_splits"] > 128:
+            raise InvalidSpec("num_splits", f"must be at most 128, got {p['num_splits']}")
+        if target.is_cpu:
+            p["block_H"] = p["block_H"] or 16
+            p["block_N"] = p["block_N"] or 16
+            pow2("block_H", p["block_H"], 1, 128)
+            pow2("block_N", p["block_N"], 1, 128)
+            # The scores and output tiles are C stack arrays; keep them well under a thread's stack.
+            scratch = 4 * p["block_H"] * (p["block_N"] + p["head_dim"])
+            if scratch > CPU_SCRATCH:
+                raise InvalidSpec("head_dim", f"block_H*(block_N+head_dim) fp32 scratch is {scratch // 1024} KiB, over {CPU_SCRATCH // 1024} KiB on target {target.describe()}; use a smaller block_H")
+            return p
+        d = p["head_dim"]
+        if d % 16 or d > 256:
+            raise InvalidSpec("head_dim", f"must be a multiple of 16 up to 256 on CUDA, got {d}")
+        if p["dtype"] == "float32":
+            raise InvalidSpec("dtype", "float32 kv_attention is not supported on CUDA; use float16 or bfloat16")
+        p["block_H"] = p["block_H"] or 16
+        p["block_N"] = p["block_N"] or 64
+        p["threads"] = p["threads"] or 128
+        pow2("block_H", p["block_H"], 16, 128)
+        pow2("block_N", p["block_N"], 16, 256)
+        if p["threads"] not in (128, 256):
+            raise InvalidSpec("threads", f"must be 128 or 256, got {p['threads']}")
+        if p["block_H"] >= 64 and p["block_H"] != p["threads"] // 2:
+            raise InvalidSpec("block_H", f"64 or more rows take 64 rows per 128-thread warpgroup: {p['threads'] // 2} for {p['threads']} threads, got {p['block_H']}")
+        if p["paged"] and p["block_N"] < p["page_size"] and p["page_size"] % p["block_N"]:
+            raise InvalidSpec("block_N", f"must divide page_size ({p['page_size']}) or be a multiple of it, got {p['block_N']}")
+        if self._gather(p):
+            if p["num_stages"] not in (None, 1):
+                raise InvalidSpec("num_stages", f"must be 1 when block_N ({p['block_N']}) spans pages of {p['page_size']} keys (gathered, not pipelined)")
+            p["num_stages"] = 1
+        # The largest pipeline that fits, when left open.
+        for stages in (p["num_stages"],) if p["num_stages"] else (4, 3, 2, 1):
+            if self._smem(p["block_H"], p["block_N"], stages, d) <= smem_limit(target):
+                break
+        p["num_stages"] = stages
+        if not 1 <= stages <= 6:
+            raise InvalidSpec("num_stages", f"must be in [1, 6], got {stages}")
+        smem = self._smem(p["block_H"], p["block_N"], stages, d)
+        if smem > smem_limit(target):
+            raise InvalidSpec("num_stages", f"tiles need {smem // 1024} KiB of shared memory, over the {smem_limit(target) // 1024} KiB a block gets on {target}")
+        regs = (p["block_H"] * p["block_N"] + p["block_H"] * d) // p["threads"]
+        if regs > 160:
+            raise InvalidSpec("block_H", f"a {p['block_H']}x{p['block_N']} tile with head_dim {d} needs {regs} fp32 registers per thread; use a smaller block_N or more threads")
+        return p
+
+    @staticmethod
+    def _gather(p):
+        """A KV tile spans several pages: gathered by plain loads (TMA takes one page per copy)."""
+        return p["paged"] and p["block_N"] > p["page_size"]
+
+    def scratch(self, p):
+        # Partial outputs and their log2-sum-exp, one slice per split (a 1-element stub without splits).
+        return ("O_part", "LSE")
+
+    @staticmethod
+    def _smem(bh, bn, stages, d):
+        """Bytes of shared memory: the Q and probability tiles, plus K and V tiles per stage (16-bit)."""
+        return 2 * (bh * d + bh * bn + stages * 2 * bn * d)
+
+    # ----- shapes and the PrimFunc signature
+
+    def _shapes(self, T, p):
+        batch = p["batch"] if p["batch"] is not None else T.dynamic("batch")
+        q_len = p["q_len"] if p["q_len"] is not None else T.dynamic("q_len")
+        h, kvh, d = p["heads"], p["kv_heads"], p["head_dim"]
+        if p["paged"]:
+            kv_shape = (T.dynamic("num_pages"), p["page_size"], kvh, d)
+            table = (batch, T.dynamic("max_blocks"))
+        else:
+            kv_shape, table = (batch, T.dynamic("max_kv"), kvh, d), None
+        split = p["num_splits"] > 1
+        part = (p["num_splits"], batch, q_len, h, d) if split else (1,)
+        lse = (p["num_splits"], batch, q_len, h) if split else (1,)
+        return dict(batch=batch, q_len=q_len, q=(batch, q_len, h, d), kv=kv_shape, table=table, part=part, lse=lse)
+
+    @staticmethod
+    def _kv_span(s):
+        """Keys the cache holds per sequence: max_kv, or max_blocks pages."""
+        return s["kv"][1] if s["table"] is None else s["table"][1] * s["kv"][1]
+
+    @staticmethod
+    def _prim_func(T, s, dtype, split_body, combine_body):
+        """The PrimFunc of the ABI (Q, K, V, seq_lens[, block_table], O_part, LSE, O)."""
+        if s["table"] is not None:
+            @T.prim_func
+            def main(Q: T.Tensor(s["q"], dtype), K: T.Tensor(s["kv"], dtype), V: T.Tensor(s["kv"], dtype), seq_lens: T.Tensor((s["batch"],), "int32"),
+                     block_table: T.Tensor(s["table"], "int32"), O_part: T.Tensor(s["part"], "float32"), LSE: T.Tensor(s["lse"], "float32"), O: T.Tensor(s["q"], dtype)):
+                split_body(Q, K, V, seq_lens, block_table, O_part, LSE, O)
+                combine_body(O_part, LSE, O)
+        else:
+            @T.prim_func
+            def main(Q: T.Tensor(s["q"], dtype), K: T.Tensor(s["kv"], dtype), V: T.Tensor(s["kv"], dtype), seq_lens: T.Tensor((s["batch"],), "int32"),
+                     O_part: T.Tensor(s["part"], "float32"), LSE: T.Tensor(s["lse"], "float32"), O: T.Tensor(s["q"], dtype)):
+                split_body(Q, K, V, seq_lens, None, O_part, LSE, O)
+                combine_body(O_part, LSE, O)
+        return main
+
+    # ----- CPU: the same split and combine, in plain loops
+
+    def build_cpu(self, p):
+        import tilelang.language as T
+
+        s = self._shapes(T, p)
+        batch, q_len = s["batch"], s["q_len"]
+        d, kvh, heads, dtype = p["head_dim"], p["kv_heads"], p["heads"], p["dtype"]
+        bh, bn, nsplit, paged, ps = p["block_H"], p["block_N"], p["num_splits"], p["paged"], p["page_size"]
+        group = heads // kvh
+        rows = q_len * group  # query rows of one KV head: row f is query f // group, head f % group of the group
+        scale = LOG2E / math.sqrt(d)
+        ninf = -T.infinity("float32")
+
+        @T.macro
+        def split_body(Q, K, V, seq_lens, block_table, O_part, LSE, O):
+            with T.Kernel(nsplit, kvh * T.ceildiv(rows, bh), batch) as (sid, hq, b):
+                sc = T.alloc_local((bh, bn), "float32")
+                acc = T.alloc_local((bh, d), "float32")
+                m = T.alloc_local((bh,), "float32")
+                m_prev = T.alloc_local((bh,), "float32")
+                lsum = T.alloc_local((bh,), "float32")
+                h, f0 = hq % kvh, hq // kvh * bh
+                # Keys this block's queries see end at `kend`; split `sid` takes its share, in whole tiles.
+                kend = seq_lens[b] - q_len + T.ceildiv(T.min(rows, f0 + bh), group)
+                chunk = T.ceildiv(T.ceildiv(T.max(kend, 0), nsplit), bn) * bn
+                start = sid * chunk
+                stop = T.min(kend, start + chunk)
+                for i, c in T.grid(bh, d):
+                    acc[i, c] = 0
+                for i in T.serial(bh):
+                    m[i] = ninf
+                    lsum[i] = 0
+                for kb in T.serial(T.ceildiv(T.max(stop - start, 0), bn)):
+                    for i, j in T.grid(bh, bn):
+                        f, k = f0 + i, start + kb * bn + j
+                        sc[i, j] = ninf
+                        if f < rows and k < stop and k <= seq_lens[b] - q_len + f // group:
+                            sc[i, j] = 0
+                            for c in T.serial(d):
+                                if paged:
+                                    sc[i, j] += Q[b, f // group, h * group + f % group, c] * K[block_table[b, k // ps], k % ps, h, c]
+                                else:
+                                    sc[i, j] += Q[b, f // group, h * group + f % group, c] * K[b, k, h, c]
+                            sc[i, j] = sc[i, j] * scale
+                    for i in T.serial(bh):
+                        m_prev[i] = m[i]
+                        for j in T.serial(bn):
+                            m[i] = T.max(m[i], sc[i, j])
+                    # Rows with every key masked so far keep m = -inf; exp2 of that must not be NaN.
+                    for i, j in T.grid(bh, bn):
+                        sc[i, j] = T.if_then_else(m[i] == ninf, 0, T.exp2(sc[i, j] - m[i]))
+                    for i in T.serial(bh):
+                        r = T.if_then_else(m[i] == ninf, 1, T.exp2(m_prev[i] - m[i]))
+                        lsum[i] = lsum[i] * r
+                        for c in T.serial(d):
+                            acc[i, c] = acc[i, c] * r
+                        for j in T.serial(bn):
+                            lsum[i] += sc[i, j]
+                    for i, j, c in T.grid(bh, bn, d):
+                        k = start + kb * bn + j
+                        if k < stop:
+                            if paged:
+                                acc[i, c] += sc[i, j] * V[block_table[b, k // ps], k % ps, h, c]
+                            else:
+                                acc[i, c] += sc[i, j] * V[b, k, h, c]
+                for i, c in T.grid(bh, d):
+                    f = f0 + i
+                    if f < rows:
+                        if nsplit == 1:
+                            O[b, f // group, h * group + f % group, c] = T.if_then_else(lsum[i] > 0, acc[i, c] / lsum[i], 0)
+                        else:
+                            O_part[sid, b, f // group, h * group + f % group, c] = T.if_then_else(lsum[i] > 0, acc[i, c] / lsum[i], 0)
+                if nsplit > 1:
+                    for i in T.serial(bh):
+                        f = f0 + i
+                        if f < rows:
+                            LSE[sid, b, f // group, h * group + f % group] = T.if_then_else(lsum[i] > 0, T.log2(lsum[i]) + m[i], ninf)
+
+        @T.macro
+        def combine_body(O_part, LSE, O):
+            if nsplit > 1:
+                with T.Kernel(heads, q_len, batch) as (hh, i, b):
+                    acc = T.alloc_local((d,), "float32")
+                    mx = T.alloc_local((1,), "float32")
+                    tot = T.alloc_local((1,), "float32")
+                    mx[0] = ninf
+                    tot[0] = 0
+                    for c in T.serial(d):
+                        acc[c] = 0
+                    for sp in T.serial(nsplit):
+                        mx[0] = T.max(mx[0], LSE[sp, b, i, hh])
+                    for sp in T.serial(nsplit):
+                        w = T.if_then_else(mx[0] == ninf, 0, T.exp2(LSE[sp, b, i, hh] - mx[0]))
+                        tot[0] += w
+                        for c in T.serial(d):
+                            acc[c] += w * O_part[sp, b, i, hh, c]
+                    for c in T.serial(d):
+                        O[b, i, hh, c] = T.if_then_else(tot[0] > 0, acc[c] / tot[0], 0)
+
+        return self._prim_func(T, s, dtype, split_body, combine_body)
+
+    # ----- CUDA
+
+    def build_cuda(self, p, target: Target):
+        import tilelang.language as T
+
+        s = self._shapes(T, p)
+        batch, q_len = s["batch"], s["q_len"]
+        d, kvh, heads, dtype = p["head_dim"], p["kv_heads"], p["heads"], p["dtype"]
+        bh, bn, paged, ps, max_splits = p["block_H"], p["block_N"], p["paged"], p["page_size"], p["num_splits"]
+        group = heads // kvh
+        rows = q_len * group
+        # Below 64 rows (mma.sync, one warp's rows) the warps share the score tile; the
+        # probabilities reach the second product through shared memory.
+        p_in_regs = bh >= 64
+        gather = self._gather(p)
+        decode = p["q_len"] == 1  # every row of a block sees the same keys: no per-row causal mask
+        scale = LOG2E / math.sqrt(d)
+        acc_t = "float32"
+        ninf = -T.infinity(acc_t)
+        qblocks = T.ceildiv(rows, bh)
+        # Splits per sequence, chosen at run time on the host (a grid size): enough blocks to fill
+        # the GPU, no split under MIN_SPLIT_KEYS keys, at most the build's num_splits.
+        if max_splits == 1:
+            nsplit = 1
+        else:
+            want = T.ceildiv(GATHER_TARGET_BLOCKS if gather else TARGET_BLOCKS, batch * kvh * qblocks)
+            nsplit = T.max(1, T.min(max_splits, T.min(want, T.ceildiv(self._kv_span(s), MIN_SPLIT_KEYS))))
+
+        def page_of(block_table, b, idx, seq_len):
+            # Pages past the sequence's last are never read from block_table (page 0 stands in; masked).
+            # An expression, not a variable: the TMA producer warps compute it for themselves.
+            return T.if_then_else(idx < T.ceildiv(seq_len, ps), block_table[b, idx], 0)
+
+        @T.macro
+        def load_tile(Src, block_table, b, h, k0, seq_len, Dst):
+            if paged:
+                T.copy(Src[page_of(block_table, b, k0 // ps, seq_len), k0 % ps : k0 % ps + bn, h, :], Dst)
+            else:
+                T.copy(Src[b, k0 : k0 + bn, h, :], Dst)
+
+        @T.macro
+        def split_body(Q, K, V, seq_lens, block_table, O_part, LSE, O):
+            with T.Kernel(nsplit, kvh * qblocks, batch, threads=p["threads"]) as (sid, hq, b):
+                Q_s = T.alloc_shared((bh, d), dtype)
+                K_s = T.alloc_shared((bn, d), dtype)
+                V_s = T.alloc_shared((bn, d), dtype)
+                sc = T.alloc_fragment((bh, bn), acc_t)
+                sc_cast = T.alloc_fragment((bh, bn), dtype)
+                P_s = T.alloc_shared((bh, bn), dtype)
+                acc = T.alloc_fragment((bh, d), acc_t)
+                m = T.alloc_fragment((bh,), acc_t)
+                m_prev = T.alloc_fragment((bh,), acc_t)
+                m_use = T.alloc_fragment((bh,), acc_t)
+                r = T.alloc_fragment((bh,), acc_t)
+                row_sum = T.alloc_fragment((bh,), acc_t)
+                lsum = T.alloc_fragment((bh,), acc_t)
+
+                h, f0 = hq % kvh, hq // kvh * bh
+                seq_len = seq_lens[b]
+                kend = seq_len - q_len + T.ceildiv(T.min(rows, f0 + bh), group)
+                chunk = T.ceildiv(T.ceildiv(T.max(kend, 0), nsplit), bn) * bn
+                start = sid * chunk
+                stop = T.min(kend, start + chunk)
+                # At least one step, all masked when the split is empty: the pipeline never runs zero times.
+                steps = T.max(T.ceildiv(T.max(stop - start, 0), bn), 1)
+
+                # Rows past the last query are zeros (their outputs are never stored).
+                for i, c in T.Parallel(bh, d):
+                    f = T.min(f0 + i, rows - 1)
+                    Q_s[i, c] = T.if_then_else(f0 + i < rows, Q[b, f // group, h * group + f % group, c], 0)
+                T.fill(acc, 0)
+                T.fill(lsum, 0)
+                T.fill(m, ninf)
+                for kb in T.serial(steps) if gather else T.Pipelined(steps, num_stages=p["num_stages"]):
+                    k0 = start + kb * bn
+                    if gather:
+                        # Several pages per tile: plain loads of K and V up front (occupancy hides their latency;
+                        # TileLang 0.1.15 pipelines neither TMA into part of a tile nor cp.async over a runtime trip count).
+                        for j, c in T.Parallel(bn, d):
+                            K_s[j, c] = K[page_of(block_table, b, (k0 + j) // ps, seq_len), (k0 + j) % ps, h, c]
+                            V_s[j, c] = V[page_of(block_table, b, (k0 + j) // ps, seq_len), (k0 + j) % ps, h, c]
+                    else:
+                        load_tile(K, block_table, b, h, k0, seq_len, K_s)
+                    T.clear(sc)
+                    T.gemm(Q_s, K_s, sc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    # Masked after the product: a cache slot past seq_lens may hold anything, NaN included.
+                    for i, j in T.Parallel(bh, bn):
+                        if decode:
+                            sc[i, j] = T.if_then_else(k0 + j < stop, sc[i, j], ninf)
+                        else:
+                            sc[i, j] = T.if_then_else((k0 + j < stop) & (k0 + j <= seq_len - q_len + (f0 + i) // group), sc[i, j], ninf)
+                    T.copy(m, m_prev)
+                    T.reduce_max(sc, m, dim=1, clear=False)
+                    # A row with no visible key yet keeps m = -inf; it scales by 0, never exp2(NaN).
+                    for i in T.Parallel(bh):
+                        m_use[i] = T.if_then_else(m[i] == ninf, 0, m[i] * scale)
+                        r[i] = T.exp2(m_prev[i] * scale - m_use[i])
+                    for i, j in T.Parallel(bh, bn):
+                        sc[i, j] = T.exp2(sc[i, j] * scale - m_use[i])
+                    T.reduce_sum(sc, row_sum, dim=1)
+                    for i in T.Parallel(bh):
+                        lsum[i] = lsum[i] * r[i] + row_sum[i]
+                    for i, c in T.Parallel(bh, d):
+                        acc[i, c] *= r[i]
+                    if not gather:
+                        load_tile(V, block_table, b, h, k0, seq_len, V_s)
+                    if p_in_regs:
+                        T.copy(sc, sc_cast)
+                        T.gemm(sc_cast, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+                    else:
+                        T.copy(sc, P_s)
+                        T.gemm(P_s, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+                for i in T.Parallel(bh):
+                    r[i] = T.if_then_else(lsum[i] > 0, 1 / lsum[i], 0)
+                    row_sum[i] = T.if_then_else(lsum[i] > 0, T.log2(lsum[i]) + m[i] * scale, ninf)
+                for i, c in T.Parallel(bh, d):
+                    acc[i, c] *= r[i]
+                if nsplit == 1:
+                    for i, c in T.Parallel(bh, d):
+                        f = f0 + i
+                        if f < rows:
+                            O[b, f // group, h * group + f % group, c] = acc[i, c]
+                else:
+                    for i, c in T.Parallel(bh, d):
+                        f = f0 + i
+                        if f < rows:
+                            O_part[sid, b, f // group, h * group + f % group, c] = acc[i, c]
+                    for i in T.Parallel(bh):
+                        f = f0 + i
+                        if f < rows:
+                            LSE[sid, b, f // group, h * group + f % group] = row_sum[i]
+
+        @T.macro
+        def combine_body(O_part, LSE, O):
+            if max_splits > 1:
+                with T.Kernel(heads, q_len, batch, threads=d) as (hh, i, b):
+                    acc = T.alloc_fragment((d,), acc_t)
+                    mx = T.alloc_local((1,), acc_t)
+                    tot = T.alloc_local((1,), acc_t)
+                    w = T.alloc_local((1,), acc_t)
+                    if nsplit > 1:  # else the split kernel wrote O
+                        mx[0] = ninf
+                        tot[0] = 0
+                        T.clear(acc)
+                        for sp in T.serial(nsplit):
+                            mx[0] = T.max(mx[0], LSE[sp, b, i, hh])
+                        for sp in T.serial(nsplit):
+                            w[0] = T.if_then_else(mx[0] == ninf, 0, T.exp2(LSE[sp, b, i, hh] - mx[0]))
+                            tot[0] += w[0]
+                            for c in T.Parallel(d):
+                                acc[c] += w[0] * O_part[sp, b, i, hh, c]
+                        for c in T.Parallel(d):
+                            O[b, i, hh, c] = T.if_then_else(tot[0] > 0, acc[c] / tot[0], 0)
+
+        return self._prim_func(T, s, dtype, split_body, combine_body)
+
+    # ----- inputs and reference
+
+    def inputs(self, p, randn, size):
+        """Q, K, V, seq_lens[, block_table]: ragged seq_lens in [q_len, max_kv] with one sequence full;
+        pages a random permutation (drawn from the same generator: argsort of normals)."""
+        import torch
+
+        b, q, kvh, d = size("batch"), size("q_len"), p["kv_heads"], p["head_dim"]
+        max_kv = max(size("max_kv"), q)
+        u = torch.special.ndtr(randn(b).float())  # uniform in (0, 1)
+        lens = (q + (u * (max_kv - q + 1)).long().clamp_max(max_kv - q)).to(torch.int32)
+        lens[0] = max_kv
+        qt = randn(b, q, p["heads"], d)
+        if not p["paged"]:
+            return [qt, randn(b, max_kv, kvh, d), randn(b, max_kv, kvh, d), lens]
+        ps = p["page_size"]
+        blocks = -(-max_kv // ps)
+        pages = b * blocks + 1  # one spare page: never referenced
+        table = torch.argsort(randn(pages).float())[: b * blocks].reshape(b, blocks).to(torch.int32)
+        return [qt, randn(pages, ps, kvh, d), randn(pages, ps, kvh, d), lens, table.contiguous()]
+
+    def reference(self, p, x):
+        """fp32, one sequence at a time; x as make_inputs gives it (the int inputs arrive as floats)."""
+        import torch
+
+        q, k, v, lens = x[:4]
+        out = torch.zeros_like(q)
+        group = p["heads"] // p["kv_heads"]
+        q_len = q.shape[1]
+        for b in range(q.shape[0]):
+            n = int(lens[b])
+            if p["paged"]:
+                pages = x[4][b].long()
+                kb = k[pages].flatten(0, 1)[:n]
+                vb = v[pages].flatten(0, 1)[:n]
+            else:
+                kb, vb = k[b, :n], v[b, :n]
+            kb = kb.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, n, d]
+            vb = vb.repeat_interleave(group, dim=1).transpose(0, 1)
+            qb = q[b].transpose(0, 1)  # [heads, q_len, d]
+            scores = qb @ kb.transpose(1, 2) / math.sqrt(p["head_dim"])
+            # Query i sees keys 0 .. n - q_len + i.
+            visible = torch.arange(n, device=q.device)[None, :] <= (n - q_len + torch.arange(q_len, device=q.device))[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees no key: zeros
+            out[b] = (probs @ vb).transpose(0, 1)
+        return out
