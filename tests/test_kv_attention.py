@@ -1,0 +1,183 @@
+"""kv_attention: attention of new queries against a KV cache (decode, chunked prefill; contiguous
+or paged; GQA; split-KV). CPU numerics through the daemon, the spec's rules, CUDA lowering for
+sm_90a (cross-compiled here), and GPU numerics where a GPU is visible. Sizes are ragged: no
+multiple of any tile, seq_lens differing per sequence."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import reference
+from tests.marks import needs_gpu
+
+KIND = "kv_attention"
+
+
+def close(out, ref, tol=1e-4):
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)
+    assert err < tol, f"relative error {err:.2e}"
+
+
+def make(p, lens=None, seed=0, device="cpu", **runtime):
+    ins = reference.make_inputs(KIND, p, device, runtime=runtime, seed=seed)
+    if lens is not None:
+        ins[3] = torch.tensor(lens, dtype=torch.int32, device=device)
+    return ins
+
+
+# ----- the spec
+
+def test_cuda_defaults():
+    decode = kernels.canonicalize(KIND, dict(batch=None, heads=32, kv_heads=8, head_dim=128, dtype="float16"), "sm_90a").params
+    assert decode["q_len"] == 1 and not decode["paged"] and decode["page_size"] is None
+    assert (decode["num_splits"], decode["block_H"], decode["block_N"], decode["threads"]) == (32, 16, 64, 128)
+    paged = kernels.canonicalize(KIND, dict(batch=None, heads=32, kv_heads=8, head_dim=128, dtype="float16", paged=True), "sm_90a").params
+    assert paged["page_size"] == 16 and paged["num_stages"] == 1  # 64-key tiles span pages: gathered, not pipelined
+    prefill = kernels.canonicalize(KIND, dict(batch=None, q_len=None, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16"), "sm_90a").params
+    assert prefill["num_splits"] == 1
+    cpu = kernels.canonicalize(KIND, dict(batch=2, heads=4, kv_heads=2, head_dim=8, dtype="float32"), "c").params
+    assert (cpu["num_splits"], cpu["block_H"], cpu["block_N"]) == (1, 16, 16)
+
+
+@pytest.mark.parametrize(
+    "changes,target,field,words",
+    [
+        (dict(kv_heads=3), "sm_90a", "kv_heads", "multiple"),
+        (dict(page_size=16), "sm_90a", "page_size", "paged=True"),
+        (dict(paged=True, page_size=24), "sm_90a", "page_size", "power of two"),
+        (dict(paged=True, page_size=8), "sm_90a", "page_size", "power of two"),
+        (dict(dtype="float32"), "sm_90a", "dtype", "float16"),
+        (dict(num_splits=200), "sm_90a", "num_splits", "at most"),
+        (dict(block_H=64, threads=256), "sm_90a", "block_H", "warpgroup"),
+        (dict(paged=True, num_stages=2), "sm_90a", "num_stages", "spans pages"),
+        (dict(head_dim=72), "sm_90a", "head_dim", "multiple of 16"),
+        (dict(threads=128, dtype="float32"), "c", "threads", "CUDA"),
+        (dict(), "c", "dtype", "float32"),
+    ],
+)
+def test_invalid_specs_name_the_field(changes, target, field, words):
+    params = {**dict(batch=None, heads=32, kv_heads=8, head_dim=128, dtype="float16"), **changes}
+    with pytest.raises(kernels.InvalidSpec) as err:
+        kernels.canonicalize(KIND, params, target)
+    assert err.value.field == field and words in str(err.value)
+
+
+# ----- the reference itself, against torch's SDPA and against the contiguous form
+
+def test_reference_is_sdpa_for_full_sequences():
+    p = kernels.canonicalize(KIND, dict(batch=None, q_len=None, heads=6, kv_heads=2, head_dim=8, dtype="float32"), "c").params
+    q, k, v, _ = make(p, batch=2, q_len=4, max_kv=9)
+    lens = torch.tensor([9, 9], dtype=torch.int32)
+    # Query i sees keys 0..5+i: SDPA's causal mask aligned to the bottom right.
+    visible = torch.ones(4, 9, dtype=torch.bool).tril(diagonal=5)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible, enable_gqa=True).transpose(1, 2)
+    close(kernels.get_kind(KIND).reference(p, [q, k, v, lens]), want, 1e-5)
+
+
+def test_reference_of_pages_is_the_contiguous_one():
+    p = kernels.canonicalize(KIND, dict(batch=None, q_len=2, heads=4, kv_heads=1, head_dim=8, dtype="float32", paged=True), "c").params
+    q, kp, vp, lens, table = make(p, batch=3, max_kv=40)
+    assert sorted(table.flatten().tolist()) != list(range(table.numel()))  # pages in a random order
+    k, v = kp[table.long()].flatten(1, 2), vp[table.long()].flatten(1, 2)  # [batch, blocks*page, kv_heads, d]
+    contiguous = dict(p, paged=False, page_size=None)
+    kind = kernels.get_kind(KIND)
+    close(kind.reference(p, [q, kp, vp, lens, table]), kind.reference(contiguous, [q, k, v, lens]), 1e-6)
+
+
+# ----- CPU numerics, through the daemon and the client's loader
+
+CPU_CASES = [
+    # (params, runtime sizes, seq_lens or None for the input maker's ragged ones)
+    (dict(batch=None, heads=8, kv_heads=2, head_dim=24), dict(batch=3, max_kv=77), [77, 1, 40]),
+    (dict(batch=None, heads=8, kv_heads=2, head_dim=24, num_splits=3), dict(batch=3, max_kv=77), [77, 5, 33]),
+    (dict(batch=2, q_len=None, heads=6, kv_heads=3, head_dim=16, num_splits=2, block_H=4, block_N=8), dict(q_len=5, max_kv=70), None),
+    (dict(batch=None, q_len=3, heads=4, kv_heads=4, head_dim=16, paged=True, num_splits=4), dict(batch=3, max_kv=70), None),
+    (dict(batch=None, q_len=None, heads=8, kv_heads=2, head_dim=16, paged=True, page_size=32, block_N=8), dict(batch=2, q_len=7, max_kv=100), [7, 100]),
+]
+
+
+@pytest.mark.parametrize("params,runtime,lens", CPU_CASES)
+def test_cpu_matches_the_reference(cpu_kernel, params, runtime, lens):
+    k = cpu_kernel(KIND, dtype="float32", **params)
+    assert k.input_names == ["Q", "K", "V", "seq_lens"] + (["block_table"] if params.get("paged") else [])  # scratch is the loader's
+    p = k.spec["params"]
+    ins = make(p, lens, **runtime)
+    close(k(*ins), reference.reference(KIND, p, ins))
+
+
+def test_cpu_queries_that_see_no_key_get_zeros(cpu_kernel):
+    """seq_lens[b] < q_len: query i sees keys 0..seq_lens[b]-q_len+i, none for the first ones."""
+    k = cpu_kernel(KIND, batch=None, q_len=None, heads=4, kv_heads=2, head_dim=8, dtype="float32", num_splits=3, block_H=4)
+    p = k.spec["params"]
+    ins = make(p, [2, 0, 9], batch=3, q_len=6, max_kv=9)
+    out = k(*ins)
+    assert out[0, :4].abs().max() == 0 and out[0, 4:].abs().min() > 0 and out[1].abs().max() == 0
+    close(out, reference.reference(KIND, p, ins))
+
+
+def test_cpu_decode_runtime_sizes_one_kernel(cpu_kernel):
+    k = cpu_kernel(KIND, batch=None, heads=4, kv_heads=1, head_dim=8, dtype="float32", paged=True, num_splits=2)
+    p = k.spec["params"]
+    for batch, max_kv in ((1, 3), (4, 50)):
+        ins = make(p, seed=batch, batch=batch, max_kv=max_kv)
+        close(k(*ins), reference.reference(KIND, p, ins))
+
+
+# ----- CUDA: lowered for sm_90a on any machine (TileLang cross-compiles)
+
+def _cuda_source(params, arch="sm_90a"):
+    import tilelang
+    import tvm
+
+    spec = kernels.canonicalize(KIND, params, arch)
+    target = kernels.parse_target(arch)
+    tvm_target = tvm.target.Target(target.tilelang_target())
+    with tvm.transform.PassContext(opt_level=3), tvm_target:
+        return tilelang.lower(kernels.get_kind(KIND).build(dict(spec.params), target), target=tvm_target).kernel_source
+
+
+DECODE = dict(batch=None, heads=32, kv_heads=8, head_dim=128, dtype="float16")
+
+
+@pytest.mark.parametrize(
+    "params,tma",
+    [
+        (DECODE, True),  # split-KV decode: TMA pipeline, then the combine kernel
+        (dict(DECODE, paged=True, page_size=64), True),  # one page per tile: TMA from the page
+        (dict(DECODE, paged=True), False),  # 16-key pages: gathered
+        (dict(DECODE, q_len=None, heads=12, kv_heads=4, head_dim=64, dtype="bfloat16", block_H=64), True),
+    ],
+)
+def test_cuda_lowering_for_sm90a(params, tma):
+    src = _cuda_source(params)
+    assert ("tma_load" in src) == tma
+    split = kernels.canonicalize(KIND, params, "sm_90a").params["num_splits"] > 1
+    assert src.count("__global__ void") == (4 if split else 2)  # declaration and definition per kernel
+
+
+# ----- GPU numerics (the H200 host; skipped without a GPU)
+
+GPU_CASES = [
+    (DECODE, dict(batch=7, max_kv=1111), None),
+    (dict(DECODE, paged=True), dict(batch=7, max_kv=1111), None),
+    (dict(DECODE, paged=True, page_size=64, dtype="bfloat16"), dict(batch=3, max_kv=2000), [1, 1999, 2000]),
+    (dict(DECODE, q_len=None, num_splits=4), dict(batch=2, q_len=7, max_kv=1000), [3, 1000]),
+    (dict(DECODE, q_len=None, heads=12, kv_heads=4, head_dim=64, dtype="bfloat16", paged=True, num_splits=3), dict(batch=3, q_len=6, max_kv=500), [6, 2, 500]),
+    (dict(DECODE, heads=16, kv_heads=16, block_H=64), dict(batch=2, max_kv=3000), None),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("params,runtime,lens", GPU_CASES)
+def test_gpu_matches_the_reference(make_daemon, params, runtime, lens):
+    k = make_daemon().client().get_kernel(KIND, target="auto", **params)
+    p = k.spec["params"]
+    ins = make(p, lens, device="cuda", **runtime)
+    want = reference.reference(KIND, p, ins)
+    torch.testing.assert_close(k(*ins).float(), want.float(), **reference.tolerance(p["dtype"]))
+    assert math.isfinite(k(*ins).float().abs().max().item())
