@@ -18,7 +18,10 @@ M=None build (the gemm kind routes each call to the build of its M range) called
 at M = 1 ... 4096, against F.linear (cuBLAS), both under CUDA graphs (20 calls
 captured, replays timed with events, median) and rotating weights past L2, so the
 numbers are what a decode step's graph sees; it prints the ratio and the weight
-bytes per second each achieves.
+bytes per second each achieves. `kv_attention` (in --only) adds decode attention against a
+KV cache the same way: one query row per sequence, contiguous and paged caches, batch x KV
+length, against SDPA's fastest backend on the contiguous cache, with the KV-cache bytes read
+per second.
 """
 
 import argparse
@@ -61,6 +64,12 @@ CASES = [
 # Decode GEMMs (issue #18): weight N x K (trans_b, fp16), one M=None build each, timed at these M.
 DECODE = [(14336, 4096), (4096, 4096), (6144, 4096), (4096, 14336)]
 DECODE_M = (1, 8, 32, 128, 512, 4096)
+# Decode against a KV cache (kv_attention): one query row per sequence, GQA 32/8, d=128, fp16,
+# every sequence full (SDPA takes no per-sequence lengths); one build per cache layout.
+KV_DECODE_PARAMS = dict(batch=None, q_len=1, heads=32, kv_heads=8, head_dim=128, dtype="float16")
+KV_DECODE = [("contiguous", KV_DECODE_PARAMS), ("paged16", dict(KV_DECODE_PARAMS, paged=True)), ("paged64", dict(KV_DECODE_PARAMS, paged=True, page_size=64))]
+KV_DECODE_BATCHES = (1, 8, 64)
+KV_DECODE_LENGTHS = (1024, 4096, 16384, 32768)
 ROWS = 4096  # runtime M for the dynamic memory-bound kernels
 # Ragged shapes: correctness only (not multiples of any tile; dynamic sizes at two values).
 RAGGED = [
@@ -92,6 +101,13 @@ RAGGED = [
     ("attention", dict(batch=None, heads=2, kv_heads=2, seq_len=None, head_dim=96, dtype="bfloat16", block_N=256, threads=128), [dict(batch=1, seq_len=300)]),
     ("attention", dict(batch=None, heads=2, kv_heads=1, seq_len=None, head_dim=192, dtype="float16", causal=True), [dict(batch=1, seq_len=300)]),
     ("attention", dict(batch=None, heads=2, kv_heads=1, seq_len=None, head_dim=64, dtype="float16", block_N=32, num_stages=4), [dict(batch=2, seq_len=129)]),
+    # Ragged seq_lens from the input maker; chunked prefill; pages in a random order.
+    ("kv_attention", KV_DECODE_PARAMS, [dict(batch=7, max_kv=1111), dict(batch=1, max_kv=5)]),
+    ("kv_attention", dict(KV_DECODE_PARAMS, paged=True), [dict(batch=7, max_kv=1111)]),
+    ("kv_attention", dict(KV_DECODE_PARAMS, paged=True, page_size=64, dtype="bfloat16"), [dict(batch=3, max_kv=2000)]),
+    ("kv_attention", dict(KV_DECODE_PARAMS, q_len=None, num_splits=4), [dict(batch=2, q_len=7, max_kv=1000)]),
+    ("kv_attention", dict(KV_DECODE_PARAMS, q_len=None, heads=12, kv_heads=4, head_dim=64, dtype="bfloat16", paged=True, num_splits=3),
+     [dict(batch=3, q_len=6, max_kv=500)]),
 ]
 
 
@@ -205,6 +221,77 @@ def decode_rows(kernels_by_shape):
     return rows
 
 
+def sdpa_decode_paths():
+    """name -> callable(q, k, v) in [batch, seq, heads, dim]: SDPA's backends, GQA without copies."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def path(backend):
+        def f(q, k, v):
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            if backend is None:
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)
+        return f
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    return {"default": path(None), **{name: path(b) for name, b in backends.items()}}
+
+
+KV_DECODE_HEADER = f"{'layout':10} {'batch':>5} {'kv':>6} {'ours us':>8} {'SDPA us':>8} {'SDPA':>9} {'SDPA/ours':>9} {'ours TB/s':>9} {'SDPA TB/s':>9} {'err':>7}"
+
+
+def kv_decode_line(r):
+    return (f"{r['layout']:10} {r['batch']:5d} {r['kv']:6d} {r['ours_us']:8.1f} {r['sdpa'][r['sdpa_best']]:8.1f} {r['sdpa_best']:>9} {r['speed']:9.2f} "
+            f"{r['ours_TBs']:9.2f} {r['sdpa_TBs']:9.2f} {r['err']:7.1e}")
+
+
+def kv_decode_rows(kernels_by_layout):
+    """Each KV_DECODE kernel and SDPA at every batch x KV length; returns the rows and prints them."""
+    h, kvh, d = KV_DECODE_PARAMS["heads"], KV_DECODE_PARAMS["kv_heads"], KV_DECODE_PARAMS["head_dim"]
+    rows = []
+    print(KV_DECODE_HEADER, flush=True)
+    for b in KV_DECODE_BATCHES:
+        for n in KV_DECODE_LENGTHS:
+            kv_bytes = 2 * b * n * kvh * d * 2
+            copies = max(2, min(20, math.ceil(3 * 50e6 / kv_bytes)))  # the caches rotate past the 50 MB L2
+            q = torch.randn(copies, b, 1, h, d, device="cuda", dtype=torch.float16)
+            k = torch.randn(copies, b, n, kvh, d, device="cuda", dtype=torch.float16)
+            v = torch.randn(copies, b, n, kvh, d, device="cuda", dtype=torch.float16)
+            lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+            dense = [(q[i], k[i], v[i]) for i in range(copies)]
+            want = sdpa_decode_paths()["default"](*dense[0])
+            theirs = {}
+            for name, f in sdpa_decode_paths().items():
+                try:
+                    theirs[name] = bench_graph(f, dense) * 1e3
+                except Exception as e:  # a backend that takes no such shape
+                    print(f"SDPA {name} failed at batch {b} kv {n}: {e!r}"[:300], flush=True)
+            best = min(theirs, key=theirs.get)
+            for label, ker in kernels_by_layout.items():
+                p = ker.spec["params"]
+                if p["paged"]:  # the same keys, as pages at random places of one pool
+                    ps = p["page_size"]
+                    order = torch.randperm(copies * b * (n // ps), device="cuda")
+                    kp = torch.empty(order.numel(), ps, kvh, d, device="cuda", dtype=torch.float16)
+                    vp = torch.empty_like(kp)
+                    kp[order], vp[order] = k.reshape(-1, ps, kvh, d), v.reshape(-1, ps, kvh, d)
+                    table = order.reshape(copies, b, n // ps).to(torch.int32)
+                    sets = [(q[i], kp, vp, lens, table[i]) for i in range(copies)]
+                else:
+                    sets = [(q[i], k[i], v[i], lens) for i in range(copies)]
+                err = rel_err(ker(*sets[0]), want)
+                us = bench_graph(ker, sets) * 1e3
+                row = dict(layout=label, batch=b, kv=n, ours_us=us, sdpa=theirs, sdpa_best=best, speed=theirs[best] / us,
+                           ours_TBs=kv_bytes / us / 1e6, sdpa_TBs=kv_bytes / theirs[best] / 1e6, err=err)
+                rows.append(row)
+                print(kv_decode_line(row), flush=True)
+                del sets
+            del q, k, v, dense
+            torch.cuda.empty_cache()
+    return rows
+
+
 def work(kind, p, rt):
     """(flops, bytes) of one call: bytes are each input read once and the output written once."""
     size = torch.tensor([], dtype=DT[p["dtype"]]).element_size()
@@ -255,6 +342,9 @@ def main():
     if not only or "decode" in only:
         for n, k in DECODE:
             jobs.append(("decode", "gemm", f"{n} x {k}", dict(M=None, N=n, K=k, dtype="float16", trans_b=True), None))
+    if not only or "kv_attention" in only:
+        for label, params in KV_DECODE:
+            jobs.append(("kv_decode", "kv_attention", label, params, None))
     t0 = time.time()
     with DaemonProcess(Path(tempfile.mkdtemp(prefix="ks-speed-")) / "cache", "--target", args.target) as daemon:
         results = daemon.client().prefetch([{"kind": j[1], **j[3], "target": args.target} for j in jobs])
@@ -274,8 +364,10 @@ def main():
     rows, failures, copy_at_size = [], [], {}
     decode = decode_rows({tuple(map(int, label.split(" x "))): ker for (tag, kind, label, params, extra), ker, ctime, p in built if tag == "decode"})
     failures += [("gemm decode", r["N"], r["K"], r["M"], r["err"]) for r in decode if not r["err"] < 1e-2]
+    kv_decode = kv_decode_rows({label: ker for (tag, kind, label, params, extra), ker, ctime, p in built if tag == "kv_decode"})
+    failures += [("kv_attention decode", r["layout"], r["batch"], r["kv"], r["err"]) for r in kv_decode if not r["err"] < 1e-2]
     for (tag, kind, label, params, extra), ker, ctime, p in built:
-        if tag == "decode":
+        if tag in ("decode", "kv_decode"):
             continue
         tol = 1e-4 if p["dtype"] == "float32" else 1e-2
         if kind == "gemm" and p["dtype"] == "float32":
@@ -318,7 +410,7 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "kernel_speed.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_GBs": bw / 1e9, "rows": rows, "decode": decode, "failures": [str(x) for x in failures]}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "copy_GBs": bw / 1e9, "rows": rows, "decode": decode, "kv_decode": kv_decode, "failures": [str(x) for x in failures]}, f, indent=1)
     hdr = f"{'kind':9} {'shape':40} {'tiles':34} {'ours ms':>8} {'torch ms':>9} {'torch':>10} {'t/ours':>6} {'TFLOP/s':>8} {'GB/s':>6} {'%4.8T':>5} {'%copy':>5} {'err':>7}"
     lines = [f"copy bandwidth (2 GiB) {bw / 1e9:.0f} GB/s = {100 * bw / PEAK_HBM:.0f}% of 4.8 TB/s; t/ours > 1 means ours is faster;",
              "%4.8T = our bytes/s over 4.8 TB/s; %copy = a device copy moving the same bytes, in time, over ours", hdr]
@@ -329,6 +421,10 @@ def main():
     if decode:
         lines += ["", "decode GEMMs (fp16, trans_b, one M=None build each), under CUDA graphs; TB/s = weight bytes / time", DECODE_HEADER]
         lines += [decode_line(r) for r in decode]
+    if kv_decode:
+        lines += ["", "decode attention (kv_attention, q_len=1, GQA 32/8, d=128, fp16), under CUDA graphs; SDPA: its fastest backend (enable_gqa);",
+                  "TB/s = KV-cache bytes / time", KV_DECODE_HEADER]
+        lines += [kv_decode_line(r) for r in kv_decode]
     lines.append("correctness failures: " + (", ".join(map(str, failures)) if failures else "none"))
     text = "\n".join(lines)
     with open(os.path.join(args.out, "kernel_speed.txt"), "w") as f:

@@ -30,7 +30,6 @@ def _splits_by_rule(p):
 @register
 class KVAttention(KernelKind):
     name = "kv_attention"
-    warm_up = ({"batch": None, "q_len": 1, "heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float16"},)
     compile_cost = 3.0
     doc = (
         "O = softmax(Q K^T / sqrt(d)) V of Q,O [batch,q_len,heads,head_dim] against a KV cache: K,V [batch,max_kv,kv_heads,head_dim], "

@@ -3,8 +3,6 @@ or paged; GQA; split-KV). CPU numerics through the daemon, the spec's rules, CUD
 sm_90a (cross-compiled here), and GPU numerics where a GPU is visible. Sizes are ragged: no
 multiple of any tile, seq_lens differing per sequence."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -173,11 +171,14 @@ GPU_CASES = [
 
 
 @needs_gpu
-@pytest.mark.parametrize("params,runtime,lens", GPU_CASES)
-def test_gpu_matches_the_reference(make_daemon, params, runtime, lens):
-    k = make_daemon().client().get_kernel(KIND, target="auto", **params)
-    p = k.spec["params"]
-    ins = make(p, lens, device="cuda", **runtime)
-    want = reference.reference(KIND, p, ins)
-    torch.testing.assert_close(k(*ins).float(), want.float(), **reference.tolerance(p["dtype"]))
-    assert math.isfinite(k(*ins).float().abs().max().item())
+def test_gpu_matches_the_reference(make_daemon):
+    import os
+
+    c = make_daemon(workers=min(8, os.cpu_count() or 2)).client()
+    built = c.prefetch([{"kind": KIND, "target": "auto", **params} for params, _, _ in GPU_CASES])  # compiled side by side
+    for (params, runtime, lens), k in zip(GPU_CASES, built):
+        assert not isinstance(k, Exception), k
+        p = k.spec["params"]
+        ins = make(p, lens, device="cuda", **runtime)
+        want = reference.reference(KIND, p, ins)
+        torch.testing.assert_close(k(*ins).float(), want.float(), **reference.tolerance(p["dtype"]), msg=lambda m, p=p: f"{p}: {m}")

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmark"))
 from llama_block import BlockConfig, ServedBlock, reference, rel_error  # noqa: E402
 
-ZOO = ("add_rmsnorm", "attention", "gemm", "layernorm", "rmsnorm", "rope", "softmax", "swiglu")  # other test files register more kinds in this process
+ZOO = ("add_rmsnorm", "attention", "gemm", "kv_attention", "layernorm", "rmsnorm", "rope", "softmax", "swiglu")  # other test files register more kinds in this process
 ENCODER = BlockConfig(hidden=64, heads=4, kv_heads=2, ffn=96, seq_len=12, dtype="float32", target="c", causal=False)
 
 
