@@ -284,12 +284,17 @@ class KVAttention(KernelKind):
         acc_t = "float32"
         ninf = -T.infinity(acc_t)
         qblocks = T.ceildiv(rows, bh)
+
+        def cdiv(a, b):
+            # a >= 0 over b >= 1, by C division: floordiv by a runtime divisor lowers to sign fix-ups
+            # whose let-bound values TileLang 0.1.15's ThreadSync misreads as thread ranges.
+            return T.truncdiv(a + b - 1, b)
         # Splits per sequence, chosen at run time on the host (a grid size): enough blocks to fill
         # the GPU, no split under MIN_SPLIT_KEYS keys, at most the build's num_splits.
         if max_splits == 1:
             nsplit = 1
         else:
-            want = T.ceildiv(GATHER_TARGET_BLOCKS if gather else TARGET_BLOCKS, batch * kvh * qblocks)
+            want = cdiv(GATHER_TARGET_BLOCKS if gather else TARGET_BLOCKS, batch * kvh * qblocks)
             nsplit = T.max(1, T.min(max_splits, T.min(want, T.ceildiv(self._kv_span(s), MIN_SPLIT_KEYS))))
 
         def page_of(block_table, b, idx, seq_len):
@@ -324,7 +329,7 @@ class KVAttention(KernelKind):
                 h, f0 = hq % kvh, hq // kvh * bh
                 seq_len = seq_lens[b]
                 kend = seq_len - q_len + T.ceildiv(T.min(rows, f0 + bh), group)
-                chunk = T.ceildiv(T.ceildiv(T.max(kend, 0), nsplit), bn) * bn
+                chunk = T.ceildiv(cdiv(T.max(kend, 0), nsplit), bn) * bn
                 start = sid * chunk
                 stop = T.min(kend, start + chunk)
                 # At least one step, all masked when the split is empty: the pipeline never runs zero times.
