@@ -80,8 +80,10 @@ class KVAttention(KernelKind):
             raise InvalidSpec("head_dim", f"must be a multiple of 16 up to 256 on CUDA, got {d}")
         if p["dtype"] == "float32":
             raise InvalidSpec("dtype", "float32 kv_attention is not supported on CUDA; use float16 or bfloat16")
+        # Defaults measured on H200 (decode, GQA 32/8, d=128): 128-key tiles in 2 stages for a
+        # contiguous cache, page-sized 64-key tiles for pages of 64 or more, 64-key gathers below.
         p["block_H"] = p["block_H"] or 16
-        p["block_N"] = p["block_N"] or 64
+        p["block_N"] = p["block_N"] or (64 if p["paged"] else 128)
         p["threads"] = p["threads"] or 128
         pow2("block_H", p["block_H"], 16, 128)
         pow2("block_N", p["block_N"], 16, 256)
@@ -96,7 +98,7 @@ class KVAttention(KernelKind):
                 raise InvalidSpec("num_stages", f"must be 1 when block_N ({p['block_N']}) spans pages of {p['page_size']} keys (gathered, not pipelined)")
             p["num_stages"] = 1
         # The largest pipeline that fits, when left open.
-        for stages in (p["num_stages"],) if p["num_stages"] else (4, 3, 2, 1):
+        for stages in (p["num_stages"],) if p["num_stages"] else (2, 1) if p["block_N"] >= 128 else (4, 3, 2, 1):
             if self._smem(p["block_H"], p["block_N"], stages, d) <= smem_limit(target):
                 break
         p["num_stages"] = stages

@@ -33,7 +33,7 @@ def make(p, lens=None, seed=0, device="cpu", **runtime):
 def test_cuda_defaults():
     decode = kernels.canonicalize(KIND, dict(batch=None, heads=32, kv_heads=8, head_dim=128, dtype="float16"), "sm_90a").params
     assert decode["q_len"] == 1 and not decode["paged"] and decode["page_size"] is None
-    assert (decode["num_splits"], decode["block_H"], decode["block_N"], decode["threads"]) == (32, 16, 64, 128)
+    assert (decode["num_splits"], decode["block_H"], decode["block_N"], decode["num_stages"], decode["threads"]) == (32, 16, 128, 2, 128)
     paged = kernels.canonicalize(KIND, dict(batch=None, heads=32, kv_heads=8, head_dim=128, dtype="float16", paged=True), "sm_90a").params
     assert paged["page_size"] == 16 and paged["num_stages"] == 1  # 64-key tiles span pages: gathered, not pipelined
     prefill = kernels.canonicalize(KIND, dict(batch=None, q_len=None, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16"), "sm_90a").params
