@@ -18,6 +18,9 @@ CPU_SCRATCH = 256 * 1024
 TARGET_BLOCKS = 264
 GATHER_TARGET_BLOCKS = 1056
 MIN_SPLIT_KEYS = 256
+# Page ids a block stages in shared memory before its loop (its split's first pages): a TMA or a
+# gather then never waits on a block_table load. Paged splits are sized to fit when num_splits allows.
+PAGE_WINDOW = 512
 DEFAULT_MAX_SPLITS = 32
 
 
@@ -281,6 +284,7 @@ class KVAttention(KernelKind):
         # probabilities reach the second product through shared memory.
         p_in_regs = bh >= 64
         gather = self._gather(p)
+        pg = ps or 1  # page size in index arithmetic that contiguous caches never use
         decode = p["q_len"] == 1  # every row of a block sees the same keys: no per-row causal mask
         scale = LOG2E / math.sqrt(d)
         acc_t = "float32"
@@ -297,6 +301,8 @@ class KVAttention(KernelKind):
             nsplit = 1
         else:
             want = cdiv(GATHER_TARGET_BLOCKS if gather else TARGET_BLOCKS, batch * kvh * qblocks)
+            if paged:
+                want = T.max(want, T.ceildiv(self._kv_span(s), PAGE_WINDOW * ps))
             nsplit = T.max(1, T.min(max_splits, T.min(want, T.ceildiv(self._kv_span(s), MIN_SPLIT_KEYS))))
 
         def page_of(block_table, b, idx, seq_len):
@@ -304,10 +310,14 @@ class KVAttention(KernelKind):
             # An expression, not a variable: the TMA producer warps compute it for themselves.
             return T.if_then_else(idx < T.ceildiv(seq_len, ps), block_table[b, idx], 0)
 
+        def page_at(pages_s, block_table, b, idx, first, seq_len):
+            # From the staged window when it holds page `idx`, else from block_table.
+            return T.if_then_else(idx - first < PAGE_WINDOW, pages_s[T.min(idx - first, PAGE_WINDOW - 1)], page_of(block_table, b, idx, seq_len))
+
         @T.macro
-        def load_tile(Src, block_table, b, h, k0, seq_len, Dst):
+        def load_tile(Src, pages_s, block_table, b, h, k0, first, seq_len, Dst):
             if paged:
-                T.copy(Src[page_of(block_table, b, k0 // ps, seq_len), k0 % ps : k0 % ps + bn, h, :], Dst)
+                T.copy(Src[page_at(pages_s, block_table, b, k0 // ps, first, seq_len), k0 % ps : k0 % ps + bn, h, :], Dst)
             else:
                 T.copy(Src[b, k0 : k0 + bn, h, :], Dst)
 
@@ -320,6 +330,7 @@ class KVAttention(KernelKind):
                 sc = T.alloc_fragment((bh, bn), acc_t)
                 sc_cast = T.alloc_fragment((bh, bn), dtype)
                 P_s = T.alloc_shared((bh, bn), dtype)
+                pages_s = T.alloc_shared((PAGE_WINDOW if paged else 1,), "int32")
                 acc = T.alloc_fragment((bh, d), acc_t)
                 m = T.alloc_fragment((bh,), acc_t)
                 m_prev = T.alloc_fragment((bh,), acc_t)
@@ -341,19 +352,25 @@ class KVAttention(KernelKind):
                 for i, c in T.Parallel(bh, d):
                     f = T.min(f0 + i, rows - 1)
                     Q_s[i, c] = T.if_then_else(f0 + i < rows, Q[b, f // group, h * group + f % group, c], 0)
+                if paged:
+                    for t in T.Parallel(PAGE_WINDOW):
+                        pages_s[t] = page_of(block_table, b, start // ps + t, seq_len)
+                # Q and the page ids are written by all threads and read by the TMA producer and the
+                # consumers: one full barrier (TileLang's sync pass leaves this one out for paged caches).
+                T.sync_threads()
                 T.fill(acc, 0)
                 T.fill(lsum, 0)
                 T.fill(m, ninf)
                 for kb in T.serial(steps) if gather else T.Pipelined(steps, num_stages=p["num_stages"]):
                     k0 = start + kb * bn
                     if gather:
-                        # Several pages per tile: plain loads of K and V up front (occupancy hides their latency;
-                        # TileLang 0.1.15 pipelines neither TMA into part of a tile nor cp.async over a runtime trip count).
-                        for j, c in T.Parallel(bn, d):
-                            K_s[j, c] = K[page_of(block_table, b, (k0 + j) // ps, seq_len), (k0 + j) % ps, h, c]
-                            V_s[j, c] = V[page_of(block_table, b, (k0 + j) // ps, seq_len), (k0 + j) % ps, h, c]
+                        # Several pages per tile: cp.async of K and V up front, waited for at once (TileLang
+                        # 0.1.15 pipelines neither TMA into part of a tile nor cp.async over a runtime trip count).
+                        for j, c in T.Parallel(bn, d, prefer_async=True):
+                            K_s[j, c] = K[page_at(pages_s, block_table, b, (k0 + j) // ps, start // ps, seq_len), (k0 + j) % ps, h, c]
+                            V_s[j, c] = V[page_at(pages_s, block_table, b, (k0 + j) // ps, start // ps, seq_len), (k0 + j) % ps, h, c]
                     else:
-                        load_tile(K, block_table, b, h, k0, seq_len, K_s)
+                        load_tile(K, pages_s, block_table, b, h, k0, start // pg, seq_len, K_s)
                     T.clear(sc)
                     T.gemm(Q_s, K_s, sc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     # Masked after the product: a cache slot past seq_lens may hold anything, NaN included.
@@ -376,7 +393,7 @@ class KVAttention(KernelKind):
                     for i, c in T.Parallel(bh, d):
                         acc[i, c] *= r[i]
                     if not gather:
-                        load_tile(V, block_table, b, h, k0, seq_len, V_s)
+                        load_tile(V, pages_s, block_table, b, h, k0, start // pg, seq_len, V_s)
                     if p_in_regs:
                         T.copy(sc, sc_cast)
                         T.gemm(sc_cast, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
@@ -407,22 +424,27 @@ class KVAttention(KernelKind):
         def combine_body(O_part, LSE, O):
             if max_splits > 1:
                 with T.Kernel(heads, q_len, batch, threads=d) as (hh, i, b):
-                    acc = T.alloc_fragment((d,), acc_t)
+                    # Loops over the build's num_splits, unrolled, the unused splits masked: every
+                    # load is issued before the first is waited for.
+                    w = T.alloc_local((max_splits,), acc_t)
                     mx = T.alloc_local((1,), acc_t)
                     tot = T.alloc_local((1,), acc_t)
-                    w = T.alloc_local((1,), acc_t)
+                    acc = T.alloc_fragment((d,), acc_t)
                     if nsplit > 1:  # else the split kernel wrote O
+                        for sp in T.unroll(max_splits):
+                            w[sp] = T.if_then_else(sp < nsplit, LSE[T.min(sp, max_splits - 1), b, i, hh], ninf)
                         mx[0] = ninf
+                        for sp in T.unroll(max_splits):
+                            mx[0] = T.max(mx[0], w[sp])
                         tot[0] = 0
-                        T.clear(acc)
-                        for sp in T.serial(nsplit):
-                            mx[0] = T.max(mx[0], LSE[sp, b, i, hh])
-                        for sp in T.serial(nsplit):
-                            w[0] = T.if_then_else(mx[0] == ninf, 0, T.exp2(LSE[sp, b, i, hh] - mx[0]))
-                            tot[0] += w[0]
-                            for c in T.Parallel(d):
-                                acc[c] += w[0] * O_part[sp, b, i, hh, c]
+                        for sp in T.unroll(max_splits):
+                            w[sp] = T.if_then_else(mx[0] == ninf, 0, T.exp2(w[sp] - mx[0]))
+                            tot[0] += w[sp]
                         for c in T.Parallel(d):
+                            acc[c] = 0
+                            for sp in T.unroll(max_splits):
+                                if sp < nsplit:
+                                    acc[c] += w[sp] * O_part[sp, b, i, hh, c]
                             O[b, i, hh, c] = T.if_then_else(tot[0] > 0, acc[c] / tot[0], 0)
 
         return self._prim_func(T, s, dtype, split_body, combine_body)
