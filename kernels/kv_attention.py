@@ -76,7 +76,11 @@ class KVAttention(KernelKind):
             # The scores and output tiles are C stack arrays; keep them well under a thread's stack.
             scratch = 4 * p["block_H"] * (p["block_N"] + p["head_dim"])
             if scratch > CPU_SCRATCH:
-                raise InvalidSpec("head_dim", f"block_H*(block_N+head_dim) fp32 scratch is {scratch // 1024} KiB, over {CPU_SCRATCH // 1024} KiB on target {target.describe()}; use a smaller block_H")
+                raise InvalidSpec(
+                    "head_dim",
+                    f"block_H*(block_N+head_dim) fp32 scratch is {scratch // 1024} KiB, over {CPU_SCRATCH // 1024} KiB on target {target.describe()}; "
+                    "use a smaller block_H",
+                )
             return p
         d = p["head_dim"]
         if d % 16 or d > 256:
@@ -93,7 +97,8 @@ class KVAttention(KernelKind):
         if p["threads"] not in (128, 256):
             raise InvalidSpec("threads", f"must be 128 or 256, got {p['threads']}")
         if p["block_H"] >= 64 and p["block_H"] != p["threads"] // 2:
-            raise InvalidSpec("block_H", f"64 or more rows take 64 rows per 128-thread warpgroup: {p['threads'] // 2} for {p['threads']} threads, got {p['block_H']}")
+            want = p["threads"] // 2
+            raise InvalidSpec("block_H", f"64 or more rows take 64 rows per 128-thread warpgroup: {want} for {p['threads']} threads, got {p['block_H']}")
         if p["paged"] and p["block_N"] < p["page_size"] and p["page_size"] % p["block_N"]:
             raise InvalidSpec("block_N", f"must divide page_size ({p['page_size']}) or be a multiple of it, got {p['block_N']}")
         if self._gather(p):
@@ -109,10 +114,12 @@ class KVAttention(KernelKind):
             raise InvalidSpec("num_stages", f"must be in [1, 6], got {stages}")
         smem = self._smem(p["block_H"], p["block_N"], stages, d)
         if smem > smem_limit(target):
-            raise InvalidSpec("num_stages", f"tiles need {smem // 1024} KiB of shared memory, over the {smem_limit(target) // 1024} KiB a block gets on {target}")
+            limit = smem_limit(target) // 1024
+            raise InvalidSpec("num_stages", f"tiles need {smem // 1024} KiB of shared memory, over the {limit} KiB a block gets on {target}; use fewer stages")
         regs = (p["block_H"] * p["block_N"] + p["block_H"] * d) // p["threads"]
         if regs > 160:
-            raise InvalidSpec("block_H", f"a {p['block_H']}x{p['block_N']} tile with head_dim {d} needs {regs} fp32 registers per thread; use a smaller block_N or more threads")
+            tile_text = f"a {p['block_H']}x{p['block_N']} tile with head_dim {d}"
+            raise InvalidSpec("block_H", f"{tile_text} needs {regs} fp32 registers per thread (max 160); use a smaller block_N or more threads")
         return p
 
     @staticmethod
@@ -156,7 +163,8 @@ class KVAttention(KernelKind):
         if s["table"] is not None:
             @T.prim_func
             def main(Q: T.Tensor(s["q"], dtype), K: T.Tensor(s["kv"], dtype), V: T.Tensor(s["kv"], dtype), seq_lens: T.Tensor((s["batch"],), "int32"),
-                     block_table: T.Tensor(s["table"], "int32"), O_part: T.Tensor(s["part"], "float32"), LSE: T.Tensor(s["lse"], "float32"), O: T.Tensor(s["q"], dtype)):
+                     block_table: T.Tensor(s["table"], "int32"), O_part: T.Tensor(s["part"], "float32"), LSE: T.Tensor(s["lse"], "float32"),
+                     O: T.Tensor(s["q"], dtype)):
                 split_body(Q, K, V, seq_lens, block_table, O_part, LSE, O)
                 combine_body(O_part, LSE, O)
         else:
