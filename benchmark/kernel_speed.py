@@ -238,7 +238,8 @@ def sdpa_decode_paths():
     return {"default": path(None), **{name: path(b) for name, b in backends.items()}}
 
 
-KV_DECODE_HEADER = f"{'layout':10} {'batch':>5} {'kv':>6} {'ours us':>8} {'SDPA us':>8} {'SDPA':>9} {'SDPA/ours':>9} {'ours TB/s':>9} {'SDPA TB/s':>9} {'err':>7}"
+KV_DECODE_HEADER = (f"{'layout':10} {'batch':>5} {'kv':>6} {'ours us':>8} {'SDPA us':>8} {'SDPA':>9} {'SDPA/ours':>9} "
+                    f"{'ours TB/s':>9} {'SDPA TB/s':>9} {'err':>7}")
 
 
 def kv_decode_line(r):
@@ -410,7 +411,8 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "kernel_speed.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_GBs": bw / 1e9, "rows": rows, "decode": decode, "kv_decode": kv_decode, "failures": [str(x) for x in failures]}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "copy_GBs": bw / 1e9, "rows": rows, "decode": decode, "kv_decode": kv_decode,
+                   "failures": [str(x) for x in failures]}, f, indent=1)
     hdr = f"{'kind':9} {'shape':40} {'tiles':34} {'ours ms':>8} {'torch ms':>9} {'torch':>10} {'t/ours':>6} {'TFLOP/s':>8} {'GB/s':>6} {'%4.8T':>5} {'%copy':>5} {'err':>7}"
     lines = [f"copy bandwidth (2 GiB) {bw / 1e9:.0f} GB/s = {100 * bw / PEAK_HBM:.0f}% of 4.8 TB/s; t/ours > 1 means ours is faster;",
              "%4.8T = our bytes/s over 4.8 TB/s; %copy = a device copy moving the same bytes, in time, over ours", hdr]
