@@ -27,8 +27,8 @@ paged gather would only slow the baseline down. Outputs are checked against torc
 Goals printed: served >= 1.1x torch.compile at decode (batch 1, 8, 64), >= 1.0x at prefill.
 
 Decode attention needs the `kv_attention` kind (Q [batch, q_len, heads, head_dim], paged
-K/V [num_pages, page_size, kv_heads, head_dim], block_table int32 [batch, max_blocks],
-seq_lens int32 [batch]); everything that depends on it is in `attention_kernel()`. Where
+K/V [num_pages, page_size, kv_heads, head_dim], seq_lens int32 [batch], block_table int32
+[batch, max_blocks], in that order); everything that depends on it is in `attention_kernel()`. Where
 the daemon does not serve it yet, --check-only uses a torch stand-in (paged gather + SDPA)
 and says so; timing refuses to run without it.
 """
@@ -131,7 +131,7 @@ def attention_kernel(client, cfg: LayerConfig, batch: int, q_len: int, served_ki
         raise SystemExit(f"kv_attention refused the spec attention_kernel() in {Path(__file__).name} asks for ({exc}); adapt it to the kind's params") from None
 
     def attend(q, k_new, v_new, cache):
-        return k(q, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens)
+        return k(q, cache.k_pages, cache.v_pages, cache.seq_lens, cache.block_table)  # the kind's order: seq_lens, then block_table
 
     return attend, "kv_attention (paged)"
 
