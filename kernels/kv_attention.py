@@ -18,7 +18,7 @@ CPU_SCRATCH = 256 * 1024
 TARGET_BLOCKS = 264
 GATHER_TARGET_BLOCKS = 1056
 MIN_SPLIT_KEYS = 256
-# Page ids a block stages in shared memory before its loop (its split's first pages): a TMA or a
+# Page ids a block stages in shared memory before its loop (its split's first pages): the
 # gather then never waits on a block_table load. Paged splits are sized to fit when num_splits allows.
 PAGE_WINDOW = 512
 DEFAULT_MAX_SPLITS = 32
@@ -103,7 +103,7 @@ class KVAttention(KernelKind):
             raise InvalidSpec("block_N", f"must divide page_size ({p['page_size']}) or be a multiple of it, got {p['block_N']}")
         if self._gather(p):
             if p["num_stages"] not in (None, 1):
-                raise InvalidSpec("num_stages", f"must be 1 when block_N ({p['block_N']}) spans pages of {p['page_size']} keys (gathered, not pipelined)")
+                raise InvalidSpec("num_stages", "must be 1 for a paged cache (gathered a tile at a time, not pipelined)")
             p["num_stages"] = 1
         # The largest pipeline that fits, when left open.
         for stages in (p["num_stages"],) if p["num_stages"] else (2, 1) if p["block_N"] >= 128 else (4, 3, 2, 1):
@@ -124,8 +124,11 @@ class KVAttention(KernelKind):
 
     @staticmethod
     def _gather(p):
-        """A KV tile spans several pages: gathered by plain loads (TMA takes one page per copy)."""
-        return p["paged"] and p["block_N"] > p["page_size"]
+        """A paged cache is gathered by cp.async, one tile at a time. Pages of block_N keys or more
+        could go through the TMA pipeline a page per copy, but that form hung on the H200 (pages
+        of 64 keys, three sequences of 1, 1999 and 2000 keys, 2026-12-01), so every page size
+        takes the gather until it is fixed."""
+        return p["paged"]
 
     def scratch(self, p):
         # Partial outputs and their log2-sum-exp, one slice per split (a 1-element stub without splits).
@@ -292,7 +295,6 @@ class KVAttention(KernelKind):
         # probabilities reach the second product through shared memory.
         p_in_regs = bh >= 64
         gather = self._gather(p)
-        pg = ps or 1  # page size in index arithmetic that contiguous caches never use
         decode = p["q_len"] == 1  # every row of a block sees the same keys: no per-row causal mask
         scale = LOG2E / math.sqrt(d)
         acc_t = "float32"
@@ -323,11 +325,8 @@ class KVAttention(KernelKind):
             return T.if_then_else(idx - first < PAGE_WINDOW, pages_s[T.min(idx - first, PAGE_WINDOW - 1)], page_of(block_table, b, idx, seq_len))
 
         @T.macro
-        def load_tile(Src, pages_s, block_table, b, h, k0, first, seq_len, Dst):
-            if paged:
-                T.copy(Src[page_at(pages_s, block_table, b, k0 // ps, first, seq_len), k0 % ps : k0 % ps + bn, h, :], Dst)
-            else:
-                T.copy(Src[b, k0 : k0 + bn, h, :], Dst)
+        def load_tile(Src, b, h, k0, Dst):  # a contiguous cache (a paged one is gathered)
+            T.copy(Src[b, k0 : k0 + bn, h, :], Dst)
 
         @T.macro
         def split_body(Q, K, V, seq_lens, block_table, O_part, LSE, O):
@@ -363,7 +362,7 @@ class KVAttention(KernelKind):
                 if paged:
                     for t in T.Parallel(PAGE_WINDOW):
                         pages_s[t] = page_of(block_table, b, start // ps + t, seq_len)
-                # Q and the page ids are written by all threads and read by the TMA producer and the
+                # Q and the page ids are written by all threads and read by the TMA producer (or the gather) and the
                 # consumers: one full barrier (TileLang's sync pass leaves this one out for paged caches).
                 T.sync_threads()
                 T.fill(acc, 0)
@@ -378,7 +377,7 @@ class KVAttention(KernelKind):
                             K_s[j, c] = K[page_at(pages_s, block_table, b, (k0 + j) // ps, start // ps, seq_len), (k0 + j) % ps, h, c]
                             V_s[j, c] = V[page_at(pages_s, block_table, b, (k0 + j) // ps, start // ps, seq_len), (k0 + j) % ps, h, c]
                     else:
-                        load_tile(K, pages_s, block_table, b, h, k0, start // pg, seq_len, K_s)
+                        load_tile(K, b, h, k0, K_s)
                     T.clear(sc)
                     T.gemm(Q_s, K_s, sc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     # Masked after the product: a cache slot past seq_lens may hold anything, NaN included.
@@ -401,7 +400,7 @@ class KVAttention(KernelKind):
                     for i, c in T.Parallel(bh, d):
                         acc[i, c] *= r[i]
                     if not gather:
-                        load_tile(V, pages_s, block_table, b, h, k0, start // pg, seq_len, V_s)
+                        load_tile(V, b, h, k0, V_s)
                     if p_in_regs:
                         T.copy(sc, sc_cast)
                         T.gemm(sc_cast, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
