@@ -12,7 +12,7 @@ RANGES = ((4, {"schedule": "small"}), (None, {"schedule": "large"}))
 
 @register
 class RowScale(KernelKind):
-    name = "row_scale"
+    name = "routed_scale"
     doc = "Y[M,N] = X * 2 for M <= 4 rows, X * 3 otherwise."
     params = (dim("M", "rows", dynamic=True), dim("N", "row length"), Param("schedule", str, default="auto", choices=("auto", "small", "large")))
 

@@ -150,7 +150,7 @@ def test_decode_step_checks_a_served_layer_against_torch_on_the_cpu(shared_daemo
 
     import decode_step
 
-    cfg = decode_step.LayerConfig(hidden=64, heads=2, kv_heads=1, head_dim=32, ffn=96, kv_len=21, prefill=12, page_size=8, dtype="float32", target="c")
+    cfg = decode_step.LayerConfig(hidden=64, heads=2, kv_heads=1, head_dim=32, ffn=96, kv_len=21, prefill=12, page_size=16, dtype="float32", target="c")
     c = shared_daemon.client()
     kinds = {k["name"] for k in c.kinds()}
     args = argparse.Namespace(check_only=True)

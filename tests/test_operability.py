@@ -123,7 +123,8 @@ def test_a_copy_of_a_shared_build_says_what_it_copies(make_daemon):
     from compile_service.tools.demo import how_served
 
     c = make_daemon().client()
-    gemm = {"kind": "gemm", "K": 256, "dtype": "float16", "trans_b": True, "target": "sm_90a"}
+    # schedule "tma": with "auto", M=None would be a router over M ranges (tests/test_routing.py)
+    gemm = {"kind": "gemm", "K": 256, "dtype": "float16", "trans_b": True, "target": "sm_90a", "schedule": "tma"}
     events = []
     c.prefetch([{**gemm, "M": None, "N": None}, {**gemm, "M": 512, "N": 512}], load=False, progress=lambda done, total, e: events.append(e))
     copy = next(e["kernel"] for e in events if e["index"] == 1)

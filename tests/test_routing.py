@@ -11,7 +11,7 @@ import kernels
 from compile_service import bundle
 from compile_service.store import LocalStore
 from proto import abi
-from tests import routed_kind  # noqa: F401 - registers row_scale in this process too
+from tests import routed_kind  # noqa: F401 - registers routed_scale in this process too
 
 N = 8
 
@@ -23,7 +23,7 @@ def routed(make_daemon):
 
 def test_one_callable_routes_each_call_to_the_build_of_its_range(routed):
     c = routed.client()
-    k = c.get_kernel("row_scale", target="c", M=None, N=N)
+    k = c.get_kernel("routed_scale", target="c", M=None, N=N)
     assert [(upto, spec["params"]["schedule"]) for upto, spec in k.dispatch] == [(4, "small"), (None, "large")]
     assert k.abi["dispatch"]["dim"] == "M" and k.route(4).spec["params"]["schedule"] == "small" and k.route(5).spec["params"]["schedule"] == "large"
     for m, factor in ((1, 2), (4, 2), (5, 3), (37, 3)):
@@ -34,26 +34,26 @@ def test_one_callable_routes_each_call_to_the_build_of_its_range(routed):
         torch.testing.assert_close(out, x * factor)
     # Through the torch op (what torch.compile and export call) too.
     x = torch.randn(9, N)
-    torch.testing.assert_close(torch.ops.kernel_service.row_scale(k.spec_json, [x]), x * 3)
+    torch.testing.assert_close(torch.ops.kernel_service.routed_scale(k.spec_json, [x]), x * 3)
     assert c.stats()["compiles"] == 2  # one build per range; the router itself is a copy
 
 
 def test_a_static_size_is_served_by_its_ranges_build(routed):
     c = routed.client()
-    small, large = c.get_kernel("row_scale", target="c", M=3, N=N), c.get_kernel("row_scale", target="c", M=100, N=N)
+    small, large = c.get_kernel("routed_scale", target="c", M=3, N=N), c.get_kernel("routed_scale", target="c", M=100, N=N)
     assert small.shared_build["spec"]["params"] == {"M": None, "N": N, "schedule": "small"} and small.abi["fixed"] == {"M": 3}
     assert large.shared_build["spec"]["params"] == {"M": None, "N": N, "schedule": "large"} and large.abi["fixed"] == {"M": 100}
     x = torch.randn(3, N)
     torch.testing.assert_close(small(x), x * 2)
     with pytest.raises(ValueError, match="M=3"):
         small(torch.randn(4, N))
-    c.get_kernel("row_scale", target="c", M=None, N=N)  # the router reuses both builds
+    c.get_kernel("routed_scale", target="c", M=None, N=N)  # the router reuses both builds
     stats = c.stats()
     assert (stats["compiles"], stats["derived"]) == (2, 3)
 
 
 def test_scratch_is_allocated_per_call_and_never_an_input_or_output(routed):
-    k = routed.client().get_kernel("row_scale", target="c", M=None, N=N, schedule="large")
+    k = routed.client().get_kernel("routed_scale", target="c", M=None, N=N, schedule="large")
     assert k.abi["scratch"] == [1] and k.input_names == ["X"] and k.output_names == ["Y"]
     assert "W" not in k.__doc__
     x = torch.randn(6, N)
@@ -61,24 +61,24 @@ def test_scratch_is_allocated_per_call_and_never_an_input_or_output(routed):
 
 
 def test_a_bundle_of_a_router_carries_every_build_it_routes_to(routed, tmp_path, make_daemon):
-    routed.client().get_kernel("row_scale", target="c", M=None, N=N)
+    routed.client().get_kernel("routed_scale", target="c", M=None, N=N)
     routed.stop()
-    spec = kernels.canonicalize("row_scale", {"M": None, "N": N}, "c")
+    spec = kernels.canonicalize("routed_scale", {"M": None, "N": N}, "c")
     out = tmp_path / "b.tar"
     assert bundle.export(LocalStore(routed.cache_dir), [spec], "none", out)["entries"] == 3
     serving = make_daemon("--no-compile", "--kernel-module", "tests.routed_kind", cache_dir=tmp_path / "fresh")
     bundle.import_(LocalStore(serving.cache_dir), out, "none")
-    k = serving.client(strict=True).get_kernel("row_scale", target="c", M=None, N=N)
+    k = serving.client(strict=True).get_kernel("routed_scale", target="c", M=None, N=N)
     x = torch.randn(2, N)
     torch.testing.assert_close(k(x), x * 2)
 
 
 def test_a_router_is_not_ready_until_every_build_is_there(routed, make_daemon):
-    routed.client().get_kernel("row_scale", target="c", M=None, N=N, schedule="small")
+    routed.client().get_kernel("routed_scale", target="c", M=None, N=N, schedule="small")
     routed.stop()
     serving = make_daemon("--no-compile", "--kernel-module", "tests.routed_kind", cache_dir=routed.cache_dir)
     with pytest.raises(client.KernelNotReady):
-        serving.client(strict=True).get_kernel("row_scale", target="c", M=None, N=N)
+        serving.client(strict=True).get_kernel("routed_scale", target="c", M=None, N=N)
 
 
 @pytest.mark.parametrize(
@@ -102,11 +102,11 @@ def test_the_abi_refuses_malformed_scratch_and_routes(change, message):
 
 
 def test_dispatch_tables_are_checked():
-    kind = kernels.get_kind("row_scale")
-    spec = kernels.canonicalize("row_scale", {"M": None, "N": N}, "c")
+    kind = kernels.get_kind("routed_scale")
+    spec = kernels.canonicalize("routed_scale", {"M": None, "N": N}, "c")
     dim, builds = kind.routes(spec)
     assert dim == "M" and [b.params["schedule"] for _, b in builds] == ["small", "large"]
-    assert kind.routes(kernels.canonicalize("row_scale", {"M": 3, "N": N}, "c")) is None
+    assert kind.routes(kernels.canonicalize("routed_scale", {"M": 3, "N": N}, "c")) is None
     original = routed_kind.RANGES
     try:
         routed_kind.RANGES = ((4, {"schedule": "small"}),)  # no open-ended last range
@@ -121,8 +121,8 @@ def test_dispatch_tables_are_checked():
 
 def test_a_prefetched_router_comes_with_its_builds(routed):
     c = routed.client()
-    (k,) = c.prefetch([{"kind": "row_scale", "target": "c", "M": None, "N": N}])
-    assert c.get_kernel("row_scale", target="c", M=None, N=N) is k  # the memo: no second load
+    (k,) = c.prefetch([{"kind": "routed_scale", "target": "c", "M": None, "N": N}])
+    assert c.get_kernel("routed_scale", target="c", M=None, N=N) is k  # the memo: no second load
     for m, factor in ((2, 2), (5, 3)):
         x = torch.randn(m, N)
         torch.testing.assert_close(k(x), x * factor)

@@ -43,8 +43,8 @@ def how_served(kernel: dict) -> str:
     outcome = kernel["outcome"].removeprefix("OUTCOME_").lower()
     shared = kernel.get("shared_build")
     if shared:  # no compile of its own: published as a copy of the build that leaves its sizes to run time
-        build = json.loads(shared["canonical_spec"])
-        runtime = ", ".join(k for k, v in build["params"].items() if v is None)
+        fixed = json.loads(kernel["artifact"]["abi_json"]).get("fixed", {})  # the sizes this copy fixes
+        runtime = ", ".join(fixed)
         return f"{outcome} as a copy of the shared build with {runtime} at run time (that build took {shared['compile_seconds']:.2f}s)"
     if outcome == "hit":
         return f"hit (built earlier in {kernel['compile_seconds']:.2f}s)"
