@@ -126,3 +126,11 @@ def test_a_prefetched_router_comes_with_its_builds(routed):
     for m, factor in ((2, 2), (5, 3)):
         x = torch.randn(m, N)
         torch.testing.assert_close(k(x), x * factor)
+
+
+def test_the_demo_says_a_router_is_one(routed):
+    from compile_service.tools.demo import how_served
+
+    events = []
+    routed.client().prefetch([{"kind": "routed_scale", "target": "c", "M": None, "N": N}], load=False, progress=lambda done, total, e: events.append(e))
+    assert how_served(events[0]["kernel"]) == "compiled as a router over 2 builds by M range"

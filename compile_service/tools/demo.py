@@ -42,6 +42,9 @@ def how_served(kernel: dict) -> str:
     """What happened to one kernel, from a Prefetch event's `kernel` (GetKernelResponse as a dict)."""
     outcome = kernel["outcome"].removeprefix("OUTCOME_").lower()
     shared = kernel.get("shared_build")
+    routes = json.loads(kernel["artifact"]["abi_json"]).get("dispatch") if kernel.get("artifact") else None
+    if routes:  # a router (KernelKind.dispatch): the builds of each range of a runtime size
+        return f"{outcome} as a router over {len(routes['routes'])} builds by {routes['dim']} range"
     if shared:  # no compile of its own: published as a copy of the build that leaves its sizes to run time
         fixed = json.loads(kernel["artifact"]["abi_json"]).get("fixed", {})  # the sizes this copy fixes
         runtime = ", ".join(fixed)
