@@ -272,26 +272,14 @@ class Gemm(KernelKind):
         # splitk's fp32 partials: every element the reduction reads is written first (build_mma).
         return ("W",) if p["schedule"] == "splitk" and p["split_k"] > 1 else ()
 
-    def shared_build(self, spec):
-        """A static M given with schedule "auto" (check pinned its range's overrides) is served by
-        that range's M=None build, the one the router of the same spec with M=None calls; where M
-        (and N) are host-side dims, by the build that leaves them to run time, which that range's
-        build is itself a copy of."""
-        shared = super().shared_build(spec)
-        if shared is not None and "M" in shared[1]:
-            return shared
-        p, target = spec.params, spec.target
-        table = None if target.is_cpu or p["M"] is None else ranges(p, target)
-        if table and len(table) > 1 and all(p[name] == value for name, value in overrides_for(table, p["M"]).items()):
-            return self.canonicalize({**p, "M": None}, target), {"M": p["M"]}
-        return shared
-
     def dispatch(self, p: dict, target) -> tuple[str, list[tuple[int | None, dict]]] | None:
-        """("M", [(upper M inclusive, overrides), ..., (None, overrides)]) for the dispatching spec
-        (CUDA, M left to run time, schedule "auto"): one build per range, each correct for any M."""
-        if target.is_cpu or p["M"] is not None or p["schedule"] != "auto":
-            return None
-        return "M", ranges(p, target)
+        """("M", [(upper M inclusive, overrides), ..., (None, overrides)]) on CUDA where M has
+        several ranges: for the dispatching spec (M left to run time, schedule "auto") and for
+        a static M (check pinned its range's overrides); one build per range, correct for any M."""
+        if target.is_cpu or (p["M"] is None and p["schedule"] != "auto"):
+            return None  # the CPU's one kernel, or one range's build
+        table = ranges(p, target)
+        return ("M", table) if len(table) > 1 else None
 
     def host_side_dims(self, p, target):
         # With TMA (sm_90 and newer) M and N only size the grid and the tensors' descriptors,

@@ -307,13 +307,14 @@ class KernelKind:
         """Builds by range of one runtime dim, for a kind whose best kernel depends on its value
         (a GEMM's M: a few decode rows or thousands of prefill rows).
 
-        Returns (dim, [(upper, overrides), ..., (None, overrides)]) for canonical params `p`
-        that leave the choice open, None otherwise. Upper bounds are inclusive and increasing;
-        `overrides` pin one range's build: `canonicalize({**p, **overrides, dim: None})` is a
-        single build that runs correctly for every value of `dim` and fast in its range. With
-        `p[dim]` None, `p` is served by a router entry (abi.dispatch): the client loads every
-        range's build and picks one per call. With `p[dim]` static, by a copy of its range's
-        build (shared_build). Both ways each range is built once, however it was asked for."""
+        Returns (dim, [(upper, overrides), ..., (None, overrides)]), upper bounds inclusive and
+        increasing, for canonical params `p` that route on `dim`; None otherwise. `overrides`
+        pin one range's build: `canonicalize({**p, **overrides, dim: None})` is a single build
+        that runs correctly for every value of `dim` and fast in its range, and for which
+        dispatch returns None. With `p[dim]` None and the choice left open, `p` is served by a
+        router entry (abi.dispatch): the client loads every range's build and picks one per
+        call. A static `p[dim]` is pinned by `check` to its range's overrides and served by a
+        copy of that range's build (shared_build). Both ways each range is built once."""
         return None
 
     def routes(self, spec: CanonicalSpec) -> tuple[str, list[tuple[int | None, CanonicalSpec]]] | None:
@@ -344,17 +345,18 @@ class KernelKind:
         """The build that serves `spec` with the same device code, and the dims `spec` fixes.
 
         That build leaves the host-side dims to run time, so one lowering and one device
-        binary serve every value; the fixed dims are enforced by the loader. None when
-        `spec` fixes no host-side dim (it is its own build). A static value of a `dispatch`
-        dim is served by its range's build, the one the router would pick for it.
+        binary serve every value; the fixed dims are enforced by the loader. Otherwise a
+        static value of a `dispatch` dim, pinned to its range's overrides, is served by that
+        range's build, the one a router picks for it. None when `spec` is its own build.
         """
+        fixed = {d: spec.params[d] for d in self.host_side_dims(spec.params, spec.target) if spec.params[d] is not None}
         table = self._dispatch_table(spec)
-        if table is not None and spec.params[table[0]] is not None:
+        if table is not None and table[0] not in fixed and spec.params[table[0]] is not None:
             dim, ranges = table
             value = spec.params[dim]
             overrides = next(o for upper, o in ranges if upper is None or value <= upper)
-            return self._range_build(spec, dim, overrides), {dim: value}
-        fixed = {d: spec.params[d] for d in self.host_side_dims(spec.params, spec.target) if spec.params[d] is not None}
+            if all(spec.params[k] == v for k, v in overrides.items()):
+                return self._range_build(spec, dim, overrides), {dim: value}
         if not fixed:
             return None
         return self.canonicalize({**spec.params, **dict.fromkeys(fixed)}, spec.target), fixed

@@ -16,8 +16,13 @@ class RowScale(KernelKind):
     doc = "Y[M,N] = X * 2 for M <= 4 rows, X * 3 otherwise."
     params = (dim("M", "rows", dynamic=True), dim("N", "row length"), Param("schedule", str, default="auto", choices=("auto", "small", "large")))
 
+    def check(self, p, target):
+        if p["M"] is not None and p["schedule"] == "auto":  # a static M takes its range's build
+            p.update(next(o for upper, o in RANGES if upper is None or p["M"] <= upper))
+        return p
+
     def dispatch(self, p, target):
-        return ("M", list(RANGES)) if p["schedule"] == "auto" else None
+        return None if p["M"] is None and p["schedule"] != "auto" else ("M", list(RANGES))
 
     def scratch(self, p):
         return ("W",) if p["schedule"] == "large" else ()
