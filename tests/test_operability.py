@@ -331,3 +331,31 @@ def test_daemon_serves_at_once_and_warm_up_waits_for_idle_workers(make_daemon):
     while d.client().stats()["workers_ready"] < 2:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_a_channel_that_tried_before_the_daemon_listened_sees_it_at_once(tmp_path):
+    """gRPC waits 1 s (+-20%) before retrying a socket that refused it, by default; an agent
+    started beside its sidecar would wait that long after the daemon came up."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from proto import wire
+
+    address = f"unix:{tmp_path / 'late.sock'}"
+    with grpc.insecure_channel(address, options=wire.channel_options()) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        with pytest.raises(grpc.RpcError):
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)  # nothing listens yet
+        server = grpc.server(futures.ThreadPoolExecutor(2))
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+        server.add_insecure_port(address)
+        server.start()
+        try:
+            started = time.monotonic()
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=10, wait_for_ready=True)
+            waited = time.monotonic() - started
+        finally:
+            server.stop(0)
+    assert waited < 0.6, f"the channel took {waited:.2f} s to see a server that was listening"
