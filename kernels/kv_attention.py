@@ -88,7 +88,7 @@ class KVAttention(KernelKind):
         if p["dtype"] == "float32":
             raise InvalidSpec("dtype", "float32 kv_attention is not supported on CUDA; use float16 or bfloat16")
         # Defaults measured on H200 (decode, GQA 32/8, d=128): 128-key tiles in 2 stages for a
-        # contiguous cache, page-sized 64-key tiles for pages of 64 or more, 64-key gathers below.
+        # contiguous cache, 64-key cp.async gathers for a paged one.
         p["block_H"] = p["block_H"] or 16
         p["block_N"] = p["block_N"] or (64 if p["paged"] else 128)
         p["threads"] = p["threads"] or 128
@@ -317,7 +317,6 @@ class KVAttention(KernelKind):
 
         def page_of(block_table, b, idx, seq_len):
             # Pages past the sequence's last are never read from block_table (page 0 stands in; masked).
-            # An expression, not a variable: the TMA producer warps compute it for themselves.
             return T.if_then_else(idx < T.ceildiv(seq_len, ps), block_table[b, idx], 0)
 
         def page_at(pages_s, block_table, b, idx, first, seq_len):
@@ -362,8 +361,8 @@ class KVAttention(KernelKind):
                 if paged:
                     for t in T.Parallel(PAGE_WINDOW):
                         pages_s[t] = page_of(block_table, b, start // ps + t, seq_len)
-                # Q and the page ids are written by all threads and read by the TMA producer (or the gather) and the
-                # consumers: one full barrier (TileLang's sync pass leaves this one out for paged caches).
+                # Q and the page ids are written by all threads and read by all (the TMA producer, the
+                # gather, the consumers): one full barrier (TileLang's sync pass leaves it out when paged).
                 T.sync_threads()
                 T.fill(acc, 0)
                 T.fill(lsum, 0)
