@@ -67,7 +67,7 @@ DECODE_M = (1, 8, 32, 128, 512, 4096)
 # Decode against a KV cache (kv_attention): one query row per sequence, GQA 32/8, d=128, fp16,
 # every sequence full (SDPA takes no per-sequence lengths); one build per cache layout.
 KV_DECODE_PARAMS = dict(batch=None, q_len=1, heads=32, kv_heads=8, head_dim=128, dtype="float16")
-KV_DECODE = [("contiguous", KV_DECODE_PARAMS), ("paged16", dict(KV_DECODE_PARAMS, paged=True)), ("paged64", dict(KV_DECODE_PARAMS, paged=True, page_size=64))]
+KV_DECODE = [("contiguous", KV_DECODE_PARAMS), ("contig_cp", dict(KV_DECODE_PARAMS, load="cp_async", block_N=64)), ("paged16", dict(KV_DECODE_PARAMS, paged=True)), ("paged64", dict(KV_DECODE_PARAMS, paged=True, page_size=64))]
 KV_DECODE_BATCHES = (1, 8, 64)
 KV_DECODE_LENGTHS = (1024, 4096, 16384, 32768)
 ROWS = 4096  # runtime M for the dynamic memory-bound kernels

@@ -13,15 +13,16 @@ from .tiling import cuda_only, pow2, smem_limit
 LOG2E = 1.4426950408889634
 CPU_SCRATCH = 256 * 1024
 # Split-KV on CUDA: blocks to aim for (about two per SM of an H100/H200; more for the page-gather
-# path, which hides load latency by occupancy, not a pipeline), and the fewest keys a split gets
-# (below that a block's pipeline is mostly prologue).
+# path, whose blocks are smaller), and the fewest tiles a split gets (below that a block's
+# pipeline is mostly prologue).
 TARGET_BLOCKS = 264
 GATHER_TARGET_BLOCKS = 1056
-MIN_SPLIT_KEYS = 256
+MIN_SPLIT_TILES = 2
 # Page ids a block stages in shared memory before its loop (its split's first pages): the
 # gather then never waits on a block_table load. Paged splits are sized to fit when num_splits allows.
 PAGE_WINDOW = 512
 DEFAULT_MAX_SPLITS = 32
+LOADS = ("auto", "tma", "cp_async")
 
 
 def _splits_by_rule(p):
@@ -51,6 +52,8 @@ class KVAttention(KernelKind):
         tile("num_splits", "most KV splits per sequence (split-KV); the kernel uses fewer when batch or the cache is large"),
         tile("block_H", "query rows (query x head of a GQA group) per block"),
         tile("block_N", "keys per inner step"),
+        Param("load", str, default="auto", choices=LOADS, doc="CUDA: how K/V tiles reach shared memory: 'tma' (a pipeline of bulk copies; contiguous caches only), "
+              "'cp_async' (double-buffered cp.async copies, a page at a time when paged); 'auto': cp_async when paged, else tma"),
         tile("num_stages", "K/V pipeline depth (CUDA only)"),
         tile("threads", "threads per block (CUDA only)"),
     )
@@ -64,6 +67,8 @@ class KVAttention(KernelKind):
             p["page_size"] = p["page_size"] or 16
             pow2("page_size", p["page_size"], 16, 1024)
         cuda_only(p, target, "num_stages", "threads")
+        if target.is_cpu and p["load"] != "auto":
+            raise InvalidSpec("load", f"applies only to CUDA targets, not {target.describe()}")
         if p["num_splits"] is None:
             p["num_splits"] = 1 if target.is_cpu else _splits_by_rule(p)
         if p["num_splits"] > 128:
@@ -94,17 +99,21 @@ class KVAttention(KernelKind):
         p["threads"] = p["threads"] or 128
         pow2("block_H", p["block_H"], 16, 128)
         pow2("block_N", p["block_N"], 16, 256)
-        if p["threads"] not in (128, 256):
-            raise InvalidSpec("threads", f"must be 128 or 256, got {p['threads']}")
+        if p["threads"] not in (32, 64, 128, 256):
+            raise InvalidSpec("threads", f"must be 32, 64, 128 or 256, got {p['threads']}")
         if p["block_H"] >= 64 and p["block_H"] != p["threads"] // 2:
             want = p["threads"] // 2
             raise InvalidSpec("block_H", f"64 or more rows take 64 rows per 128-thread warpgroup: {want} for {p['threads']} threads, got {p['block_H']}")
         if p["paged"] and p["block_N"] < p["page_size"] and p["page_size"] % p["block_N"]:
             raise InvalidSpec("block_N", f"must divide page_size ({p['page_size']}) or be a multiple of it, got {p['block_N']}")
+        if p["load"] == "auto":
+            p["load"] = "cp_async" if p["paged"] else "tma"
+        if p["paged"] and p["load"] == "tma":
+            raise InvalidSpec("load", "a paged cache is read with cp_async (the TMA form of pages hung on the H200, see KVAttention._gather)")
         if self._gather(p):
-            if p["num_stages"] not in (None, 1):
-                raise InvalidSpec("num_stages", "must be 1 for a paged cache (gathered a tile at a time, not pipelined)")
-            p["num_stages"] = 1
+            if p["num_stages"] not in (None, 2):
+                raise InvalidSpec("num_stages", "must be 2 with load='cp_async' (two buffers)")
+            p["num_stages"] = 2
         # The largest pipeline that fits, when left open.
         for stages in (p["num_stages"],) if p["num_stages"] else (2, 1) if p["block_N"] >= 128 else (4, 3, 2, 1):
             if self._smem(p["block_H"], p["block_N"], stages, d) <= smem_limit(target):
@@ -124,11 +133,11 @@ class KVAttention(KernelKind):
 
     @staticmethod
     def _gather(p):
-        """A paged cache is gathered by cp.async, one tile at a time. Pages of block_N keys or more
-        could go through the TMA pipeline a page per copy, but that form hung on the H200 (pages
-        of 64 keys, three sequences of 1, 1999 and 2000 keys, 2026-12-01), so every page size
-        takes the gather until it is fixed."""
-        return p["paged"]
+        """K/V tiles come by cp.async into two buffers, a page (or the part of one a tile holds) per
+        copy. Every paged cache takes it: pages of block_N keys or more could go through the TMA
+        pipeline a page per copy, but that form hung on the H200 (pages of 64 keys, three sequences
+        of 1, 1999 and 2000 keys, 2026-12-01)."""
+        return p["load"] == "cp_async"
 
     def scratch(self, p):
         # Partial outputs and their log2-sum-exp, one slice per split (a 1-element stub without splits).
@@ -306,33 +315,89 @@ class KVAttention(KernelKind):
             # whose let-bound values TileLang 0.1.15's ThreadSync misreads as thread ranges.
             return T.truncdiv(a + b - 1, b)
         # Splits per sequence, chosen at run time on the host (a grid size): enough blocks to fill
-        # the GPU, no split under MIN_SPLIT_KEYS keys, at most the build's num_splits.
+        # the GPU, no split under MIN_SPLIT_TILES tiles, at most the build's num_splits.
         if max_splits == 1:
             nsplit = 1
         else:
             want = cdiv(GATHER_TARGET_BLOCKS if gather else TARGET_BLOCKS, batch * kvh * qblocks)
             if paged:
                 want = T.max(want, T.ceildiv(self._kv_span(s), PAGE_WINDOW * ps))
-            nsplit = T.max(1, T.min(max_splits, T.min(want, T.ceildiv(self._kv_span(s), MIN_SPLIT_KEYS))))
+            nsplit = T.max(1, T.min(max_splits, T.min(want, T.ceildiv(self._kv_span(s), MIN_SPLIT_TILES * bn))))
 
-        def page_of(block_table, b, idx, seq_len):
-            # Pages past the sequence's last are never read from block_table (page 0 stands in; masked).
-            return T.if_then_else(idx < T.ceildiv(seq_len, ps), block_table[b, idx], 0)
+        def page_of(block_table, b, idx, end):
+            # Pages from key `end` on are never read from block_table (page 0 stands in; masked).
+            return T.if_then_else(idx < T.ceildiv(end, ps), block_table[b, idx], 0)
 
         def page_at(pages_s, block_table, b, idx, first, seq_len):
             # From the staged window when it holds page `idx`, else from block_table.
             return T.if_then_else(idx - first < PAGE_WINDOW, pages_s[T.min(idx - first, PAGE_WINDOW - 1)], page_of(block_table, b, idx, seq_len))
 
         @T.macro
-        def load_tile(Src, b, h, k0, Dst):  # a contiguous cache (a paged one is gathered)
+        def load_tile(Src, b, h, k0, Dst):  # load="tma": a contiguous cache, through the pipeline
             T.copy(Src[b, k0 : k0 + bn, h, :], Dst)
+
+        # A tile of bn keys spans `copies` pages (or is part of one page): one cp.async copy each.
+        span = min(bn, ps) if paged else bn
+        copies = bn // span
+
+        @T.macro
+        def gather_tile(K, V, pages_s, block_table, b, h, k0, start, seq_len, K_g, V_g, slot, page_ids):
+            # Page ids go to registers first: read from shared memory between the copies, they would
+            # make TileLang's sync pass put a barrier before every copy.
+            if paged:
+                for c in T.unroll(copies):
+                    page_ids[c] = page_at(pages_s, block_table, b, (k0 + c * span) // ps, start // ps, seq_len)
+                for c in T.unroll(copies):
+                    T.async_copy(K[page_ids[c], (k0 + c * span) % ps : (k0 + c * span) % ps + span, h, :], K_g[slot, c * span : (c + 1) * span, :])
+                for c in T.unroll(copies):
+                    T.async_copy(V[page_ids[c], (k0 + c * span) % ps : (k0 + c * span) % ps + span, h, :], V_g[slot, c * span : (c + 1) * span, :])
+            else:
+                T.async_copy(K[b, k0 : k0 + bn, h, :], K_g[slot, :, :])
+                T.async_copy(V[b, k0 : k0 + bn, h, :], V_g[slot, :, :])
+
+        @T.macro
+        def score_tile(Q_s, Kt, sc, m, m_prev, m_use, r, row_sum, lsum, acc, k0, stop, seq_len, f0):
+            """sc = the tile's probabilities (unnormalized), m/lsum/acc rescaled: one online-softmax step."""
+            T.clear(sc)
+            T.gemm(Q_s, Kt, sc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            # Masked after the product: a cache slot past seq_lens may hold anything, NaN included.
+            for i, j in T.Parallel(bh, bn):
+                if decode:
+                    sc[i, j] = T.if_then_else(k0 + j < stop, sc[i, j], ninf)
+                else:
+                    sc[i, j] = T.if_then_else((k0 + j < stop) & (k0 + j <= seq_len - q_len + (f0 + i) // group), sc[i, j], ninf)
+            T.copy(m, m_prev)
+            T.reduce_max(sc, m, dim=1, clear=False)
+            # A row with no visible key yet keeps m = -inf; it scales by 0, never exp2(NaN).
+            for i in T.Parallel(bh):
+                m_use[i] = T.if_then_else(m[i] == ninf, 0, m[i] * scale)
+                r[i] = T.exp2(m_prev[i] * scale - m_use[i])
+            for i, j in T.Parallel(bh, bn):
+                sc[i, j] = T.exp2(sc[i, j] * scale - m_use[i])
+            T.reduce_sum(sc, row_sum, dim=1)
+            for i in T.Parallel(bh):
+                lsum[i] = lsum[i] * r[i] + row_sum[i]
+            for i, c in T.Parallel(bh, d):
+                acc[i, c] *= r[i]
+
+        @T.macro
+        def value_tile(sc, sc_cast, P_s, Vt, acc):
+            if p_in_regs:
+                T.copy(sc, sc_cast)
+                T.gemm(sc_cast, Vt, acc, policy=T.GemmWarpPolicy.FullRow)
+            else:
+                T.copy(sc, P_s)
+                T.gemm(P_s, Vt, acc, policy=T.GemmWarpPolicy.FullRow)
 
         @T.macro
         def split_body(Q, K, V, seq_lens, block_table, O_part, LSE, O):
             with T.Kernel(nsplit, kvh * qblocks, batch, threads=p["threads"]) as (sid, hq, b):
                 Q_s = T.alloc_shared((bh, d), dtype)
-                K_s = T.alloc_shared((bn, d), dtype)
-                V_s = T.alloc_shared((bn, d), dtype)
+                K_s = T.alloc_shared((1 if gather else bn, d), dtype)
+                V_s = T.alloc_shared((1 if gather else bn, d), dtype)
+                K_g = T.alloc_shared((2 if gather else 1, bn, d), dtype)
+                V_g = T.alloc_shared((2 if gather else 1, bn, d), dtype)
+                page_ids = T.alloc_local((copies,), "int32")
                 sc = T.alloc_fragment((bh, bn), acc_t)
                 sc_cast = T.alloc_fragment((bh, bn), dtype)
                 P_s = T.alloc_shared((bh, bn), dtype)
@@ -359,53 +424,40 @@ class KVAttention(KernelKind):
                     f = T.min(f0 + i, rows - 1)
                     Q_s[i, c] = T.if_then_else(f0 + i < rows, Q[b, f // group, h * group + f % group, c], 0)
                 if paged:
-                    for t in T.Parallel(PAGE_WINDOW):
-                        pages_s[t] = page_of(block_table, b, start // ps + t, seq_len)
+                    for t in T.Parallel(PAGE_WINDOW):  # the split's own pages only
+                        pages_s[t] = page_of(block_table, b, start // ps + t, stop)
                 # Q and the page ids are written by all threads and read by all (the TMA producer, the
                 # gather, the consumers): one full barrier (TileLang's sync pass leaves it out when paged).
                 T.sync_threads()
                 T.fill(acc, 0)
                 T.fill(lsum, 0)
                 T.fill(m, ninf)
-                for kb in T.serial(steps) if gather else T.Pipelined(steps, num_stages=p["num_stages"]):
-                    k0 = start + kb * bn
-                    if gather:
-                        # Several pages per tile: cp.async of K and V up front, waited for at once (TileLang
-                        # 0.1.15 pipelines neither TMA into part of a tile nor cp.async over a runtime trip count).
-                        for j, c in T.Parallel(bn, d, prefer_async=True):
-                            K_s[j, c] = K[page_at(pages_s, block_table, b, (k0 + j) // ps, start // ps, seq_len), (k0 + j) % ps, h, c]
-                            V_s[j, c] = V[page_at(pages_s, block_table, b, (k0 + j) // ps, start // ps, seq_len), (k0 + j) % ps, h, c]
-                    else:
-                        load_tile(K, b, h, k0, K_s)
-                    T.clear(sc)
-                    T.gemm(Q_s, K_s, sc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    # Masked after the product: a cache slot past seq_lens may hold anything, NaN included.
-                    for i, j in T.Parallel(bh, bn):
-                        if decode:
-                            sc[i, j] = T.if_then_else(k0 + j < stop, sc[i, j], ninf)
+                if gather:
+                    # Double-buffered: tile kb+1's pages are in flight while tile kb is used. Each
+                    # tile is 2*copies cp.async groups (its K pages, then its V pages); a last tile
+                    # commits empty groups instead, so the wait counts below hold on every step.
+                    gather_tile(K, V, pages_s, block_table, b, h, start, start, seq_len, K_g, V_g, 0, page_ids)
+                    for kb in T.serial(steps):
+                        k0 = start + kb * bn
+                        if kb + 1 < steps:
+                            gather_tile(K, V, pages_s, block_table, b, h, k0 + bn, start, seq_len, K_g, V_g, (kb + 1) % 2, page_ids)
                         else:
-                            sc[i, j] = T.if_then_else((k0 + j < stop) & (k0 + j <= seq_len - q_len + (f0 + i) // group), sc[i, j], ninf)
-                    T.copy(m, m_prev)
-                    T.reduce_max(sc, m, dim=1, clear=False)
-                    # A row with no visible key yet keeps m = -inf; it scales by 0, never exp2(NaN).
-                    for i in T.Parallel(bh):
-                        m_use[i] = T.if_then_else(m[i] == ninf, 0, m[i] * scale)
-                        r[i] = T.exp2(m_prev[i] * scale - m_use[i])
-                    for i, j in T.Parallel(bh, bn):
-                        sc[i, j] = T.exp2(sc[i, j] * scale - m_use[i])
-                    T.reduce_sum(sc, row_sum, dim=1)
-                    for i in T.Parallel(bh):
-                        lsum[i] = lsum[i] * r[i] + row_sum[i]
-                    for i, c in T.Parallel(bh, d):
-                        acc[i, c] *= r[i]
-                    if not gather:
+                            for _ in T.unroll(2 * copies):
+                                T.ptx_commit_group()
+                        T.ptx_wait_group(3 * copies)  # this tile's K
+                        T.sync_threads()
+                        score_tile(Q_s, K_g[kb % 2, :, :], sc, m, m_prev, m_use, r, row_sum, lsum, acc, k0, stop, seq_len, f0)
+                        T.ptx_wait_group(2 * copies)  # and its V
+                        T.sync_threads()
+                        value_tile(sc, sc_cast, P_s, V_g[kb % 2, :, :], acc)
+                        T.sync_threads()  # every thread is done with this buffer before it is refilled
+                else:
+                    for kb in T.Pipelined(steps, num_stages=p["num_stages"]):
+                        k0 = start + kb * bn
+                        load_tile(K, b, h, k0, K_s)
+                        score_tile(Q_s, K_s, sc, m, m_prev, m_use, r, row_sum, lsum, acc, k0, stop, seq_len, f0)
                         load_tile(V, b, h, k0, V_s)
-                    if p_in_regs:
-                        T.copy(sc, sc_cast)
-                        T.gemm(sc_cast, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
-                    else:
-                        T.copy(sc, P_s)
-                        T.gemm(P_s, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+                        value_tile(sc, sc_cast, P_s, V_s, acc)
                 for i in T.Parallel(bh):
                     r[i] = T.if_then_else(lsum[i] > 0, 1 / lsum[i], 0)
                     row_sum[i] = T.if_then_else(lsum[i] > 0, T.log2(lsum[i]) + m[i] * scale, ninf)
@@ -430,27 +482,26 @@ class KVAttention(KernelKind):
         def combine_body(O_part, LSE, O):
             if max_splits > 1:
                 with T.Kernel(heads, q_len, batch, threads=d) as (hh, i, b):
-                    # Loops over the build's num_splits, unrolled, the unused splits masked: every
-                    # load is issued before the first is waited for.
-                    w = T.alloc_local((max_splits,), acc_t)
+                    # The splits' log-sum-exps are loaded once, a thread each, and read from shared
+                    # memory; the partial outputs are summed over the splits this call made, not the
+                    # build's most (loops over num_splits cost in proportion, measured on the H200).
+                    lse_s = T.alloc_shared((max_splits,), acc_t)
                     mx = T.alloc_local((1,), acc_t)
                     tot = T.alloc_local((1,), acc_t)
                     acc = T.alloc_fragment((d,), acc_t)
                     if nsplit > 1:  # else the split kernel wrote O
-                        for sp in T.unroll(max_splits):
-                            w[sp] = T.if_then_else(sp < nsplit, LSE[T.min(sp, max_splits - 1), b, i, hh], ninf)
+                        for sp in T.Parallel(max_splits):
+                            lse_s[sp] = T.if_then_else(sp < nsplit, LSE[T.min(sp, max_splits - 1), b, i, hh], ninf)
                         mx[0] = ninf
-                        for sp in T.unroll(max_splits):
-                            mx[0] = T.max(mx[0], w[sp])
+                        for sp in T.serial(nsplit):
+                            mx[0] = T.max(mx[0], lse_s[sp])
                         tot[0] = 0
-                        for sp in T.unroll(max_splits):
-                            w[sp] = T.if_then_else(mx[0] == ninf, 0, T.exp2(w[sp] - mx[0]))
-                            tot[0] += w[sp]
+                        for sp in T.serial(nsplit):
+                            tot[0] += T.if_then_else(mx[0] == ninf, 0, T.exp2(lse_s[sp] - mx[0]))
                         for c in T.Parallel(d):
                             acc[c] = 0
-                            for sp in T.unroll(max_splits):
-                                if sp < nsplit:
-                                    acc[c] += w[sp] * O_part[sp, b, i, hh, c]
+                            for sp in T.serial(nsplit):
+                                acc[c] += T.if_then_else(mx[0] == ninf, 0, T.exp2(lse_s[sp] - mx[0])) * O_part[sp, b, i, hh, c]
                             O[b, i, hh, c] = T.if_then_else(tot[0] > 0, acc[c] / tot[0], 0)
 
         return self._prim_func(T, s, dtype, split_body, combine_body)

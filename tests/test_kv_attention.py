@@ -35,7 +35,7 @@ def test_cuda_defaults():
     assert decode["q_len"] == 1 and not decode["paged"] and decode["page_size"] is None
     assert (decode["num_splits"], decode["block_H"], decode["block_N"], decode["num_stages"], decode["threads"]) == (32, 16, 128, 2, 128)
     paged = kernels.canonicalize(KIND, dict(batch=None, heads=32, kv_heads=8, head_dim=128, dtype="float16", paged=True), "sm_90a").params
-    assert paged["page_size"] == 16 and paged["num_stages"] == 1  # paged caches are gathered, not pipelined
+    assert paged["page_size"] == 16 and paged["num_stages"] == 2  # paged caches are gathered into two buffers
     prefill = kernels.canonicalize(KIND, dict(batch=None, q_len=None, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16"), "sm_90a").params
     assert prefill["num_splits"] == 1
     cpu = kernels.canonicalize(KIND, dict(batch=2, heads=4, kv_heads=2, head_dim=8, dtype="float32"), "c").params
@@ -52,7 +52,9 @@ def test_cuda_defaults():
         (dict(dtype="float32"), "sm_90a", "dtype", "float16"),
         (dict(num_splits=200), "sm_90a", "num_splits", "at most"),
         (dict(block_H=64, threads=256), "sm_90a", "block_H", "warpgroup"),
-        (dict(paged=True, num_stages=2), "sm_90a", "num_stages", "paged cache"),
+        (dict(paged=True, num_stages=3), "sm_90a", "num_stages", "cp_async"),
+        (dict(paged=True, load="tma"), "sm_90a", "load", "paged"),
+        (dict(load="tma", dtype="float32"), "c", "load", "CUDA"),
         (dict(head_dim=72), "sm_90a", "head_dim", "multiple of 16"),
         (dict(threads=128, dtype="float32"), "c", "threads", "CUDA"),
         (dict(), "c", "dtype", "float32"),
@@ -148,6 +150,7 @@ DECODE = dict(batch=None, heads=32, kv_heads=8, head_dim=128, dtype="float16")
         (DECODE, True),  # split-KV decode: TMA pipeline, then the combine kernel
         (dict(DECODE, paged=True, page_size=64), False),  # every paged cache is gathered (KVAttention._gather)
         (dict(DECODE, paged=True), False),  # 16-key pages: gathered
+        (dict(DECODE, load="cp_async", block_N=64), False),  # a contiguous cache by cp.async
         (dict(DECODE, q_len=None, heads=12, kv_heads=4, head_dim=64, dtype="bfloat16", block_H=64), True),
     ],
 )
@@ -167,6 +170,10 @@ GPU_CASES = [
     (dict(DECODE, q_len=None, num_splits=4), dict(batch=2, q_len=7, max_kv=1000), [3, 1000]),
     (dict(DECODE, q_len=None, heads=12, kv_heads=4, head_dim=64, dtype="bfloat16", paged=True, num_splits=3), dict(batch=3, q_len=6, max_kv=500), [6, 2, 500]),
     (dict(DECODE, heads=16, kv_heads=16, block_H=64), dict(batch=2, max_kv=3000), None),
+    # Gathered tiles of part of a page (128-key pages, 64-key tiles) and of two pages with fewer threads.
+    (dict(DECODE, paged=True, page_size=128, dtype="bfloat16"), dict(batch=3, max_kv=1000), [1, 999, 1000]),
+    (dict(DECODE, paged=True, block_N=32, threads=64), dict(batch=5, max_kv=777), None),
+    (dict(DECODE, load="cp_async", block_N=64), dict(batch=7, max_kv=1111), None),
 ]
 
 
