@@ -10,21 +10,30 @@ The layer (hidden 4096, 32 query / 8 KV heads of 128, FFN 14336 SwiGLU, RMSNorm 
 stream r, so every residual add fuses into a kernel:
 
     n1, r1 = add_rmsnorm(x, r)              r1 = x + r
-    q, k, v = gemm(n1, Wq|Wk|Wv); rope(q, k) in place; k, v written into the paged cache
+    qkv = gemm(n1, Wqkv)                    one GEMM on Wqkv = cat(Wq, Wk, Wv), viewed per head
+    q, k = rope(positions, qkv)             packed: reads qkv's Q and K heads, writes new q, k
+    v = qkv[:, heads + kv_heads:]           a view; k and v are written into the paged cache
     a = attention(q, cache)                 kv_attention at decode, causal attention at prefill
     r2 = r1 + a @ Wo.T                      --residual gemm: the O GEMM's epilogue, then n2 = rmsnorm(r2)
                                             --residual norm: o = gemm(a, Wo); n2, r2 = add_rmsnorm(o, r1)
-    x' = gemm(swiglu(gemm(n2, Wg), gemm(n2, Wu)), Wd)   (its add fuses into the next layer's add_rmsnorm)
+    x' = gemm(swiglu(gemm(n2, Wgu)), Wd)    one GEMM on Wgu = cat(Wg, Wu); swiglu (packed) takes its
+                                            [gate | up] rows (x' + r2 fuses into the next layer's add_rmsnorm)
+
+As in vLLM, the fused QKV and gate/up GEMMs save launches at decode.
 
 Runs decode at batch 1, 8 and 64, each sequence at KV length --kv-len (4096) in a paged
 cache (--page-size, pages in shuffled order), and one --prefill (2048) token chunk of a
-fresh sequence. Three variants of the same layer, each captured in one CUDA graph and
+fresh sequence. Four variants of the same layer, each captured in one CUDA graph and
 timed in the same run, taking turns: `served` (the kernels above), `eager` (the layer in
-plain torch) and `compiled` (torch.compile of that function). The torch layer keeps its
-KV cache contiguous ([batch, kv_len, kv_heads, head_dim], SDPA with enable_gqa): a
-paged gather would only slow the baseline down. Outputs are checked against torch.
+plain torch, with HF's separate q/k/v and gate/up projections: what users run),
+`compiled` (torch.compile of that function) and `compiled_fused` (torch.compile of the
+same function on the concatenated weights: one QKV and one gate/up F.linear, split
+after). The torch layer keeps its KV cache contiguous ([batch, kv_len, kv_heads,
+head_dim], SDPA with enable_gqa): a paged gather would only slow the baseline down.
+Outputs are checked against torch eager (the fused torch layer's too).
 
-Goals printed: served >= 1.1x torch.compile at decode (batch 1, 8, 64), >= 1.0x at prefill.
+Goals printed: served >= 1.1x torch.compile at decode (batch 1, 8, 64), >= 1.0x at prefill;
+the ratio to torch.compile on the fused weights is printed beside it.
 
 Decode attention needs the `kv_attention` kind (Q [batch, q_len, heads, head_dim], paged
 K/V [num_pages, page_size, kv_heads, head_dim], seq_lens int32 [batch], block_table int32
@@ -92,12 +101,12 @@ def kernel_specs(cfg: LayerConfig) -> dict[str, dict]:
 
     specs = {
         "add_norm": {"kind": "add_rmsnorm", "M": None, "N": c.hidden, "eps": c.eps, **common},
-        "q": gemm(c.heads * d, c.hidden),
-        "kv": gemm(c.kv_heads * d, c.hidden),
-        "rope": {"kind": "rope", "tokens": None, "heads": c.heads, "kv_heads": c.kv_heads, "head_dim": d, "style": "neox", "max_position": c.max_position, **common},
+        "qkv": gemm((c.heads + 2 * c.kv_heads) * d, c.hidden),
+        "rope": {"kind": "rope", "tokens": None, "heads": c.heads, "kv_heads": c.kv_heads, "head_dim": d, "style": "neox", "max_position": c.max_position,
+                 "packed": True, **common},
         "o": gemm(c.hidden, c.heads * d, residual=c.residual == "gemm"),
-        "gate_up": gemm(c.ffn, c.hidden),
-        "swiglu": {"kind": "swiglu", "M": None, "N": c.ffn, **common},
+        "gate_up": gemm(2 * c.ffn, c.hidden),
+        "swiglu": {"kind": "swiglu", "M": None, "N": c.ffn, "packed": True, **common},
         "down": gemm(c.hidden, c.ffn),
     }
     if c.residual == "gemm":
@@ -119,7 +128,9 @@ def attention_kernel(client, cfg: LayerConfig, batch: int, q_len: int, served_ki
         k = client.get_kernel("attention", batch=1, heads=c.heads, kv_heads=c.kv_heads, seq_len=q_len, head_dim=d, causal=True, **common)
 
         def attend(q, k_new, v_new, cache):
-            return k(q, k_new.view(1, q_len, c.kv_heads, d), v_new.view(1, q_len, c.kv_heads, d))
+            # v_new is a strided view of the QKV GEMM's output and the kind takes contiguous
+            # tensors: one copy of the chunk's V (decode reads V from the paged cache instead).
+            return k(q, k_new.view(1, q_len, c.kv_heads, d), v_new.contiguous().view(1, q_len, c.kv_heads, d))
 
         return attend, "attention (causal)"
     if "kv_attention" not in served_kinds:
@@ -176,10 +187,9 @@ class ServedLayer:
     def __call__(self, x, r, positions, slots, cache: PagedCache, batch: int, q_len: int):
         c, w, d = self.cfg, self.w, self.cfg.head_dim
         n1, r1 = self.add_norm(x, r, w["norm1"])  # new tensors: the caller's x and r stay as they are
-        q = self.q(n1, w["q"]).view(-1, c.heads, d)
-        k = self.kv(n1, w["k"]).view(-1, c.kv_heads, d)
-        v = self.kv(n1, w["v"]).view(-1, c.kv_heads, d)
-        self.rope(positions, q, k, w["cos_sin"], out=(q, k))  # in place, as vLLM's rotary_embedding
+        qkv = self.qkv(n1, w["qkv"]).view(-1, c.heads + 2 * c.kv_heads, d)
+        q, k = self.rope(positions, qkv, w["cos_sin"])  # new contiguous q, k from qkv's Q and K heads
+        v = qkv[:, c.heads + c.kv_heads :]  # a strided view: index_copy_ reads it as it is
         cache.k_pages.view(-1, c.kv_heads, d).index_copy_(0, slots, k)
         cache.v_pages.view(-1, c.kv_heads, d).index_copy_(0, slots, v)
         a = self.attend(q.view(batch, q_len, c.heads, d), k, v, cache).reshape(-1, c.heads * d)
@@ -188,16 +198,18 @@ class ServedLayer:
             n2, r2 = self.norm(r1, w["norm2"]), r1
         else:
             n2, r2 = self.add_norm(self.o(a, w["o"]), r1, w["norm2"])
-        m = self.swiglu(self.gate_up(n2, w["gate"]), self.gate_up(n2, w["up"]))
+        m = self.swiglu(self.gate_up(n2, w["gate_up"]))  # packed: the GEMM's [gate | up] rows
         return self.down(m, w["down"]), r2
 
 
 # ----- the same layer in plain torch
 
 
-def torch_layer(x, r, positions, batch_of, k_cache, v_cache, w: dict, cfg: LayerConfig, kv_len: int, causal: bool):
+def torch_layer(x, r, positions, batch_of, k_cache, v_cache, w: dict, cfg: LayerConfig, kv_len: int, causal: bool, fused: bool = False):
     """The layer in plain torch (what eager and torch.compile run); k_cache, v_cache [batch, >= kv_len,
-    kv_heads, head_dim] are written at (batch_of, positions); attention reads keys [0, kv_len)."""
+    kv_heads, head_dim] are written at (batch_of, positions); attention reads keys [0, kv_len).
+    HF's separate q/k/v and gate/up projections, or with `fused` one GEMM for each group on the
+    concatenated weights (w["qkv"], w["gate_up"]), split after."""
     c, d = cfg, cfg.head_dim
     dtype = x.dtype
 
@@ -214,9 +226,13 @@ def torch_layer(x, r, positions, batch_of, k_cache, v_cache, w: dict, cfg: Layer
     tokens, b = x.shape[0], k_cache.shape[0]
     r1 = x + r
     n1 = rms(r1, w["norm1"])
-    q = rope(F.linear(n1, w["q"]).view(tokens, c.heads, d))
-    k = rope(F.linear(n1, w["k"]).view(tokens, c.kv_heads, d))
-    v = F.linear(n1, w["v"]).view(tokens, c.kv_heads, d)
+    if fused:
+        q, k, v = F.linear(n1, w["qkv"]).split([c.heads * d, c.kv_heads * d, c.kv_heads * d], dim=-1)
+    else:
+        q, k, v = F.linear(n1, w["q"]), F.linear(n1, w["k"]), F.linear(n1, w["v"])
+    q = rope(q.view(tokens, c.heads, d))
+    k = rope(k.view(tokens, c.kv_heads, d))
+    v = v.view(tokens, c.kv_heads, d)
     k_cache[batch_of, positions] = k
     v_cache[batch_of, positions] = v
     q = q.view(b, -1, c.heads, d).transpose(1, 2)
@@ -228,13 +244,17 @@ def torch_layer(x, r, positions, batch_of, k_cache, v_cache, w: dict, cfg: Layer
     a = a.transpose(1, 2).reshape(tokens, c.heads * d)
     r2 = r1 + F.linear(a, w["o"])
     n2 = rms(r2, w["norm2"])
-    return F.linear(F.silu(F.linear(n2, w["gate"])) * F.linear(n2, w["up"]), w["down"]), r2
+    gate, up = F.linear(n2, w["gate_up"]).chunk(2, dim=-1) if fused else (F.linear(n2, w["gate"]), F.linear(n2, w["up"]))
+    return F.linear(F.silu(gate) * up, w["down"]), r2
 
 
 # ----- inputs
 
 
 def make_weights(cfg: LayerConfig, device) -> dict:
+    """The layer's weights: HF's separate projections (the torch layer's) and, built once from the
+    same tensors, their concatenations "qkv" [(heads + 2*kv_heads)*d, hidden] and "gate_up"
+    [2*ffn, hidden] (the served layer's fused GEMMs, and the fused torch layer's)."""
     c, d = cfg, cfg.head_dim
     dtype = getattr(torch, c.dtype)
     g = torch.Generator().manual_seed(0)
@@ -244,7 +264,7 @@ def make_weights(cfg: LayerConfig, device) -> dict:
 
     inv_freq = 1.0 / c.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     angles = torch.arange(c.max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return {
+    w = {
         "norm1": (1 + 0.1 * torch.randn(c.hidden, generator=g)).to(device=device, dtype=dtype),
         "norm2": (1 + 0.1 * torch.randn(c.hidden, generator=g)).to(device=device, dtype=dtype),
         "q": weight(c.heads * d, c.hidden),
@@ -256,6 +276,9 @@ def make_weights(cfg: LayerConfig, device) -> dict:
         "down": weight(c.hidden, c.ffn),
         "cos_sin": torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=dtype),  # vLLM's layout
     }
+    w["qkv"] = torch.cat([w["q"], w["k"], w["v"]])
+    w["gate_up"] = torch.cat([w["gate"], w["up"]])
+    return w
 
 
 @dataclass
@@ -318,9 +341,9 @@ def run_served(layer: ServedLayer, s: Step):
     return layer(s.x, s.r, s.positions, s.slots, s.paged, s.batch, s.q_len)
 
 
-def run_torch(fn, w, cfg: LayerConfig, s: Step):
+def run_torch(fn, w, cfg: LayerConfig, s: Step, fused: bool = False):
     kv_len = s.q_len if s.prefill else cfg.kv_len
-    return fn(s.x, s.r, s.positions, s.batch_of, s.k_cache, s.v_cache, w, cfg, kv_len, s.prefill)
+    return fn(s.x, s.r, s.positions, s.batch_of, s.k_cache, s.v_cache, w, cfg, kv_len, s.prefill, fused)
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -340,11 +363,16 @@ def check(name: str, served, eager, step: Step, cfg: LayerConfig, tol: float) ->
         if not err < tol:
             problems.append(f"{name}: {what} relative error {err:.2e} over {tol:.0e}")
     kv, d = cfg.kv_heads, cfg.head_dim
-    written = step.paged.k_pages.view(-1, kv, d)[step.slots]
-    err = rel_error(written, step.k_cache[step.batch_of, step.positions])
-    if not err < tol:
-        problems.append(f"{name}: keys written into the paged cache differ from torch's (relative error {err:.2e})")
+    for what, pages, contiguous in (("keys", step.paged.k_pages, step.k_cache), ("values", step.paged.v_pages, step.v_cache)):
+        err = rel_error(pages.view(-1, kv, d)[step.slots], contiguous[step.batch_of, step.positions])
+        if not err < tol:
+            problems.append(f"{name}: {what} written into the paged cache differ from torch's (relative error {err:.2e})")
     return problems
+
+
+def output_error(a, b) -> float:
+    """The larger relative error of one torch variant's (x', r') against another's."""
+    return max(rel_error(a[0], b[0]), rel_error(a[1], b[1]))
 
 
 def graphed(fn):
@@ -391,6 +419,14 @@ def validate_specs(cfg: LayerConfig, cases) -> None:
             kernels.canonicalize("attention", dict(batch=1, heads=cfg.heads, kv_heads=cfg.kv_heads, seq_len=q_len, head_dim=cfg.head_dim, causal=True, dtype=cfg.dtype), cfg.target)
 
 
+def compile_torch_layer(mode: str, cases: int):
+    """torch.compile of torch_layer, for both torch.compile variants: dynamo specializes on `fused`."""
+    # Dynamo counts compiles per code object: room for both variants of every case, so that
+    # none falls back to eager unnoticed.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * cases)
+    return torch.compile(torch_layer, fullgraph=True, dynamic=False, mode=None if mode == "default" else mode)
+
+
 def run_case(client, cfg, w, batch, q_len, served_kinds, args, compiled_fn) -> dict:
     device = "cuda" if cfg.target != "c" else "cpu"
     label = f"prefill {q_len}" if q_len > 1 else f"decode batch {batch}"
@@ -408,21 +444,27 @@ def run_case(client, cfg, w, batch, q_len, served_kinds, args, compiled_fn) -> d
         eager = run_torch(torch_layer, w, cfg, step)
         tol = 1e-4 if cfg.dtype == "float32" else 3e-2
         problems = check(label, served, eager, step, cfg, tol)
+        err = output_error(run_torch(torch_layer, w, cfg, step, fused=True), eager)
+        print(f"  {label}: the torch layer on fused weights vs eager {err:.2e}")
+        if not err < tol:
+            problems.append(f"{label}: the torch layer on fused weights differs from eager by {err:.2e}")
         row = {"case": label, "attention": how, "problems": problems}
         if args.check_only:
             return row
-        compiled = run_torch(compiled_fn, w, cfg, step)
-        err = max(rel_error(compiled[0], eager[0]), rel_error(compiled[1], eager[1]))
-        if not err < tol:
-            problems.append(f"{label}: torch.compile's output differs from eager by {err:.2e}")
+        for name, fused in (("torch.compile", False), ("torch.compile on fused weights", True)):
+            err = output_error(run_torch(compiled_fn, w, cfg, step, fused), eager)
+            if not err < tol:
+                problems.append(f"{label}: {name}'s output differs from eager by {err:.2e}")
         replays = {
             "served": graphed(lambda: run_served(layer, step)),
             "eager": graphed(lambda: run_torch(torch_layer, w, cfg, step)),
             "compiled": graphed(lambda: run_torch(compiled_fn, w, cfg, step)),
+            "compiled_fused": graphed(lambda: run_torch(compiled_fn, w, cfg, step, fused=True)),
         }
         row["ms"] = time_graphs(replays, args.iters, args.reps)
         row["goal"] = 1.0 if q_len > 1 else 1.1
         row["speedup"] = row["ms"]["compiled"] / row["ms"]["served"]
+        row["speedup_fused"] = row["ms"]["compiled_fused"] / row["ms"]["served"]
     return row
 
 
@@ -480,7 +522,7 @@ def main() -> None:
             print(f"kernels ready in {time.perf_counter() - t0:.1f} s", flush=True)
             device = "cuda" if cfg.target != "c" else "cpu"
             w = make_weights(cfg, device)
-            compiled_fn = None if args.check_only else torch.compile(torch_layer, fullgraph=True, dynamic=False, mode=None if args.compile_mode == "default" else args.compile_mode)
+            compiled_fn = None if args.check_only else compile_torch_layer(args.compile_mode, len(cases))
             rows = [run_case(c, cfg, w, batch, q_len, served_kinds, args, compiled_fn) for batch, q_len in cases]
         finally:
             c.close()
@@ -494,12 +536,13 @@ def report(rows: list[dict], cfg: LayerConfig, args) -> None:
     if not args.check_only:
         print(f"\ntorch {torch.__version__}, {torch.cuda.get_device_name()}; {cfg.dtype}, KV length {cfg.kv_len}, page size {cfg.page_size}, "
               f"residual in the {cfg.residual}; ms per layer step, each variant one CUDA graph, medians of {args.reps} rounds of {args.iters} replays")
-        print("| case | served | torch eager | torch.compile | compile / served | goal | |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print("| case | served | torch eager | torch.compile | torch.compile, fused weights | compile / served | goal | | fused compile / served |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
             ms = r["ms"]
             verdict = "met" if r["speedup"] >= r["goal"] else "MISSED"
-            print(f"| {r['case']} | {ms['served']:.4f} | {ms['eager']:.4f} | {ms['compiled']:.4f} | {r['speedup']:.2f}x | >= {r['goal']:.1f}x | {verdict} |")
+            print(f"| {r['case']} | {ms['served']:.4f} | {ms['eager']:.4f} | {ms['compiled']:.4f} | {ms['compiled_fused']:.4f} "
+                  f"| {r['speedup']:.2f}x | >= {r['goal']:.1f}x | {verdict} | {r['speedup_fused']:.2f}x |")
     stand_ins = [r["case"] for r in rows if "stand-in" in r["attention"]]
     if stand_ins:
         print(f"note: {', '.join(stand_ins)} used a torch stand-in for kv_attention (not served yet)")

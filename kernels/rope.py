@@ -6,7 +6,13 @@ token t at p = positions[t] and each head, the first rotary_dim elements are rot
 pairs (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with (cos, sin) of pair i:
   neox: pairs (i, i + rotary_dim/2): the two halves (GPT-NeoX, Llama);
   gptj: pairs (2i, 2i + 1): interleaved (GPT-J).
-Elements past rotary_dim (partial rotary) are copied unchanged. positions are int64 (what
+Elements past rotary_dim (partial rotary) are copied unchanged.
+
+With `packed` the input is one QKV[tokens, heads + 2*kv_heads, head_dim]: a fused QKV GEMM's
+output viewed per head, Q heads first, then K, then V. Q and K are rotated into new
+contiguous outputs; V is left in QKV for the caller (the paged cache takes it as a view).
+
+positions are int64 (what
 torch and vLLM use) and must lie in [0, max_position); one outside is not reported, but it
 never reads past the cache: its cos/sin row reads as zeros (its rotated elements come out zero).
 """
@@ -20,11 +26,40 @@ from .tiling import cuda_only, pow2, smem_limit
 STYLES = ("neox", "gptj")
 
 
-def _shapes(T, p):
+def _sizes(T, p):
     tokens = p["tokens"] if p["tokens"] is not None else T.dynamic("tokens")
     max_pos = p["max_position"] if p["max_position"] is not None else T.dynamic("max_position")
-    d = p["head_dim"]
-    return tokens, max_pos, (tokens, p["heads"], d), (tokens, p["kv_heads"], d), (max_pos, p["rotary_dim"])
+    return tokens, max_pos
+
+
+def prim_func(T, body, p, tokens, max_pos):
+    """The PrimFunc of the ABI (positions, Q, K, cos_sin_cache, Qout, Kout), or with `packed`
+    (positions, QKV, cos_sin_cache, Qout, Kout), around `body(positions, Q, q0, K, k0, cache,
+    Qout, Kout)`: query head h is Q[t, q0 + h], key head h K[t, k0 + h] (Q and K both QKV when packed)."""
+    dtype, heads, kv_heads, d = p["dtype"], p["heads"], p["kv_heads"], p["head_dim"]
+    q_shape, k_shape, cs_shape = (tokens, heads, d), (tokens, kv_heads, d), (max_pos, p["rotary_dim"])
+    if p["packed"]:
+        @T.prim_func
+        def main(
+            positions: T.Tensor((tokens,), "int64"),
+            QKV: T.Tensor((tokens, heads + 2 * kv_heads, d), dtype),
+            cos_sin_cache: T.Tensor(cs_shape, dtype),
+            Qout: T.Tensor(q_shape, dtype),
+            Kout: T.Tensor(k_shape, dtype),
+        ):
+            body(positions, QKV, 0, QKV, heads, cos_sin_cache, Qout, Kout)
+    else:
+        @T.prim_func
+        def main(
+            positions: T.Tensor((tokens,), "int64"),
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(k_shape, dtype),
+            cos_sin_cache: T.Tensor(cs_shape, dtype),
+            Qout: T.Tensor(q_shape, dtype),
+            Kout: T.Tensor(k_shape, dtype),
+        ):
+            body(positions, Q, 0, K, 0, cos_sin_cache, Qout, Kout)
+    return main
 
 
 @register
@@ -35,7 +70,8 @@ class RoPE(KernelKind):
     outputs = (-2, -1)
     doc = (
         "Rotary embedding: Q[tokens,heads,head_dim], K[tokens,kv_heads,head_dim] rotated by cos_sin_cache[positions[t]] "
-        "(int64 positions; cache [max_position, rotary_dim], cos then sin); returns (Q', K'); out=(Q, K) rotates in place."
+        "(int64 positions; cache [max_position, rotary_dim], cos then sin); returns (Q', K'); out=(Q, K) rotates in place. "
+        "packed: one QKV[tokens,heads+2*kv_heads,head_dim] (Q, K, then V heads) in place of Q and K; V stays in QKV."
     )
     params = (
         dim("tokens", "tokens (rows of positions, Q, K); None makes it a runtime size", dynamic=True),
@@ -46,12 +82,14 @@ class RoPE(KernelKind):
         Param("style", str, default="neox", choices=STYLES, doc="neox: rotate halves; gptj: rotate interleaved pairs"),
         Param("max_position", int, default=None, min=1, max=1 << 24, nullable=True, doc="rows of cos_sin_cache; None (default) makes it a runtime size"),
         dtype_param("element type of Q, K and cos_sin_cache"),
+        Param("packed", bool, default=False, doc="one input QKV[tokens, heads + 2*kv_heads, head_dim] (a fused QKV GEMM's output) in place of Q and K"),
         tile("threads", "threads per token (CUDA only)"),
     )
 
     def inplace(self, p):
         # One token per block (a thread on the CPU): its heads are read whole before they are written.
-        return {"Qout": "Q", "Kout": "K"}
+        # Packed, the outputs are shaped unlike QKV: always new tensors.
+        return {} if p["packed"] else {"Qout": "Q", "Kout": "K"}
 
     def check(self, p, target):
         d = p["head_dim"]
@@ -77,32 +115,25 @@ class RoPE(KernelKind):
     def build_cpu(self, p):
         import tilelang.language as T
 
-        tokens, max_pos, q_shape, k_shape, cs_shape = _shapes(T, p)
-        dtype, d, rot = p["dtype"], p["head_dim"], p["rotary_dim"]
+        tokens, max_pos = _sizes(T, p)
+        d, rot = p["head_dim"], p["rotary_dim"]
         half, neox = rot // 2, p["style"] == "neox"
 
         @T.macro
-        def rotate(src, dst, t, heads, cs):
+        def rotate(src, h0, dst, t, heads, cs):
             # Both elements of a pair are read before either is written: dst may be src.
             x = T.alloc_local((2,), "float32")
             for h, i in T.grid(heads, half):
                 a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
-                x[0] = src[t, h, a]
-                x[1] = src[t, h, b]
+                x[0] = src[t, h0 + h, a]
+                x[1] = src[t, h0 + h, b]
                 dst[t, h, a] = x[0] * cs[i] - x[1] * cs[half + i]
                 dst[t, h, b] = x[1] * cs[i] + x[0] * cs[half + i]
             for h, j in T.grid(heads, d - rot):
-                dst[t, h, rot + j] = src[t, h, rot + j]
+                dst[t, h, rot + j] = src[t, h0 + h, rot + j]
 
-        @T.prim_func
-        def main(
-            positions: T.Tensor((tokens,), "int64"),
-            Q: T.Tensor(q_shape, dtype),
-            K: T.Tensor(k_shape, dtype),
-            cos_sin_cache: T.Tensor(cs_shape, dtype),
-            Qout: T.Tensor(q_shape, dtype),
-            Kout: T.Tensor(k_shape, dtype),
-        ):
+        @T.macro
+        def body(positions, Q, q0, K, k0, cos_sin_cache, Qout, Kout):
             with T.Kernel(tokens) as t:
                 # The position's cos/sin row; a position outside the cache reads zeros, as the CUDA form's
                 # bounds-checked copy does, never memory past the cache.
@@ -110,15 +141,15 @@ class RoPE(KernelKind):
                 last = T.cast(max_pos, "int64") - 1
                 for i in T.serial(rot):
                     cs[i] = T.if_then_else(positions[t] >= 0 and positions[t] <= last, cos_sin_cache[T.max(T.min(positions[t], last), 0), i], 0)
-                rotate(Q, Qout, t, p["heads"], cs)
-                rotate(K, Kout, t, p["kv_heads"], cs)
+                rotate(Q, q0, Qout, t, p["heads"], cs)
+                rotate(K, k0, Kout, t, p["kv_heads"], cs)
 
-        return main
+        return prim_func(T, body, p, tokens, max_pos)
 
     def build_cuda(self, p, target: Target):
         import tilelang.language as T
 
-        tokens, _, q_shape, k_shape, cs_shape = _shapes(T, p)
+        tokens, max_pos = _sizes(T, p)
         dtype, d, rot = p["dtype"], p["head_dim"], p["rotary_dim"]
         heads, kv_heads, threads = p["heads"], p["kv_heads"], p["threads"]
         half, neox = rot // 2, p["style"] == "neox"
@@ -135,18 +166,12 @@ class RoPE(KernelKind):
                 for h, j in T.Parallel(n_heads, d - rot):
                     dst[h, rot + j] = src[h, rot + j]
 
-        @T.prim_func
-        def main(
-            positions: T.Tensor((tokens,), "int64"),
-            Q: T.Tensor(q_shape, dtype),
-            K: T.Tensor(k_shape, dtype),
-            cos_sin_cache: T.Tensor(cs_shape, dtype),
-            Qout: T.Tensor(q_shape, dtype),
-            Kout: T.Tensor(k_shape, dtype),
-        ):
-            # One token per block. Its heads and its cos/sin row are staged in shared memory
-            # with 16-byte coalesced loads, so a pair's two elements (other threads' loads) are
-            # both readable; the results are staged there too and stored with 16-byte stores.
+        @T.macro
+        def body(positions, Q, q0, K, k0, cos_sin_cache, Qout, Kout):
+            # One token per block. Its heads (packed: the Q and K heads of its QKV row, V never
+            # read) and its cos/sin row are staged in shared memory with 16-byte coalesced loads,
+            # so a pair's two elements (other threads' loads) are both readable; the results are
+            # staged there too and stored with 16-byte stores.
             # Everything is read before anything is written: Qout may be Q, Kout K.
             with T.Kernel(tokens, threads=threads) as t:
                 q_s = T.alloc_shared((heads, d), dtype)
@@ -154,26 +179,29 @@ class RoPE(KernelKind):
                 qo_s = T.alloc_shared((heads, d), dtype)
                 ko_s = T.alloc_shared((kv_heads, d), dtype)
                 cs_s = T.alloc_shared((rot,), dtype)
-                T.copy(Q[t, :, :], q_s)
-                T.copy(K[t, :, :], k_s)
+                T.copy(Q[t, q0 : q0 + heads, :], q_s)
+                T.copy(K[t, k0 : k0 + kv_heads, :], k_s)
                 T.copy(cos_sin_cache[positions[t], :], cs_s)
                 rotate(q_s, qo_s, heads, cs_s)
                 rotate(k_s, ko_s, kv_heads, cs_s)
                 T.copy(qo_s, Qout[t, :, :])
                 T.copy(ko_s, Kout[t, :, :])
 
-        return main
+        return prim_func(T, body, p, tokens, max_pos)
 
     def inputs(self, p, randn, size):
         import torch
 
         tokens, max_pos = size("tokens"), size("max_position")
-        q, k = randn(tokens, p["heads"], p["head_dim"]), randn(tokens, p["kv_heads"], p["head_dim"])
-        positions = (torch.arange(tokens, device=q.device) * 7 + 3) % max_pos  # spread over the cache, repeats included
-        return [positions.to(torch.int64), q, k, cos_sin_cache(max_pos, p["rotary_dim"] or p["head_dim"], device=q.device).to(q.dtype)]
+        heads = [p["heads"] + 2 * p["kv_heads"]] if p["packed"] else [p["heads"], p["kv_heads"]]
+        qk = [randn(tokens, h, p["head_dim"]) for h in heads]
+        positions = (torch.arange(tokens, device=qk[0].device) * 7 + 3) % max_pos  # spread over the cache, repeats included
+        cache = cos_sin_cache(max_pos, p["rotary_dim"] or p["head_dim"], device=qk[0].device).to(qk[0].dtype)
+        return [positions.to(torch.int64), *qk, cache]
 
     def reference(self, p, x):
-        positions, q, k, cache = x
+        positions, *qk, cache = x
+        q, k = split_qkv(qk[0], p["heads"], p["kv_heads"])[:2] if p["packed"] else qk
         return rope_reference(positions, q, k, cache, p["style"])
 
 
@@ -184,6 +212,11 @@ def cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0, dev
     inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim)
     angles = torch.arange(max_position, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
     return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def split_qkv(qkv, heads: int, kv_heads: int):
+    """(Q, K, V) views of a packed QKV[tokens, heads + 2*kv_heads, head_dim]."""
+    return qkv.split([heads, kv_heads, kv_heads], dim=1)
 
 
 def rope_reference(positions, q, k, cache, style: str):

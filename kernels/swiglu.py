@@ -1,10 +1,14 @@
-"""out = silu(gate) * up, elementwise, computed in fp32."""
+"""out = silu(gate) * up, elementwise, computed in fp32.
+
+Gate and up come as two tensors, or with `packed` as one X[M, 2N] = [gate | up] along
+the last dim: a fused gate/up GEMM's output (vLLM's silu_and_mul layout).
+"""
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
 
 from .registry import register
-from .spec import InvalidSpec, KernelKind, Target, dim, dtype_param, tile
+from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
 from .tiling import check_row_alignment, pow2
 
 
@@ -13,22 +17,38 @@ def _silu_mul(T, g, u):
     return g / (1.0 + T.exp(-g)) * T.cast(u, "float32")
 
 
+def prim_func(T, body, M, N, dtype, packed):
+    """The PrimFunc of the ABI (G, U, Y), or (X, Y) when packed, around `body(G, U, up, Y)`:
+    up[i, j] is U[i, up + j] (up = N in X, where G and U are both X)."""
+    if packed:
+        @T.prim_func
+        def main(X: T.Tensor((M, 2 * N), dtype), Y: T.Tensor((M, N), dtype)):
+            body(X, X, N, Y)
+    else:
+        @T.prim_func
+        def main(G: T.Tensor((M, N), dtype), U: T.Tensor((M, N), dtype), Y: T.Tensor((M, N), dtype)):
+            body(G, U, 0, Y)
+    return main
+
+
 @register
 class SwiGLU(KernelKind):
     name = "swiglu"
     warm_up = ({"M": 256, "N": 1024, "dtype": "float16"},)
     compile_cost = 0.5
-    doc = "out[M,N] = silu(gate[M,N]) * up[M,N]."
+    doc = "out[M,N] = silu(gate[M,N]) * up[M,N]; packed: one X[M,2N] = [gate | up] (vLLM's silu_and_mul)."
     params = (
         dim("M", "rows; None makes it a runtime size", dynamic=True),
         dim("N", "row length (intermediate size)"),
         dtype_param(),
+        Param("packed", bool, default=False, doc="one input X[M, 2N] = [gate | up] along the last dim (a fused gate/up GEMM's output) instead of gate and up"),
         tile("block_M", "rows per block"),
         tile("block_N", "columns per block"),
     )
 
     def inplace(self, p):
-        return {"Y": "G"}  # elementwise: each element read, then written, by one thread
+        # Elementwise: each element read, then written, by one thread. Packed, Y is half X's size.
+        return {} if p["packed"] else {"Y": "G"}
 
     def check(self, p, target):
         # GPU: 8x1024 per block of 256 threads is 32 elements (four 16-byte vectors) per thread.
@@ -41,7 +61,7 @@ class SwiGLU(KernelKind):
             per_thread = p["block_M"] * p["block_N"] // 256
             if not 8 <= per_thread <= 64:
                 raise InvalidSpec("block_N", f"block_M*block_N must be 2048..16384 on CUDA (8..64 elements per thread), got {p['block_M'] * p['block_N']}")
-            check_row_alignment(p)
+            check_row_alignment(p)  # packed, this also keeps the up half (at column N) 16-byte aligned
         return p
 
     def build_cpu(self, p):
@@ -50,14 +70,14 @@ class SwiGLU(KernelKind):
         M = p["M"] if p["M"] is not None else T.dynamic("M")
         N, dtype, bm, bn = p["N"], p["dtype"], p["block_M"], p["block_N"]
 
-        @T.prim_func
-        def main(G: T.Tensor((M, N), dtype), U: T.Tensor((M, N), dtype), Y: T.Tensor((M, N), dtype)):
+        @T.macro
+        def body(G, U, up, Y):
             with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm)) as (bx, by):
                 for i, j in T.grid(bm, bn):
                     if by * bm + i < M and bx * bn + j < N:
-                        Y[by * bm + i, bx * bn + j] = _silu_mul(T, G[by * bm + i, bx * bn + j], U[by * bm + i, bx * bn + j])
+                        Y[by * bm + i, bx * bn + j] = _silu_mul(T, G[by * bm + i, bx * bn + j], U[by * bm + i, up + bx * bn + j])
 
-        return main
+        return prim_func(T, body, M, N, dtype, p["packed"])
 
     def build_cuda(self, p, target: Target):
         import tilelang.language as T
@@ -65,24 +85,28 @@ class SwiGLU(KernelKind):
         M = p["M"] if p["M"] is not None else T.dynamic("M")
         N, dtype, bm, bn = p["N"], p["dtype"], p["block_M"], p["block_N"]
 
-        @T.prim_func
-        def main(G: T.Tensor((M, N), dtype), U: T.Tensor((M, N), dtype), Y: T.Tensor((M, N), dtype)):
+        @T.macro
+        def body(G, U, up, Y):
             with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=256) as (bx, by):
                 g = T.alloc_fragment((bm, bn), dtype)
                 u = T.alloc_fragment((bm, bn), dtype)
-                # T.copy guards the ragged edges and vectorizes the rest.
+                # T.copy guards the ragged edges and vectorizes the rest. Packed, a gate tile
+                # past column N reads up values (inside X) that no stored column uses.
                 T.copy(G[by * bm, bx * bn], g)
-                T.copy(U[by * bm, bx * bn], u)
+                T.copy(U[by * bm, up + bx * bn], u)
                 for i, j in T.Parallel(bm, bn):
                     g[i, j] = _silu_mul(T, g[i, j], u[i, j])
                 T.copy(g, Y[by * bm, bx * bn])
 
-        return main
+        return prim_func(T, body, M, N, dtype, p["packed"])
 
     def inputs(self, p, randn, size):
+        if p["packed"]:
+            return [randn(size("M"), 2 * p["N"])]
         return [randn(size("M"), p["N"]), randn(size("M"), p["N"])]
 
     def reference(self, p, x):
         import torch.nn.functional as F
 
-        return F.silu(x[0]) * x[1]
+        gate, up = x[0].chunk(2, dim=-1) if p["packed"] else x
+        return F.silu(gate) * up

@@ -1,4 +1,5 @@
-"""The fused kinds agents used to write by hand: add_rmsnorm, layernorm, rope (issue #18).
+"""The fused kinds agents used to write by hand: add_rmsnorm, layernorm, rope (issue #18), and the
+packed forms of rope and swiglu that take a fused QKV or gate/up GEMM's output.
 
 CPU numerics through the session daemon (float32, ragged sizes, in-place use through
 `out=`); validation; CUDA lowering for sm_90a on this machine (and a full nvcc build
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import InvalidSpec
-from kernels.rope import cos_sin_cache, rope_reference
+from kernels.rope import cos_sin_cache, rope_reference, split_qkv
 from tests.marks import needs_gpu, needs_nvcc, needs_nvrtc
 
 
@@ -162,6 +163,42 @@ def test_rope_in_place_with_a_static_cache(cpu_kernel):
         k(pos.int(), q, kk, cache)
 
 
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("rotary_dim", [None, 12])
+@pytest.mark.parametrize("tokens", [None, 5])
+def test_rope_packed(cpu_kernel, style, rotary_dim, tokens):
+    """One QKV row per token (Q, K, then V heads) in; new contiguous Q' and K' out, QKV untouched."""
+    k = cpu_kernel("rope", tokens=tokens, style=style, rotary_dim=rotary_dim, packed=True, **ROPE)
+    assert (k.input_names, k.output_names) == (["positions", "QKV", "cos_sin_cache"], ["Qout", "Kout"])
+    assert k.inplace == {}  # the outputs are not shaped like QKV
+    cache = cos_sin_cache(50, rotary_dim or 20)
+    for rows in ((1, 37) if tokens is None else (tokens,)):
+        pos = torch.randint(0, 50, (rows,), dtype=torch.int64)
+        qkv = torch.randn(rows, 3 + 2 * 2, 20)
+        before = qkv.clone()
+        got_q, got_k = k(pos, qkv, cache)
+        q, kk, _ = split_qkv(qkv, 3, 2)
+        want_q, want_k = rope_reference(pos, q, kk, cache, style)
+        assert got_q.is_contiguous() and got_k.is_contiguous()
+        close(got_q, want_q)
+        close(got_k, want_k)
+        assert torch.equal(qkv, before)  # V (and Q, K) left as they were
+
+
+# ----- swiglu, packed: X[M, 2N] = [gate | up], vLLM's silu_and_mul layout
+
+
+@pytest.mark.parametrize("M,N", [(None, 100), (7, 64), (5, 33)])
+def test_swiglu_packed(cpu_kernel, M, N):
+    k = cpu_kernel("swiglu", M=M, N=N, dtype="float32", packed=True)
+    assert (k.input_names, k.output_names) == (["X"], ["Y"])
+    assert k.inplace == {}  # Y is half X's size
+    for rows in ((1, 3, 37) if M is None else (M,)):
+        x = torch.randn(rows, 2 * N) * 3
+        gate, up = x[:, :N], x[:, N:]
+        close(k(x), F.silu(gate) * up)
+
+
 # ----- validation
 
 @pytest.mark.parametrize(
@@ -182,6 +219,10 @@ def test_rope_in_place_with_a_static_cache(cpu_kernel):
         ("rope", {**ROPE, "tokens": None, "head_dim": 128, "rotary_dim": 100, "dtype": "float16"}, "sm_90a", "rotary_dim", "multiple of 8"),
         ("rope", {**ROPE, "tokens": None, "heads": 512, "head_dim": 256, "dtype": "float16"}, "sm_90a", "heads", "shared memory"),
         ("rope", {**ROPE, "tokens": None, "head_dim": 128, "threads": 48, "dtype": "float16"}, "sm_90a", "threads", "power of two"),
+        ("rope", {**ROPE, "tokens": None, "packed": "yes"}, "c", "packed", "true or false"),
+        ("rope", {**ROPE, "tokens": None, "packed": True, "dtype": "float16"}, "sm_90a", "head_dim", "multiple of 8"),
+        ("swiglu", {"M": None, "N": 64, "dtype": "float32", "packed": 1}, "c", "packed", "true or false"),
+        ("swiglu", {"M": None, "N": 60, "dtype": "float16", "packed": True}, "sm_90a", "N", "multiple of 8"),
     ],
 )
 def test_rejected(kind, params, target, field, words):
@@ -196,6 +237,15 @@ def test_rope_rotary_dim_defaults_to_head_dim_in_the_key():
     assert implicit.to_json() == kernels.canonicalize("rope", {**ROPE, "tokens": None, "rotary_dim": 20}, "c").to_json()
 
 
+@pytest.mark.parametrize("kind,params", [("rope", {**ROPE, "tokens": None}), ("swiglu", {"M": None, "N": 64, "dtype": "float32"})])
+def test_packed_is_off_unless_asked(kind, params):
+    """A spec that does not name `packed` is the unpacked kernel it always was, under one key."""
+    implicit = kernels.canonicalize(kind, params, "c")
+    assert implicit.params["packed"] is False
+    assert implicit.to_json() == kernels.canonicalize(kind, {**params, "packed": False}, "c").to_json()
+    assert implicit.to_json() != kernels.canonicalize(kind, {**params, "packed": True}, "c").to_json()
+
+
 # ----- CUDA: lowering on this machine, a full build where nvcc is installed
 
 LLAMA = dict(heads=32, kv_heads=8, head_dim=128)
@@ -208,6 +258,10 @@ CUDA_SPECS = [
     ("rope", {"tokens": None, **LLAMA, "rotary_dim": 64, "style": "gptj", "max_position": 4096, "dtype": "bfloat16"}),
     ("rope", {"tokens": 3, "heads": 5, "kv_heads": 1, "head_dim": 72, "rotary_dim": 40, "dtype": "float16"}),
     ("layernorm", {"M": None, "N": 16384, "dtype": "bfloat16", "bias": True, "residual": True}),
+    ("rope", {"tokens": None, **LLAMA, "dtype": "bfloat16", "packed": True}),
+    ("rope", {"tokens": None, "heads": 5, "kv_heads": 1, "head_dim": 72, "rotary_dim": 40, "style": "gptj", "dtype": "float16", "packed": True}),
+    ("swiglu", {"M": None, "N": 14336, "dtype": "bfloat16", "packed": True}),
+    ("swiglu", {"M": None, "N": 1000, "dtype": "float16", "packed": True}),
 ]
 
 
@@ -234,11 +288,14 @@ def test_cuda_forms_lower_for_sm_90a(kind, params):
 @pytest.mark.parametrize("compiler", [pytest.param("nvcc", marks=needs_nvcc), pytest.param("nvrtc", marks=needs_nvrtc)])
 def test_cuda_forms_build(make_daemon, compiler):
     c = make_daemon("--cuda-compiler", compiler).client()
-    specs = [{"kind": kind, "target": "sm_90a", **params} for kind, params in CUDA_SPECS[::2]]
+    # Every other spec, and every packed one (an ABI of its own).
+    built = CUDA_SPECS[::2] + [(kind, params) for kind, params in CUDA_SPECS[1::2] if params.get("packed")]
+    specs = [{"kind": kind, "target": "sm_90a", **params} for kind, params in built]
     assert c.prefetch(specs, load=False) == ["compiled"] * len(specs)
     for s in specs:
         k = c.get_kernel(s["kind"], target="sm_90a", **{n: v for n, v in s.items() if n not in ("kind", "target")})
-        assert k.abi["loader"] == "tvm_ffi" and k.abi["inplace"]
+        assert k.abi["loader"] == "tvm_ffi"
+        assert bool(k.abi.get("inplace")) != bool(s.get("packed"))  # packed forms write new tensors
 
 
 # ----- GPU correctness at ragged sizes
@@ -295,20 +352,59 @@ def test_gpu_layernorm(gpu_client, bias, residual):
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 @pytest.mark.parametrize("rotary_dim", [128, 64])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gpu_rope(gpu_client, style, rotary_dim, dtype):
-    k = gpu_client.get_kernel("rope", tokens=None, **LLAMA, rotary_dim=rotary_dim, style=style, dtype=dtype, target="sm_90a")
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_rope(gpu_client, style, rotary_dim, dtype, packed):
+    k = gpu_client.get_kernel("rope", tokens=None, **LLAMA, rotary_dim=rotary_dim, style=style, dtype=dtype, packed=packed, target="sm_90a")
     t = getattr(torch, dtype)
     cache = cos_sin_cache(8192, rotary_dim, base=500000.0, device="cuda").to(t)
     for tokens in (1, 7, 64, 1000, 4096):
         pos = torch.randint(0, 8192, (tokens,), device="cuda", dtype=torch.int64)
-        q = torch.randn(tokens, 32, 128, device="cuda", dtype=t)
-        kk = torch.randn(tokens, 8, 128, device="cuda", dtype=t)
+        qkv = torch.randn(tokens, 32 + 2 * 8, 128, device="cuda", dtype=t)
+        q, kk, _ = split_qkv(qkv, 32, 8)
         want_q, want_k = rope_reference(pos, q, kk, cache, style)
-        got_q, got_k = k(pos, q, kk, cache)
+        if packed:
+            before = qkv.clone()
+            got_q, got_k = k(pos, qkv, cache)
+            assert torch.equal(qkv, before)  # V (and Q, K) left as they were
+        else:
+            q, kk = q.contiguous(), kk.contiguous()
+            got_q, got_k = k(pos, q, kk, cache)
         _assert_close(got_q, want_q, dtype)
         _assert_close(got_k, want_k, dtype)
-        k(pos, q, kk, cache, out=(q, kk))
-        assert torch.equal(q, got_q) and torch.equal(kk, got_k)
+        if not packed:
+            k(pos, q, kk, cache, out=(q, kk))
+            assert torch.equal(q, got_q) and torch.equal(kk, got_k)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_rope_packed_ragged_heads(gpu_client, dtype):
+    """Head counts and a head_dim that fill no vector or tile evenly; gptj with partial rotary."""
+    heads, kv_heads, d, rot = 5, 1, 72, 40
+    k = gpu_client.get_kernel("rope", tokens=None, heads=heads, kv_heads=kv_heads, head_dim=d, rotary_dim=rot, style="gptj", dtype=dtype, packed=True,
+                              target="sm_90a")
+    t = getattr(torch, dtype)
+    cache = cos_sin_cache(1000, rot, device="cuda").to(t)
+    for tokens in (1, 33, 777):
+        pos = torch.randint(0, 1000, (tokens,), device="cuda", dtype=torch.int64)
+        qkv = torch.randn(tokens, heads + 2 * kv_heads, d, device="cuda", dtype=t)
+        q, kk, _ = split_qkv(qkv, heads, kv_heads)
+        want_q, want_k = rope_reference(pos, q, kk, cache, "gptj")
+        got_q, got_k = k(pos, qkv, cache)
+        _assert_close(got_q, want_q, dtype)
+        _assert_close(got_k, want_k, dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("N", [14336, 1000])
+def test_gpu_swiglu_packed(gpu_client, dtype, N):
+    k = gpu_client.get_kernel("swiglu", M=None, N=N, dtype=dtype, packed=True, target="sm_90a")
+    t = getattr(torch, dtype)
+    for rows in (1, 7, 333, 2048):
+        x = torch.randn(rows, 2 * N, device="cuda", dtype=t)
+        gate, up = x[:, :N].float(), x[:, N:].float()
+        _assert_close(k(x), F.silu(gate) * up, dtype)
 
 
 def test_rope_position_outside_the_cache_reads_zeros_not_memory(cpu_kernel):
