@@ -111,9 +111,9 @@ class KVAttention(KernelKind):
         if p["paged"] and p["load"] == "tma":
             raise InvalidSpec("load", "a paged cache is read with cp_async (the TMA form of pages hung on the H200, see KVAttention._gather)")
         if self._gather(p):
-            if p["num_stages"] not in (None, 2):
-                raise InvalidSpec("num_stages", "must be 2 with load='cp_async' (two buffers)")
-            p["num_stages"] = 2
+            p["num_stages"] = p["num_stages"] or 2
+            if not 2 <= p["num_stages"] <= 4:
+                raise InvalidSpec("num_stages", f"must be 2, 3 or 4 with load='cp_async' (buffers of tiles in flight), got {p['num_stages']}")
         # The largest pipeline that fits, when left open.
         for stages in (p["num_stages"],) if p["num_stages"] else (2, 1) if p["block_N"] >= 128 else (4, 3, 2, 1):
             if self._smem(p["block_H"], p["block_N"], stages, d) <= smem_limit(target):
@@ -339,6 +339,7 @@ class KVAttention(KernelKind):
         # A tile of bn keys spans `copies` pages (or is part of one page): one cp.async copy each.
         span = min(bn, ps) if paged else bn
         copies = bn // span
+        stages = p["num_stages"]
 
         @T.macro
         def gather_tile(K, V, pages_s, block_table, b, h, k0, start, seq_len, K_g, V_g, slot, page_ids):
@@ -354,6 +355,14 @@ class KVAttention(KernelKind):
             else:
                 T.async_copy(K[b, k0 : k0 + bn, h, :], K_g[slot, :, :])
                 T.async_copy(V[b, k0 : k0 + bn, h, :], V_g[slot, :, :])
+
+        @T.macro
+        def prefetch(K, V, pages_s, block_table, b, h, start, t, steps, seq_len, K_g, V_g, page_ids):
+            if t < steps:
+                gather_tile(K, V, pages_s, block_table, b, h, start + t * bn, start, seq_len, K_g, V_g, t % stages, page_ids)
+            else:
+                for _ in T.unroll(2 * copies):
+                    T.ptx_commit_group()
 
         @T.macro
         def score_tile(Q_s, Kt, sc, m, m_prev, m_use, r, row_sum, lsum, acc, k0, stop, seq_len, f0):
@@ -395,8 +404,8 @@ class KVAttention(KernelKind):
                 Q_s = T.alloc_shared((bh, d), dtype)
                 K_s = T.alloc_shared((1 if gather else bn, d), dtype)
                 V_s = T.alloc_shared((1 if gather else bn, d), dtype)
-                K_g = T.alloc_shared((2 if gather else 1, bn, d), dtype)
-                V_g = T.alloc_shared((2 if gather else 1, bn, d), dtype)
+                K_g = T.alloc_shared((stages if gather else 1, bn, d), dtype)
+                V_g = T.alloc_shared((stages if gather else 1, bn, d), dtype)
                 page_ids = T.alloc_local((copies,), "int32")
                 sc = T.alloc_fragment((bh, bn), acc_t)
                 sc_cast = T.alloc_fragment((bh, bn), dtype)
@@ -433,23 +442,20 @@ class KVAttention(KernelKind):
                 T.fill(lsum, 0)
                 T.fill(m, ninf)
                 if gather:
-                    # Double-buffered: tile kb+1's pages are in flight while tile kb is used. Each
-                    # tile is 2*copies cp.async groups (its K pages, then its V pages); a last tile
-                    # commits empty groups instead, so the wait counts below hold on every step.
-                    gather_tile(K, V, pages_s, block_table, b, h, start, start, seq_len, K_g, V_g, 0, page_ids)
+                    # num_stages buffers: tiles kb+1 .. kb+stages-1 are in flight while tile kb is used.
+                    # Each tile is 2*copies cp.async groups (its K pages, then its V pages); a tile past
+                    # the split commits empty groups instead, so the wait counts hold on every step.
+                    for t in T.unroll(stages - 1):
+                        prefetch(K, V, pages_s, block_table, b, h, start, t, steps, seq_len, K_g, V_g, page_ids)
                     for kb in T.serial(steps):
                         k0 = start + kb * bn
-                        if kb + 1 < steps:
-                            gather_tile(K, V, pages_s, block_table, b, h, k0 + bn, start, seq_len, K_g, V_g, (kb + 1) % 2, page_ids)
-                        else:
-                            for _ in T.unroll(2 * copies):
-                                T.ptx_commit_group()
-                        T.ptx_wait_group(3 * copies)  # this tile's K
+                        prefetch(K, V, pages_s, block_table, b, h, start, kb + stages - 1, steps, seq_len, K_g, V_g, page_ids)
+                        T.ptx_wait_group((2 * stages - 1) * copies)  # this tile's K
                         T.sync_threads()
-                        score_tile(Q_s, K_g[kb % 2, :, :], sc, m, m_prev, m_use, r, row_sum, lsum, acc, k0, stop, seq_len, f0)
-                        T.ptx_wait_group(2 * copies)  # and its V
+                        score_tile(Q_s, K_g[kb % stages, :, :], sc, m, m_prev, m_use, r, row_sum, lsum, acc, k0, stop, seq_len, f0)
+                        T.ptx_wait_group(2 * (stages - 1) * copies)  # and its V
                         T.sync_threads()
-                        value_tile(sc, sc_cast, P_s, V_g[kb % 2, :, :], acc)
+                        value_tile(sc, sc_cast, P_s, V_g[kb % stages, :, :], acc)
                         T.sync_threads()  # every thread is done with this buffer before it is refilled
                 else:
                     for kb in T.Pipelined(steps, num_stages=p["num_stages"]):

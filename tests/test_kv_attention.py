@@ -52,7 +52,7 @@ def test_cuda_defaults():
         (dict(dtype="float32"), "sm_90a", "dtype", "float16"),
         (dict(num_splits=200), "sm_90a", "num_splits", "at most"),
         (dict(block_H=64, threads=256), "sm_90a", "block_H", "warpgroup"),
-        (dict(paged=True, num_stages=3), "sm_90a", "num_stages", "cp_async"),
+        (dict(paged=True, num_stages=5), "sm_90a", "num_stages", "cp_async"),
         (dict(paged=True, load="tma"), "sm_90a", "load", "paged"),
         (dict(load="tma", dtype="float32"), "c", "load", "CUDA"),
         (dict(head_dim=72), "sm_90a", "head_dim", "multiple of 16"),
@@ -174,6 +174,7 @@ GPU_CASES = [
     (dict(DECODE, paged=True, page_size=128, dtype="bfloat16"), dict(batch=3, max_kv=1000), [1, 999, 1000]),
     (dict(DECODE, paged=True, block_N=32, threads=64), dict(batch=5, max_kv=777), None),
     (dict(DECODE, load="cp_async", block_N=64), dict(batch=7, max_kv=1111), None),
+    (dict(DECODE, paged=True, block_N=32, num_stages=3, dtype="bfloat16"), dict(batch=4, max_kv=1500), [1, 33, 1000, 1500]),
 ]
 
 
