@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -47,6 +48,11 @@ def no_process_left():
     os.environ[SESSION_MARK] = f"{os.getpid()}-{time.time_ns()}"
     mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
     yield
+    # torch.compile's own worker pool (Triton compiles on a GPU host) lives until this process
+    # exits, where torch shuts it down: shut it down now, so that only real leaks remain.
+    inductor = sys.modules.get("torch._inductor.async_compile")
+    if inductor is not None:
+        inductor.shutdown_compile_workers()
     deadline = time.monotonic() + 10  # a daemon told to stop may take a moment to exit
     left = _ours_alive(mark)
     while left and time.monotonic() < deadline:
