@@ -70,7 +70,7 @@ def _serve(args) -> int:
     except ValueError as exc:
         return _fail(str(exc), 2)
     try:
-        Daemon(config).serve_forever()
+        Daemon(config).serve_forever(parent=os.getppid() if args.exit_with_parent else None)
     except UntrustedPath as exc:  # says in one line what is wrong and what to do about it
         return _fail(exc.strerror or str(exc))
     except (StartError, ImportError, LookupError, TypeError, RuntimeError) as exc:  # plugins included
@@ -645,6 +645,7 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
         choices=("auto", "nvrtc", "nvcc"),
         help="how CUDA device code is compiled: nvrtc in process (fast), nvcc as a subprocess; auto (default, or $KERNEL_SERVICE_CUDA_COMPILER) takes NVRTC where it can run",
     )
+    p.add_argument("--exit-with-parent", action="store_true", help="stop (draining, as on SIGTERM) within a second of the process that started this one exiting: for launchers such as tests and benchmarks, never under a supervisor")
     p.add_argument("--no-compile", action="store_true", help="serve only what the cache holds (fed by `bundle import` or another daemon): a miss answers NOT_FOUND with why; no compile workers start")
     p.add_argument(
         "--cuda-compiler-id",

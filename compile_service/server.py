@@ -15,7 +15,8 @@ or 0660 with --mode 0750), and on TCP only when asked (loopback unless
 never bind the same port and steal requests; health says SERVING.
 Housekeeping follows in the background: dead writers' staging directories
 swept, the cache budget enforced, the counters saved every SAVE_EVERY seconds.
-Shutdown (SIGTERM/SIGINT, `kernel-service stop`): health goes NOT_SERVING, new
+Shutdown (SIGTERM/SIGINT, `kernel-service stop`, or with --exit-with-parent its
+launcher's exit): health goes NOT_SERVING, new
 RPCs are refused, running ones get `grace` seconds, then the workers are
 stopped and the counters saved. Entries are only ever published whole, so no
 partial entry is left behind.
@@ -428,12 +429,15 @@ class Daemon:
             os.close(fd)  # releases the flock
         self._locks.clear()
 
-    def serve_forever(self) -> None:
-        """Runs until SIGTERM or SIGINT, then drains."""
+    def serve_forever(self, parent: int | None = None) -> None:
+        """Runs until SIGTERM or SIGINT, then drains; with `parent` (a pid), also once that
+        process is gone (this one is then re-parented), checked every second."""
         stop_requested = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop_requested.set())
         self.start()
         while not stop_requested.wait(1.0):
-            pass
+            if parent is not None and os.getppid() != parent:
+                log.info("the process that started this daemon (pid %d) is gone: stopping", parent)
+                break
         self.stop()

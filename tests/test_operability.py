@@ -170,6 +170,38 @@ def test_stop_waits_for_running_compiles(make_daemon):
     assert cli("stop", "--socket", str(d.socket)).stdout.startswith("no kernel-service daemon is running")
 
 
+def _alive(pid: int) -> bool:
+    try:  # a zombie is dead: only a reaper's wait is missing (PID 1 in a container may never reap)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_launcher_killed_before_stop_leaves_no_daemon(tmp_path):
+    """DaemonProcess passes --exit-with-parent: SIGKILL its launcher and the daemon drains and exits."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from compile_service.tools.launch import DaemonProcess; "
+         "d = DaemonProcess(sys.argv[1], '--target', 'c', workers=1).start(); print(d.proc.pid, flush=True); time.sleep(600)", str(tmp_path / "cache")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    daemon = int(launcher.stdout.readline())
+    try:
+        assert _alive(daemon)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while _alive(daemon) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(daemon), "the daemon outlived the process that started it"
+        log = next(tmp_path.glob("daemon-*.log")).read_text()
+        assert f"(pid {launcher.pid}) is gone: stopping" in log
+    finally:
+        if _alive(daemon):
+            os.kill(daemon, 9)
+
+
 def test_info_says_where_each_setting_came_from(make_daemon, tmp_path):
     d = make_daemon("--max-entries", "9", workers=1)
     info = json.loads(cli("info", "--socket", str(d.socket), "--json").stdout)
