@@ -12,9 +12,9 @@ With `packed` the input is one QKV[tokens, heads + 2*kv_heads, head_dim]: a fuse
 output viewed per head, Q heads first, then K, then V. Q and K are rotated into new
 contiguous outputs; V is left in QKV for the caller (the paged cache takes it as a view).
 
-positions are int64 (what
-torch and vLLM use) and must lie in [0, max_position); one outside is not reported, but it
-never reads past the cache: its cos/sin row reads as zeros (its rotated elements come out zero).
+positions are int64 (what torch and vLLM use) and must lie in [0, max_position); one outside
+is not reported, but it never reads past the cache: its cos/sin row reads as zeros (its
+rotated elements come out zero).
 """
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
