@@ -11,7 +11,7 @@ layer sees the residual this one normalised. In float32 the rounding is a no-op.
 
 from .registry import register
 from .spec import KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import check_row, padded
+from .tiling import check_row, dependent_launch, padded
 
 
 @register
@@ -82,6 +82,7 @@ class AddRMSNorm(KernelKind):
         ):
             # One row per block, held in registers: X and R read once, Y and R' written once.
             with T.Kernel(M, threads=threads) as bx:
+                dependent_launch(target)
                 h = T.alloc_fragment((1, NP), dtype)
                 r = T.alloc_fragment((1, NP), dtype)
                 x = T.alloc_fragment((1, NP), "float32")

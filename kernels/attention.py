@@ -6,7 +6,7 @@ import math
 
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import cuda_only, pow2, smem_limit
+from .tiling import cuda_only, dependent_launch, pow2, smem_limit
 
 LOG2E = 1.4426950408889634
 CPU_SCRATCH = 256 * 1024
@@ -177,6 +177,7 @@ class Attention(KernelKind):
         @T.prim_func
         def main(Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype), V: T.Tensor(kv_shape, dtype), O: T.Tensor(q_shape, dtype)):
             with T.Kernel(T.ceildiv(seq, bm), p["heads"], batch, threads=p["threads"]) as (bx, h, b):
+                dependent_launch(target)
                 Q_s = T.alloc_shared((bm, d), dtype)
                 K_s = T.alloc_shared((bn, d), dtype)
                 V_s = T.alloc_shared((bn, d), dtype)

@@ -6,7 +6,7 @@ import math
 
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import cuda_only, pow2, smem_limit
+from .tiling import cuda_only, dependent_launch, pow2, smem_limit
 
 ACTS = ("none", "gelu", "silu", "relu")
 
@@ -331,10 +331,10 @@ class Gemm(KernelKind):
         if p["schedule"] == "auto":  # the dispatching spec built whole: its last range is correct for every M
             p = self.canonicalize({**p, **ranges(p, target)[-1][1]}, target).params
         if p["schedule"] == "gemv":
-            return self.build_gemv(p)
-        return self.build_mma(p)
+            return self.build_gemv(p, target)
+        return self.build_mma(p, target)
 
-    def build_mma(self, p):
+    def build_mma(self, p, target):
         """Schedules tma and splitk: a tensor-core tile fed by a TMA (cp.async before Hopper) pipeline.
         splitk with split_k > 1 gives each block one K slice, its fp32 partial tile going to the
         scratch W[split_k, M, N]; a second kernel sums the slices and applies the epilogue."""
@@ -358,6 +358,7 @@ class Gemm(KernelKind):
         @T.macro
         def body(A, B, Bias, R, W, C):
             with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), split, threads=p["threads"]) as (bx, by, bz):
+                dependent_launch(target)
                 A_s = T.alloc_shared((bm, bk), dtype)
                 B_s = T.alloc_shared(b_tile, dtype)
                 C_s = T.alloc_shared((bm, bn), dtype)
@@ -395,6 +396,7 @@ class Gemm(KernelKind):
                     T.copy(C_s, C[by * bm, bx * bn])
             if split > 1:
                 with T.Kernel(T.ceildiv(N, rn), M, threads=128) as (bx, row):
+                    dependent_launch(target)
                     acc = T.alloc_fragment((rn,), "float32")
                     T.clear(acc)
                     for z in T.serial(split):
@@ -414,7 +416,7 @@ class Gemm(KernelKind):
         w_shape = (split, M, N) if split > 1 else None
         return prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res, w_shape)
 
-    def build_gemv(self, p):
+    def build_gemv(self, p, target):
         """Schedule gemv: CUDA cores, one warp per row of B ([N, K]) streaming it with 16-byte
         loads, `unroll` of them in flight per thread, each reused for block_M rows of A (from
         L1/L2: every block reads the same A); a warp shuffle sums the lanes' partial dot products.
@@ -432,6 +434,7 @@ class Gemm(KernelKind):
         @T.macro
         def body(A, B, Bias, R, W, C):
             with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=(32, bn)) as (bx, by):
+                dependent_launch(target)
                 lane = T.get_thread_binding(0)
                 n = bx * bn + T.get_thread_binding(1)
                 acc = T.alloc_local((bm,), "float32")

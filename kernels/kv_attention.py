@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import cuda_only, pow2, smem_limit
+from .tiling import cuda_only, dependent_launch, pow2, smem_limit
 
 LOG2E = 1.4426950408889634
 CPU_SCRATCH = 256 * 1024
@@ -401,6 +401,7 @@ class KVAttention(KernelKind):
         @T.macro
         def split_body(Q, K, V, seq_lens, block_table, O_part, LSE, O):
             with T.Kernel(nsplit, kvh * qblocks, batch, threads=p["threads"]) as (sid, hq, b):
+                dependent_launch(target)
                 Q_s = T.alloc_shared((bh, d), dtype)
                 K_s = T.alloc_shared((1 if gather else bn, d), dtype)
                 V_s = T.alloc_shared((1 if gather else bn, d), dtype)
@@ -488,6 +489,7 @@ class KVAttention(KernelKind):
         def combine_body(O_part, LSE, O):
             if max_splits > 1:
                 with T.Kernel(heads, q_len, batch, threads=d) as (hh, i, b):
+                    dependent_launch(target)
                     # The splits' log-sum-exps are loaded once, a thread each, and read from shared
                     # memory; the partial outputs are summed over the splits this call made, not the
                     # build's most (loops over num_splits cost in proportion, measured on the H200).

@@ -11,7 +11,7 @@ As in add_rmsnorm, the rounded sum R' is what is normalised.
 
 from .registry import register
 from .spec import KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import check_row, padded
+from .tiling import check_row, dependent_launch, padded
 
 
 def prim_func(T, body, M, N, dtype, has_res, has_bias):
@@ -110,6 +110,7 @@ class LayerNorm(KernelKind):
         def body(X, R, W, B, Y, Rout):
             # One row per block, held in registers: every input read once, every output written once.
             with T.Kernel(M, threads=threads) as bx:
+                dependent_launch(target)
                 h = T.alloc_fragment((1, NP), dtype)
                 x = T.alloc_fragment((1, NP), "float32")
                 sq = T.alloc_fragment((1, NP), "float32")

@@ -5,7 +5,7 @@
 
 from .registry import register
 from .spec import KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import check_row, padded
+from .tiling import check_row, dependent_launch, padded
 
 
 @register
@@ -59,6 +59,7 @@ class RMSNorm(KernelKind):
         def main(X: T.Tensor((M, N), dtype), W: T.Tensor((N,), dtype), Y: T.Tensor((M, N), dtype)):
             # One row per block, read once into registers: one pass over memory each way.
             with T.Kernel(M, threads=threads) as bx:
+                dependent_launch(target)
                 x = T.alloc_fragment((1, NP), "float32")
                 sq = T.alloc_fragment((1, NP), "float32")
                 ss = T.alloc_fragment((1,), "float32")

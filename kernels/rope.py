@@ -21,7 +21,7 @@ rotated elements come out zero).
 
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import cuda_only, pow2, smem_limit
+from .tiling import cuda_only, pow2, smem_limit, dependent_launch
 
 STYLES = ("neox", "gptj")
 
@@ -174,6 +174,7 @@ class RoPE(KernelKind):
             # staged there too and stored with 16-byte stores.
             # Everything is read before anything is written: Qout may be Q, Kout K.
             with T.Kernel(tokens, threads=threads) as t:
+                dependent_launch(target)
                 q_s = T.alloc_shared((heads, d), dtype)
                 k_s = T.alloc_shared((kv_heads, d), dtype)
                 qo_s = T.alloc_shared((heads, d), dtype)

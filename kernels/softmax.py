@@ -4,7 +4,7 @@
 
 from .registry import register
 from .spec import KernelKind, Target, dim, dtype_param, tile
-from .tiling import check_row, padded
+from .tiling import check_row, dependent_launch, padded
 
 LOG2E = 1.4426950408889634
 
@@ -62,6 +62,7 @@ class Softmax(KernelKind):
         def main(X: T.Tensor((M, N), dtype), Y: T.Tensor((M, N), dtype)):
             # One row per block, read once into registers: one pass over memory each way.
             with T.Kernel(M, threads=threads) as bx:
+                dependent_launch(target)
                 x = T.alloc_fragment((1, NP), "float32")
                 mx = T.alloc_fragment((1,), "float32")
                 total = T.alloc_fragment((1,), "float32")

@@ -9,7 +9,7 @@ the last dim: a fused gate/up GEMM's output (vLLM's silu_and_mul layout).
 
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import check_row_alignment, pow2
+from .tiling import check_row_alignment, dependent_launch, pow2
 
 
 def _silu_mul(T, g, u):
@@ -88,6 +88,7 @@ class SwiGLU(KernelKind):
         @T.macro
         def body(G, U, up, Y):
             with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=256) as (bx, by):
+                dependent_launch(target)
                 g = T.alloc_fragment((bm, bn), dtype)
                 u = T.alloc_fragment((bm, bn), dtype)
                 # T.copy guards the ragged edges and vectorizes the rest. Packed, a gate tile
