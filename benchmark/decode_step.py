@@ -11,15 +11,18 @@ stream r, so every residual add fuses into a kernel:
 
     n1, r1 = add_rmsnorm(x, r)              r1 = x + r
     qkv = gemm(n1, Wqkv)                    one GEMM on Wqkv = cat(Wq, Wk, Wv), viewed per head
-    q, k = rope(positions, qkv)             packed: reads qkv's Q and K heads, writes new q, k
-    v = qkv[:, heads + kv_heads:]           a view; k and v are written into the paged cache
+    q, k = rope(positions, qkv, slots, cache)
+                                            packed: reads qkv's Q and K heads, writes new q, k;
+                                            write_cache: also k and qkv's V heads into the paged cache
     a = attention(q, cache)                 kv_attention at decode, causal attention at prefill
     r2 = r1 + a @ Wo.T                      --residual gemm: the O GEMM's epilogue, then n2 = rmsnorm(r2)
                                             --residual norm: o = gemm(a, Wo); n2, r2 = add_rmsnorm(o, r1)
     x' = gemm(swiglu(gemm(n2, Wgu)), Wd)    one GEMM on Wgu = cat(Wg, Wu); swiglu (packed) takes its
                                             [gate | up] rows (x' + r2 fuses into the next layer's add_rmsnorm)
 
-As in vLLM, the fused QKV and gate/up GEMMs save launches at decode.
+As in vLLM, the fused QKV and gate/up GEMMs save launches at decode; the cache write rides
+along in rope's launch (vLLM's attention backends write it in a kernel of their own; here it
+would be two index_copy_ launches).
 
 Runs decode at batch 1, 8 and 64, each sequence at KV length --kv-len (4096) in a paged
 cache (--page-size, pages in shuffled order), and one --prefill (2048) token chunk of a
@@ -103,7 +106,7 @@ def kernel_specs(cfg: LayerConfig) -> dict[str, dict]:
         "add_norm": {"kind": "add_rmsnorm", "M": None, "N": c.hidden, "eps": c.eps, **common},
         "qkv": gemm((c.heads + 2 * c.kv_heads) * d, c.hidden),
         "rope": {"kind": "rope", "tokens": None, "heads": c.heads, "kv_heads": c.kv_heads, "head_dim": d, "style": "neox", "max_position": c.max_position,
-                 "packed": True, **common},
+                 "packed": True, "write_cache": True, **common},
         "o": gemm(c.hidden, c.heads * d, residual=c.residual == "gemm"),
         "gate_up": gemm(2 * c.ffn, c.hidden),
         "swiglu": {"kind": "swiglu", "M": None, "N": c.ffn, "packed": True, **common},
@@ -188,10 +191,10 @@ class ServedLayer:
         c, w, d = self.cfg, self.w, self.cfg.head_dim
         n1, r1 = self.add_norm(x, r, w["norm1"])  # new tensors: the caller's x and r stay as they are
         qkv = self.qkv(n1, w["qkv"]).view(-1, c.heads + 2 * c.kv_heads, d)
-        q, k = self.rope(positions, qkv, w["cos_sin"])  # new contiguous q, k from qkv's Q and K heads
-        v = qkv[:, c.heads + c.kv_heads :]  # a strided view: index_copy_ reads it as it is
-        cache.k_pages.view(-1, c.kv_heads, d).index_copy_(0, slots, k)
-        cache.v_pages.view(-1, c.kv_heads, d).index_copy_(0, slots, v)
+        # New contiguous q, k from qkv's Q and K heads; k and qkv's V heads also go into the
+        # paged cache, viewed as rows [num_pages * page_size, kv_heads, d], at `slots`.
+        q, k = self.rope(positions, qkv, w["cos_sin"], slots, cache.k_pages.view(-1, c.kv_heads, d), cache.v_pages.view(-1, c.kv_heads, d))
+        v = qkv[:, c.heads + c.kv_heads :]  # a strided view (the prefill chunk's attention reads it)
         a = self.attend(q.view(batch, q_len, c.heads, d), k, v, cache).reshape(-1, c.heads * d)
         if c.residual == "gemm":
             self.o(a, w["o"], r1, out=r1)  # r1 += a @ Wo.T in the epilogue

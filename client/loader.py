@@ -222,6 +222,7 @@ class Kernel:
         self._lock = threading.Lock() if abi["loader"] == "c" else None
         self.input_names = [params[i]["name"] for i in self._inputs]
         self.output_names = [params[i]["name"] for i in self._outputs]
+        self.writes = [params[i]["name"] for i in abi.get("writes", [])]  # inputs updated in place
         self.inplace = self._inplace_slots()
         self.__doc__, self.__signature__ = self._describe()
         from . import torch_ops  # registers the kind's torch ops (imports torch, which loading needs anyway)
@@ -276,6 +277,8 @@ class Kernel:
         ]
         for o, i in self.inplace.items():
             lines.append(f"In place: out={self.input_names[i]} writes {self.output_names[o]} over {self.input_names[i]}.")
+        if self.writes:
+            lines.append(f"Updates in place: {', '.join(self.writes)} (inputs); called directly, never under torch.compile / torch.export.")
         lines += [
             "Inference only: raises RuntimeError if an input requires grad while grad mode is on.",
             f"Under torch.compile / torch.export: the op torch.ops.kernel_service.{self.kind} (.out with out=), the spec its first argument.",

@@ -89,6 +89,11 @@ def _kernel(kind: str, spec_json: str) -> Kernel:
     kernel = kernel_for(spec_json)
     if kernel.kind != kind:
         raise ValueError(f"kernel_service::{kind} called with a spec of kind {kernel.kind!r}")
+    if kernel.writes:  # the op's schema says its inputs are not mutated: tracing would reorder or drop the writes
+        raise RuntimeError(
+            f"{kind}: this kernel updates its inputs {', '.join(kernel.writes)} in place, which the op kernel_service::{kind} "
+            "cannot declare; call it with plain tensors outside torch.compile / torch.export"
+        )
     return kernel
 
 

@@ -12,6 +12,13 @@ With `packed` the input is one QKV[tokens, heads + 2*kv_heads, head_dim]: a fuse
 output viewed per head, Q heads first, then K, then V. Q and K are rotated into new
 contiguous outputs; V is left in QKV for the caller (the paged cache takes it as a view).
 
+With `write_cache` (packed only) the kernel also stores each token's rotated K heads and its
+V heads into K_cache and V_cache [num_slots, kv_heads, head_dim] at row slots[t] (int64):
+vLLM's slot mapping into a paged cache viewed as [num_pages * page_size, kv_heads, head_dim].
+A slot outside [0, num_slots) is not written (vLLM marks padding tokens with -1). The two
+caches are inputs the kernel updates in place (KernelKind.writes): one launch where the
+decode step would otherwise run two index_copy_ kernels after rope.
+
 positions are int64 (what torch and vLLM use) and must lie in [0, max_position); one outside
 is not reported, but it never reads past the cache: its cos/sin row reads as zeros (its
 rotated elements come out zero).
@@ -21,7 +28,7 @@ rotated elements come out zero).
 
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import cuda_only, pow2, smem_limit, dependent_launch
+from .tiling import cuda_only, dependent_launch, pow2, smem_limit
 
 STYLES = ("neox", "gptj")
 
@@ -34,20 +41,39 @@ def _sizes(T, p):
 
 def prim_func(T, body, p, tokens, max_pos):
     """The PrimFunc of the ABI (positions, Q, K, cos_sin_cache, Qout, Kout), or with `packed`
-    (positions, QKV, cos_sin_cache, Qout, Kout), around `body(positions, Q, q0, K, k0, cache,
-    Qout, Kout)`: query head h is Q[t, q0 + h], key head h K[t, k0 + h] (Q and K both QKV when packed)."""
+    (positions, QKV, cos_sin_cache, Qout, Kout), or with `write_cache` too (positions, QKV,
+    cos_sin_cache, slots, K_cache, V_cache, Qout, Kout), around `body(positions, Q, q0, K, k0,
+    cache, Qout, Kout, slots, K_cache, V_cache)`: query head h is Q[t, q0 + h], key head h
+    K[t, k0 + h], value head h K[t, k0 + kv_heads + h] (Q and K both QKV when packed; the
+    slots and caches None unless written)."""
     dtype, heads, kv_heads, d = p["dtype"], p["heads"], p["kv_heads"], p["head_dim"]
     q_shape, k_shape, cs_shape = (tokens, heads, d), (tokens, kv_heads, d), (max_pos, p["rotary_dim"])
-    if p["packed"]:
+    qkv_shape = (tokens, heads + 2 * kv_heads, d)
+    if p["write_cache"]:
+        cache_shape = (T.dynamic("num_slots"), kv_heads, d)
+
         @T.prim_func
         def main(
             positions: T.Tensor((tokens,), "int64"),
-            QKV: T.Tensor((tokens, heads + 2 * kv_heads, d), dtype),
+            QKV: T.Tensor(qkv_shape, dtype),
+            cos_sin_cache: T.Tensor(cs_shape, dtype),
+            slots: T.Tensor((tokens,), "int64"),
+            K_cache: T.Tensor(cache_shape, dtype),
+            V_cache: T.Tensor(cache_shape, dtype),
+            Qout: T.Tensor(q_shape, dtype),
+            Kout: T.Tensor(k_shape, dtype),
+        ):
+            body(positions, QKV, 0, QKV, heads, cos_sin_cache, Qout, Kout, slots, K_cache, V_cache)
+    elif p["packed"]:
+        @T.prim_func
+        def main(
+            positions: T.Tensor((tokens,), "int64"),
+            QKV: T.Tensor(qkv_shape, dtype),
             cos_sin_cache: T.Tensor(cs_shape, dtype),
             Qout: T.Tensor(q_shape, dtype),
             Kout: T.Tensor(k_shape, dtype),
         ):
-            body(positions, QKV, 0, QKV, heads, cos_sin_cache, Qout, Kout)
+            body(positions, QKV, 0, QKV, heads, cos_sin_cache, Qout, Kout, None, None, None)
     else:
         @T.prim_func
         def main(
@@ -58,7 +84,7 @@ def prim_func(T, body, p, tokens, max_pos):
             Qout: T.Tensor(q_shape, dtype),
             Kout: T.Tensor(k_shape, dtype),
         ):
-            body(positions, Q, 0, K, 0, cos_sin_cache, Qout, Kout)
+            body(positions, Q, 0, K, 0, cos_sin_cache, Qout, Kout, None, None, None)
     return main
 
 
@@ -71,7 +97,8 @@ class RoPE(KernelKind):
     doc = (
         "Rotary embedding: Q[tokens,heads,head_dim], K[tokens,kv_heads,head_dim] rotated by cos_sin_cache[positions[t]] "
         "(int64 positions; cache [max_position, rotary_dim], cos then sin); returns (Q', K'); out=(Q, K) rotates in place. "
-        "packed: one QKV[tokens,heads+2*kv_heads,head_dim] (Q, K, then V heads) in place of Q and K; V stays in QKV."
+        "packed: one QKV[tokens,heads+2*kv_heads,head_dim] (Q, K, then V heads) in place of Q and K; V stays in QKV. "
+        "write_cache (packed): also stores K' and V at rows slots[t] (int64) of K_cache, V_cache [num_slots,kv_heads,head_dim], in place."
     )
     params = (
         dim("tokens", "tokens (rows of positions, Q, K); None makes it a runtime size", dynamic=True),
@@ -83,6 +110,8 @@ class RoPE(KernelKind):
         Param("max_position", int, default=None, min=1, max=1 << 24, nullable=True, doc="rows of cos_sin_cache; None (default) makes it a runtime size"),
         dtype_param("element type of Q, K and cos_sin_cache"),
         Param("packed", bool, default=False, doc="one input QKV[tokens, heads + 2*kv_heads, head_dim] (a fused QKV GEMM's output) in place of Q and K"),
+        Param("write_cache", bool, default=False, doc="packed only: also write K' and V into K_cache, V_cache [num_slots, kv_heads, head_dim] at rows slots[t] "
+              "(int64, vLLM's slot mapping; a slot outside the cache is skipped), updating them in place"),
         tile("threads", "threads per token (CUDA only)"),
     )
 
@@ -91,12 +120,17 @@ class RoPE(KernelKind):
         # Packed, the outputs are shaped unlike QKV: always new tensors.
         return {} if p["packed"] else {"Qout": "Q", "Kout": "K"}
 
+    def writes(self, p):
+        return ("K_cache", "V_cache") if p["write_cache"] else ()
+
     def check(self, p, target):
         d = p["head_dim"]
         p["rotary_dim"] = p["rotary_dim"] or d
         rot = p["rotary_dim"]
         if rot > d or rot % 2:
             raise InvalidSpec("rotary_dim", f"must be even and at most head_dim ({d}), got {rot}; leave it unset to rotate the whole head")
+        if p["write_cache"] and not p["packed"]:
+            raise InvalidSpec("write_cache", "needs packed=True (the V heads come from QKV)")
         cuda_only(p, target, "threads")
         if target.is_cpu:
             return p
@@ -108,7 +142,7 @@ class RoPE(KernelKind):
         pow2("threads", p["threads"], 32, 1024)
         elems = (p["heads"] + p["kv_heads"]) * d
         size = 4 if p["dtype"] == "float32" else 2
-        if 2 * elems * size + rot * size > smem_limit(target):  # inputs and results staged
+        if (2 * elems + p["write_cache"] * p["kv_heads"] * d + rot) * size > smem_limit(target):  # inputs and results staged
             raise InvalidSpec("heads", f"(heads + kv_heads) * head_dim = {elems} elements per token do not fit one block's shared memory on {target}; use fewer heads per call")
         return p
 
@@ -133,7 +167,7 @@ class RoPE(KernelKind):
                 dst[t, h, rot + j] = src[t, h0 + h, rot + j]
 
         @T.macro
-        def body(positions, Q, q0, K, k0, cos_sin_cache, Qout, Kout):
+        def body(positions, Q, q0, K, k0, cos_sin_cache, Qout, Kout, slots, K_cache, V_cache):
             with T.Kernel(tokens) as t:
                 # The position's cos/sin row; a position outside the cache reads zeros, as the CUDA form's
                 # bounds-checked copy does, never memory past the cache.
@@ -143,6 +177,11 @@ class RoPE(KernelKind):
                     cs[i] = T.if_then_else(positions[t] >= 0 and positions[t] <= last, cos_sin_cache[T.max(T.min(positions[t], last), 0), i], 0)
                 rotate(Q, q0, Qout, t, p["heads"], cs)
                 rotate(K, k0, Kout, t, p["kv_heads"], cs)
+                if p["write_cache"]:
+                    if slots[t] >= 0 and slots[t] < K_cache.shape[0]:
+                        for h, c in T.grid(p["kv_heads"], d):
+                            K_cache[slots[t], h, c] = Kout[t, h, c]
+                            V_cache[slots[t], h, c] = K[t, k0 + p["kv_heads"] + h, c]
 
         return prim_func(T, body, p, tokens, max_pos)
 
@@ -167,9 +206,9 @@ class RoPE(KernelKind):
                     dst[h, rot + j] = src[h, rot + j]
 
         @T.macro
-        def body(positions, Q, q0, K, k0, cos_sin_cache, Qout, Kout):
-            # One token per block. Its heads (packed: the Q and K heads of its QKV row, V never
-            # read) and its cos/sin row are staged in shared memory with 16-byte coalesced loads,
+        def body(positions, Q, q0, K, k0, cos_sin_cache, Qout, Kout, slots, K_cache, V_cache):
+            # One token per block. Its heads (packed: the Q and K heads of its QKV row, and its V
+            # heads only to write the cache) and its cos/sin row are staged in shared memory with 16-byte coalesced loads,
             # so a pair's two elements (other threads' loads) are both readable; the results are
             # staged there too and stored with 16-byte stores.
             # Everything is read before anything is written: Qout may be Q, Kout K.
@@ -180,13 +219,20 @@ class RoPE(KernelKind):
                 qo_s = T.alloc_shared((heads, d), dtype)
                 ko_s = T.alloc_shared((kv_heads, d), dtype)
                 cs_s = T.alloc_shared((rot,), dtype)
+                v_s = T.alloc_shared((kv_heads if p["write_cache"] else 1, d), dtype)
                 T.copy(Q[t, q0 : q0 + heads, :], q_s)
                 T.copy(K[t, k0 : k0 + kv_heads, :], k_s)
+                if p["write_cache"]:
+                    T.copy(K[t, k0 + kv_heads : k0 + 2 * kv_heads, :], v_s)
                 T.copy(cos_sin_cache[positions[t], :], cs_s)
                 rotate(q_s, qo_s, heads, cs_s)
                 rotate(k_s, ko_s, kv_heads, cs_s)
                 T.copy(qo_s, Qout[t, :, :])
                 T.copy(ko_s, Kout[t, :, :])
+                if p["write_cache"]:
+                    if slots[t] >= 0 and slots[t] < K_cache.shape[0]:
+                        T.copy(ko_s, K_cache[slots[t], :, :])
+                        T.copy(v_s, V_cache[slots[t], :, :])
 
         return prim_func(T, body, p, tokens, max_pos)
 
@@ -198,10 +244,18 @@ class RoPE(KernelKind):
         qk = [randn(tokens, h, p["head_dim"]) for h in heads]
         positions = (torch.arange(tokens, device=qk[0].device) * 7 + 3) % max_pos  # spread over the cache, repeats included
         cache = cos_sin_cache(max_pos, p["rotary_dim"] or p["head_dim"], device=qk[0].device).to(qk[0].dtype)
-        return [positions.to(torch.int64), *qk, cache]
+        if not p["write_cache"]:
+            return [positions.to(torch.int64), *qk, cache]
+        # Twice the tokens' slots, in shuffled order; the last token is padding (-1: not written).
+        num_slots = 2 * tokens + 3
+        slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(tokens))[:tokens].to(qk[0].device)
+        slots[-1] = -1
+        caches = [randn(num_slots, p["kv_heads"], p["head_dim"]) for _ in range(2)]
+        return [positions.to(torch.int64), *qk, cache, slots, *caches]
 
     def reference(self, p, x):
-        positions, *qk, cache = x
+        """(Q', K'); with write_cache the caches' new rows are cache_rows_reference's."""
+        positions, *qk, cache = x[:4] if p["write_cache"] else x
         q, k = split_qkv(qk[0], p["heads"], p["kv_heads"])[:2] if p["packed"] else qk
         return rope_reference(positions, q, k, cache, p["style"])
 
@@ -213,6 +267,16 @@ def cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0, dev
     inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim)
     angles = torch.arange(max_position, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
     return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def cache_rows_reference(k_rotated, v, slots, k_cache, v_cache):
+    """The caches after a write_cache call, in torch: rows slots[t] set to K'[t] and V[t], where
+    the slot lies in the cache; the inputs stay as they are."""
+    valid = (slots >= 0) & (slots < k_cache.shape[0])
+    k_out, v_out = k_cache.clone(), v_cache.clone()
+    k_out[slots[valid]] = k_rotated[valid].to(k_cache.dtype)
+    v_out[slots[valid]] = v[valid].to(v_cache.dtype)
+    return k_out, v_out
 
 
 def split_qkv(qkv, heads: int, kv_heads: int):

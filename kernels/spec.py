@@ -291,6 +291,12 @@ class KernelKind:
         (an in-place update, e.g. a residual stream); any other overlap is refused."""
         return {}
 
+    def writes(self, p: dict) -> tuple[str, ...]:
+        """Inputs the kernel updates in place beside writing its outputs, by buffer name (a KV
+        cache the new keys go into). They travel in the ABI (`abi.writes`). A torch op takes its
+        inputs unmutated, so such a kernel is called directly, never through torch.compile/export."""
+        return ()
+
     def scratch(self, p: dict) -> tuple[str, ...]:
         """PrimFunc buffers that are per-call workspaces, by name (split-K partials, split-KV
         log-sum-exps): the loader allocates them with torch.empty for each call (uninitialised,

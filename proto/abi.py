@@ -16,6 +16,8 @@ not check, and the client's loader calls the library by them. An ABI, as JSON:
      "inplace": {"C": "R"},          optional: outputs the kernel may write over an input of the same
                                      shape and dtype (KernelKind.inplace), by param name: the client
                                      takes that input as `out=`, an in-place update
+     "writes":  [4, 5],              optional: indices into params of inputs the kernel updates in
+                                     place (KernelKind.writes; a KV cache): called directly only
      "scratch": [3],                 optional: indices into params of per-call workspaces
                                      (KernelKind.scratch) the loader allocates uninitialised for each
                                      call and never returns; their runtime dims come from the inputs
@@ -44,11 +46,20 @@ class AbiError(ValueError):
 
 
 def make(
-    loader: str, symbol: str, params: list[dict], outputs: list[int], dynamic: list[dict], inplace: dict[str, str] | None = None, scratch: list[int] | None = None
+    loader: str,
+    symbol: str,
+    params: list[dict],
+    outputs: list[int],
+    dynamic: list[dict],
+    inplace: dict[str, str] | None = None,
+    scratch: list[int] | None = None,
+    writes: list[int] | None = None,
 ) -> dict:
     abi = {"loader": loader, "symbol": symbol, "device": LOADERS.get(loader, "?"), "params": params, "outputs": outputs, "dynamic": dynamic}
     if inplace:
         abi["inplace"] = dict(inplace)
+    if writes:
+        abi["writes"] = list(writes)
     if scratch:
         abi["scratch"] = list(scratch)
     check(abi)
@@ -94,6 +105,11 @@ def check(abi) -> None:
         raise AbiError("abi.scratch must be distinct indices into abi.params")
     if set(scratch) & set(abi["outputs"]):
         raise AbiError("abi.scratch and abi.outputs must not share a param")
+    writes = abi.get("writes", [])
+    if not isinstance(writes, list) or not all(_is_int(i) and 0 <= i < n for i in writes) or len(set(writes)) != len(writes):
+        raise AbiError("abi.writes must be distinct indices into abi.params")
+    if set(writes) & (set(scratch) | set(abi["outputs"])):
+        raise AbiError("abi.writes must name inputs, not outputs or scratch")
     bound = {d for i, p in enumerate(abi["params"]) if i not in scratch and i not in abi["outputs"] for d in p["shape"] if isinstance(d, str)}
     for i in scratch:  # the loader sizes a workspace from the inputs' runtime dims
         if not {d for d in abi["params"][i]["shape"] if isinstance(d, str)} <= bound:

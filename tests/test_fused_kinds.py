@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import InvalidSpec
-from kernels.rope import cos_sin_cache, rope_reference, split_qkv
+from kernels.rope import cache_rows_reference, cos_sin_cache, rope_reference, split_qkv
 from tests.marks import needs_gpu, needs_nvcc, needs_nvrtc
 
 
@@ -185,6 +185,40 @@ def test_rope_packed(cpu_kernel, style, rotary_dim, tokens):
         assert torch.equal(qkv, before)  # V (and Q, K) left as they were
 
 
+@pytest.mark.parametrize("tokens", [None, 5])
+def test_rope_writes_k_and_v_into_the_cache(cpu_kernel, tokens):
+    """write_cache: K' and V land at rows slots[t] of the caches, in place; other rows, and rows a
+    slot outside the cache (-1, or past the end) would name, are untouched; Q' and K' as before."""
+    k = cpu_kernel("rope", tokens=tokens, packed=True, write_cache=True, **ROPE)
+    assert (k.input_names, k.output_names) == (["positions", "QKV", "cos_sin_cache", "slots", "K_cache", "V_cache"], ["Qout", "Kout"])
+    assert k.writes == ["K_cache", "V_cache"] and "Updates in place: K_cache, V_cache" in k.__doc__
+    cache = cos_sin_cache(50, 20)
+    for rows in ((1, 37) if tokens is None else (tokens,)):
+        pos = torch.randint(0, 50, (rows,), dtype=torch.int64)
+        qkv = torch.randn(rows, 3 + 2 * 2, 20)
+        num_slots = 2 * rows + 1
+        slots = torch.randperm(num_slots)[:rows]
+        if rows > 2:
+            slots[0], slots[1] = -1, num_slots  # padding, and one past the end: neither is written
+        k_cache, v_cache = torch.randn(num_slots, 2, 20), torch.randn(num_slots, 2, 20)
+        q, kk, v = split_qkv(qkv, 3, 2)
+        want_q, want_k = rope_reference(pos, q, kk, cache, "neox")
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        got_q, got_k = k(pos, qkv, cache, slots, k_cache, v_cache)
+        close(got_q, want_q)
+        close(got_k, want_k)
+        want_kc, want_vc = cache_rows_reference(got_k, v, slots, k_before, v_before)  # the rows are K' itself, and V
+        assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
+
+
+def test_rope_cache_writes_stay_out_of_traced_graphs(cpu_kernel):
+    """Its torch op cannot declare the in-place cache update, so a traced call is refused, not run."""
+    k = cpu_kernel("rope", tokens=None, packed=True, write_cache=True, **ROPE)
+    args = (torch.zeros(2, dtype=torch.int64), torch.randn(2, 7, 20), cos_sin_cache(50, 20), torch.tensor([0, 1]), torch.zeros(3, 2, 20), torch.zeros(3, 2, 20))
+    with pytest.raises(RuntimeError, match="updates its inputs K_cache, V_cache in place"):
+        torch.compile(lambda *a: k(*a), fullgraph=True, backend="eager")(*args)
+
+
 # ----- swiglu, packed: X[M, 2N] = [gate | up], vLLM's silu_and_mul layout
 
 
@@ -223,6 +257,7 @@ def test_swiglu_packed(cpu_kernel, M, N):
         ("rope", {**ROPE, "tokens": None, "packed": True, "dtype": "float16"}, "sm_90a", "head_dim", "multiple of 8"),
         ("swiglu", {"M": None, "N": 64, "dtype": "float32", "packed": 1}, "c", "packed", "true or false"),
         ("swiglu", {"M": None, "N": 60, "dtype": "float16", "packed": True}, "sm_90a", "N", "multiple of 8"),
+        ("rope", {**ROPE, "tokens": None, "write_cache": True}, "c", "write_cache", "packed=True"),
     ],
 )
 def test_rejected(kind, params, target, field, words):
@@ -260,6 +295,7 @@ CUDA_SPECS = [
     ("layernorm", {"M": None, "N": 16384, "dtype": "bfloat16", "bias": True, "residual": True}),
     ("rope", {"tokens": None, **LLAMA, "dtype": "bfloat16", "packed": True}),
     ("rope", {"tokens": None, "heads": 5, "kv_heads": 1, "head_dim": 72, "rotary_dim": 40, "style": "gptj", "dtype": "float16", "packed": True}),
+    ("rope", {"tokens": None, **LLAMA, "dtype": "bfloat16", "packed": True, "write_cache": True}),
     ("swiglu", {"M": None, "N": 14336, "dtype": "bfloat16", "packed": True}),
     ("swiglu", {"M": None, "N": 1000, "dtype": "float16", "packed": True}),
 ]
@@ -393,6 +429,31 @@ def test_gpu_rope_packed_ragged_heads(gpu_client, dtype):
         got_q, got_k = k(pos, qkv, cache)
         _assert_close(got_q, want_q, dtype)
         _assert_close(got_k, want_k, dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("heads,kv_heads,d,rot", [(32, 8, 128, 128), (5, 1, 72, 40)])
+def test_gpu_rope_writes_the_cache(gpu_client, heads, kv_heads, d, rot):
+    """write_cache at Llama sizes and ragged ones: cache rows at shuffled slots, padding skipped."""
+    k = gpu_client.get_kernel("rope", tokens=None, heads=heads, kv_heads=kv_heads, head_dim=d, rotary_dim=rot, dtype="bfloat16", packed=True,
+                              write_cache=True, target="sm_90a")
+    cache = cos_sin_cache(5000, rot, device="cuda").to(torch.bfloat16)
+    for tokens in (1, 8, 777):
+        pos = torch.randint(0, 5000, (tokens,), device="cuda", dtype=torch.int64)
+        qkv = torch.randn(tokens, heads + 2 * kv_heads, d, device="cuda", dtype=torch.bfloat16)
+        num_slots = 3 * tokens + 5
+        slots = torch.randperm(num_slots, device="cuda")[:tokens]
+        slots[-1] = -1
+        k_cache = torch.randn(num_slots, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        q, kk, v = split_qkv(qkv, heads, kv_heads)
+        want_q, want_k = rope_reference(pos, q, kk, cache, "neox")
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        got_q, got_k = k(pos, qkv, cache, slots, k_cache, v_cache)
+        _assert_close(got_q, want_q, "bfloat16")
+        _assert_close(got_k, want_k, "bfloat16")
+        want_kc, want_vc = cache_rows_reference(got_k, v, slots, k_before, v_before)
+        assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
 
 
 @needs_gpu

@@ -86,6 +86,9 @@ def test_a_router_is_not_ready_until_every_build_is_there(routed, make_daemon):
     [
         ({"scratch": [1, 1]}, "distinct"),
         ({"scratch": [2]}, "must not share"),
+        ({"writes": [0, 0]}, "distinct"),
+        ({"writes": [2]}, "must name inputs"),
+        ({"writes": [1], "scratch": [1]}, "must name inputs"),
         ({"dispatch": {"dim": "K", "routes": []}}, "runtime dims"),
         ({"dispatch": {"dim": "M", "routes": [{"upto": 4, "spec": {"kind": "x", "params": {}, "target": "c"}}]}}, "end with null"),
         ({"dispatch": {"dim": "M", "routes": [{"upto": None, "spec": "x"}]}}, "spec"),

@@ -204,7 +204,7 @@ def _shape(dims) -> list:
     return out
 
 
-def call_abi(func, outputs: tuple[int, ...], target, inplace: dict[str, str] | None = None, scratch: tuple[str, ...] = ()) -> dict:
+def call_abi(func, outputs: tuple[int, ...], target, inplace: dict[str, str] | None = None, scratch: tuple[str, ...] = (), writes: tuple[str, ...] = ()) -> dict:
     """How to call the built library, read off the PrimFunc."""
     from tvm import tirx
 
@@ -221,9 +221,10 @@ def call_abi(func, outputs: tuple[int, ...], target, inplace: dict[str, str] | N
         params.append({"name": buf.name, "dtype": str(buf.dtype), "shape": _shape(buf.shape)})
     n = len(params)
     names = [p["name"] for p in params]
-    unknown = [name for name in scratch if name not in names]
-    if unknown:
-        raise CompileFailed(f"scratch buffer {unknown[0]!r} is not a parameter of the kernel ({', '.join(names)})")
+    for role, listed in (("scratch", scratch), ("written", writes)):
+        unknown = [name for name in listed if name not in names]
+        if unknown:
+            raise CompileFailed(f"{role} buffer {unknown[0]!r} is not a parameter of the kernel ({', '.join(names)})")
     symbol = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else "main"
     try:
         return call_abi_schema.make(
@@ -234,6 +235,7 @@ def call_abi(func, outputs: tuple[int, ...], target, inplace: dict[str, str] | N
             dynamic=[{"name": name, "dtype": dtype} for name, dtype in dynamic.items()],
             inplace=inplace,
             scratch=[names.index(name) for name in scratch],
+            writes=[names.index(name) for name in writes],
         )
     except call_abi_schema.AbiError as exc:
         raise CompileFailed(f"the kernel's call ABI is not one the loader can call: {exc}") from None
@@ -259,7 +261,7 @@ def build(spec_json: str, staging: str) -> dict:
     try:
         func = kind.build(dict(spec["params"]), target)
         params = dict(spec["params"])
-        abi = call_abi(func, kind.output_slots(params), target, kind.inplace(params), kind.scratch(params))
+        abi = call_abi(func, kind.output_slots(params), target, kind.inplace(params), kind.scratch(params), kind.writes(params))
         traced = time.perf_counter()
         # No out_idx: the caller allocates outputs, which keeps one plain ABI
         # for both loaders (TileLang's tvm_ffi path would otherwise switch to
