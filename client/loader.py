@@ -354,10 +354,19 @@ class Kernel:
         return outs
 
     def check_overlap(self, inputs, outs) -> None:
-        """Outputs may not share memory with an input, except the one a kind writes over in place."""
+        """Outputs may not share memory with an input, except the one a kind writes over in place;
+        an input the kernel updates (abi.writes) may not share memory with another input."""
         def span(t):
             start = t.data_ptr()
             return start, start + t.numel() * t.element_size()
+
+        for name in self.writes:
+            pos = self.input_names.index(name)
+            lo, hi = span(inputs[pos])
+            for other, t in enumerate(inputs):
+                tlo, thi = span(t)
+                if other != pos and t.numel() and inputs[pos].numel() and lo < thi and tlo < hi:
+                    raise ValueError(f"{self.kind}: input {name}, which the kernel updates, overlaps input {self.input_names[other]}")
 
         for pos, o in enumerate(outs):
             if o.numel() == 0:
@@ -432,6 +441,8 @@ class Kernel:
         for slot, t in zip(self._inputs, inputs):
             args[slot] = t
         if out is None:
+            if self.writes:
+                self.check_overlap(inputs, [])
             for slot, shape in zip(self._outputs, self.output_shapes(dims)):
                 args[slot] = torch.empty(shape, dtype=self._dtypes[slot], device=device)
         else:

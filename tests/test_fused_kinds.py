@@ -211,6 +211,16 @@ def test_rope_writes_k_and_v_into_the_cache(cpu_kernel, tokens):
         assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
 
 
+def test_rope_refuses_a_cache_that_overlaps_another_input(cpu_kernel):
+    k = cpu_kernel("rope", tokens=None, packed=True, write_cache=True, **ROPE)
+    pos, qkv, cache, slots = torch.zeros(2, dtype=torch.int64), torch.randn(2, 7, 20), cos_sin_cache(50, 20), torch.tensor([0, 1])
+    kv = torch.zeros(3, 2, 20)
+    with pytest.raises(ValueError, match="input K_cache, which the kernel updates, overlaps input V_cache"):
+        k(pos, qkv, cache, slots, kv, kv)
+    with pytest.raises(ValueError, match="input V_cache, which the kernel updates, overlaps input QKV"):
+        k(pos, qkv, cache, slots, kv, qkv.view(-1, 2, 20)[:3])
+
+
 def test_rope_cache_writes_stay_out_of_traced_graphs(cpu_kernel):
     """Its torch op cannot declare the in-place cache update, so a traced call is refused, not run."""
     k = cpu_kernel("rope", tokens=None, packed=True, write_cache=True, **ROPE)
