@@ -43,7 +43,7 @@ def prim_func(T, body, p, tokens, max_pos):
     """The PrimFunc of the ABI (positions, Q, K, cos_sin_cache, Qout, Kout), or with `packed`
     (positions, QKV, cos_sin_cache, Qout, Kout), or with `write_cache` too (positions, QKV,
     cos_sin_cache, slots, K_cache, V_cache, Qout, Kout), around `body(positions, Q, q0, K, k0,
-    cache, Qout, Kout, slots, K_cache, V_cache)`: query head h is Q[t, q0 + h], key head h
+    cos_sin_cache, Qout, Kout, slots, K_cache, V_cache)`: query head h is Q[t, q0 + h], key head h
     K[t, k0 + h], value head h K[t, k0 + kv_heads + h] (Q and K both QKV when packed; the
     slots and caches None unless written)."""
     dtype, heads, kv_heads, d = p["dtype"], p["heads"], p["kv_heads"], p["head_dim"]
