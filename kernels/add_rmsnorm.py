@@ -11,7 +11,8 @@ layer sees the residual this one normalised. In float32 the rounding is a no-op.
 
 from .registry import register
 from .spec import KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import check_row, dependent_launch, padded
+from .launch import dependent_launch
+from .tiling import check_row, padded
 
 
 @register

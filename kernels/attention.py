@@ -6,7 +6,8 @@ import math
 
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import cuda_only, dependent_launch, pow2, smem_limit
+from .launch import dependent_launch
+from .tiling import cuda_only, pow2, smem_limit
 
 LOG2E = 1.4426950408889634
 CPU_SCRATCH = 256 * 1024

@@ -11,7 +11,8 @@ As in add_rmsnorm, the rounded sum R' is what is normalised.
 
 from .registry import register
 from .spec import KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import check_row, dependent_launch, padded
+from .launch import dependent_launch
+from .tiling import check_row, padded
 
 
 def prim_func(T, body, M, N, dtype, has_res, has_bias):

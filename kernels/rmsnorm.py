@@ -5,7 +5,8 @@
 
 from .registry import register
 from .spec import KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import check_row, dependent_launch, padded
+from .launch import dependent_launch
+from .tiling import check_row, padded
 
 
 @register

@@ -28,7 +28,8 @@ rotated elements come out zero).
 
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import cuda_only, dependent_launch, pow2, smem_limit
+from .launch import dependent_launch
+from .tiling import cuda_only, pow2, smem_limit
 
 STYLES = ("neox", "gptj")
 

@@ -4,7 +4,8 @@
 
 from .registry import register
 from .spec import KernelKind, Target, dim, dtype_param, tile
-from .tiling import check_row, dependent_launch, padded
+from .launch import dependent_launch
+from .tiling import check_row, padded
 
 LOG2E = 1.4426950408889634
 

@@ -9,7 +9,8 @@ the last dim: a fused gate/up GEMM's output (vLLM's silu_and_mul layout).
 
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import check_row_alignment, dependent_launch, pow2
+from .launch import dependent_launch
+from .tiling import check_row_alignment, pow2
 
 
 def _silu_mul(T, g, u):

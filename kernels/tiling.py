@@ -1,7 +1,6 @@
-"""Tiling rules shared by several kinds: validation helpers, the one-row-per-block layout, and
-the prologue every CUDA kernel starts with (`dependent_launch`).
+"""Tiling rules shared by several kinds: validation helpers and the one-row-per-block layout.
 
-Pure Python at import (no TileLang): `check` uses it before any build.
+Pure Python (no TileLang): used by `check`, before any build.
 """
 
 from .spec import InvalidSpec
@@ -68,21 +67,3 @@ def check_row(p, target):
 def padded(n, threads):
     """n rounded up to a multiple of threads: a fragment's layout needs the multiple."""
     return -(-n // threads) * threads
-
-
-def dependent_launch(target):
-    """The first statement of every CUDA kernel, inside its T.Kernel: programmatic dependent launch
-    on sm_90 and newer (PTX griddepcontrol; measured on the H200 by benchmark/decode_step.py).
-
-    The kernel first waits until the kernels launched before it on the stream have finished and
-    their writes are visible (griddepcontrol.wait), so every global read comes after it; then it
-    lets the next kernel launch (griddepcontrol.launch_dependents). TileLang launches a kernel that
-    waits with programmatic stream serialization, so the next one's launch and block scheduling
-    overlap this one's tail instead of following its exit; in a chain of small decode kernels
-    that gap is a large part of each step."""
-    if target.compute_capability >= 90:
-        import tilelang.language as T
-        from tilelang.cuda.language import pdl_sync, pdl_trigger
-
-        T.evaluate(pdl_sync())
-        T.evaluate(pdl_trigger())

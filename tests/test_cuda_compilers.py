@@ -56,7 +56,7 @@ def test_every_kind_cross_compiles(make_daemon, compiler):
         assert meta["toolchain"]["cuda_compiler"] == stats["cuda_compiler"]
         blob = _library_blob(entry_dir / "kernel.so")  # embedded through .incbin: the cubin must be in it
         assert b"\x7fELF" in blob and b"main_kernel" in blob
-        # Every kind's kernels are launched as programmatic dependents (kernels.tiling.dependent_launch).
+        # Every kind's kernels are launched as programmatic dependents (kernels.launch.dependent_launch).
         assert b"tirx.use_programtic_dependent_launch" in blob, meta["spec"]
     # Each distinct device source was compiled once, by this path, into its own directory.
     assert list(d.cache_dir.glob("device-binaries/*")) == [d.cache_dir / "device-binaries" / stats["cuda_compiler"]]
@@ -65,7 +65,7 @@ def test_every_kind_cross_compiles(make_daemon, compiler):
 @pytest.mark.parametrize("arch,dependent", [("sm_90a", True), ("sm_80", False)])
 def test_kernels_wait_for_their_inputs_then_release_the_next_launch(arch, dependent):
     """From sm_90 on, a kernel's first statements are griddepcontrol's wait and launch_dependents
-    (kernels.tiling.dependent_launch); before sm_90 there is no such instruction."""
+    (kernels.launch.dependent_launch); before sm_90 there is no such instruction."""
     import tilelang
     import tvm
 

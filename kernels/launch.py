@@ -1,0 +1,20 @@
+"""What every CUDA kernel of the zoo does first, inside its T.Kernel: a build-time helper
+(TileLang is imported when it runs, not when this module is)."""
+
+
+def dependent_launch(target):
+    """The first statement of every CUDA kernel, inside its T.Kernel: programmatic dependent launch
+    on sm_90 and newer (PTX griddepcontrol; measured on the H200 by benchmark/decode_step.py).
+
+    The kernel first waits until the kernels launched before it on the stream have finished and
+    their writes are visible (griddepcontrol.wait), so every global read comes after it; then it
+    lets the next kernel launch (griddepcontrol.launch_dependents). TileLang launches a kernel that
+    waits with programmatic stream serialization, so the next one's launch and block scheduling
+    overlap this one's tail instead of following its exit; in a chain of small decode kernels
+    that gap is a large part of each step."""
+    if target.compute_capability >= 90:
+        import tilelang.language as T
+        from tilelang.cuda.language import pdl_sync, pdl_trigger
+
+        T.evaluate(pdl_sync())
+        T.evaluate(pdl_trigger())
