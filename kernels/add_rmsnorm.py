@@ -9,9 +9,9 @@ layer sees the residual this one normalised. In float32 the rounding is a no-op.
 # annotations of the PrimFuncs below at trace time.
 
 
+from .launch import dependent_launch
 from .registry import register
 from .spec import KernelKind, Param, Target, dim, dtype_param, tile
-from .launch import dependent_launch
 from .tiling import check_row, padded
 
 

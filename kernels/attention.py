@@ -4,9 +4,9 @@
 
 import math
 
+from .launch import dependent_launch
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .launch import dependent_launch
 from .tiling import cuda_only, pow2, smem_limit
 
 LOG2E = 1.4426950408889634

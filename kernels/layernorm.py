@@ -9,9 +9,9 @@ As in add_rmsnorm, the rounded sum R' is what is normalised.
 # annotations of the PrimFuncs below at trace time.
 
 
+from .launch import dependent_launch
 from .registry import register
 from .spec import KernelKind, Param, Target, dim, dtype_param, tile
-from .launch import dependent_launch
 from .tiling import check_row, padded
 
 

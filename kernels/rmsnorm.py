@@ -3,9 +3,9 @@
 # annotations of the PrimFuncs below at trace time.
 
 
+from .launch import dependent_launch
 from .registry import register
 from .spec import KernelKind, Param, Target, dim, dtype_param, tile
-from .launch import dependent_launch
 from .tiling import check_row, padded
 
 

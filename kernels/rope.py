@@ -26,9 +26,9 @@ rotated elements come out zero).
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
+from .launch import dependent_launch
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .launch import dependent_launch
 from .tiling import cuda_only, pow2, smem_limit
 
 STYLES = ("neox", "gptj")
@@ -209,9 +209,9 @@ class RoPE(KernelKind):
         @T.macro
         def body(positions, Q, q0, K, k0, cos_sin_cache, Qout, Kout, slots, K_cache, V_cache):
             # One token per block. Its heads (packed: the Q and K heads of its QKV row, and its V
-            # heads only to write the cache) and its cos/sin row are staged in shared memory with 16-byte coalesced loads,
-            # so a pair's two elements (other threads' loads) are both readable; the results are
-            # staged there too and stored with 16-byte stores.
+            # heads only to write the cache) and its cos/sin row are staged in shared memory with
+            # 16-byte coalesced loads, so a pair's two elements (other threads' loads) are both
+            # readable; the results are staged there too and stored with 16-byte stores.
             # Everything is read before anything is written: Qout may be Q, Kout K.
             with T.Kernel(tokens, threads=threads) as t:
                 dependent_launch(target)
@@ -256,7 +256,7 @@ class RoPE(KernelKind):
 
     def reference(self, p, x):
         """(Q', K'); with write_cache the caches' new rows are cache_rows_reference's."""
-        positions, *qk, cache = x[:4] if p["write_cache"] else x
+        positions, *qk, cache = x[:-3] if p["write_cache"] else x  # without slots, K_cache, V_cache
         q, k = split_qkv(qk[0], p["heads"], p["kv_heads"])[:2] if p["packed"] else qk
         return rope_reference(positions, q, k, cache, p["style"])
 

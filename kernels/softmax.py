@@ -2,9 +2,9 @@
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
+from .launch import dependent_launch
 from .registry import register
 from .spec import KernelKind, Target, dim, dtype_param, tile
-from .launch import dependent_launch
 from .tiling import check_row, padded
 
 LOG2E = 1.4426950408889634

@@ -7,9 +7,9 @@ the last dim: a fused gate/up GEMM's output (vLLM's silu_and_mul layout).
 # annotations of the PrimFuncs below at trace time.
 
 
+from .launch import dependent_launch
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .launch import dependent_launch
 from .tiling import check_row_alignment, pow2
 
 

@@ -211,6 +211,24 @@ def test_rope_writes_k_and_v_into_the_cache(cpu_kernel, tokens):
         assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
 
 
+def test_rope_write_cache_inputs_and_reference_follow_the_convention(cpu_kernel):
+    """kernels.reference's inputs for a write_cache spec call the kernel as is (a padding slot
+    included), and its reference is the kernel's (Q', K')."""
+    from kernels.reference import make_inputs, reference
+
+    k = cpu_kernel("rope", tokens=None, packed=True, write_cache=True, **ROPE)
+    p = k.spec["params"]
+    ins = make_inputs("rope", p)
+    assert ins[3].dtype == torch.int64 and (ins[3] == -1).sum() == 1
+    k_before, v_before = ins[4].clone(), ins[5].clone()
+    got_q, got_k = k(*ins)
+    want_q, want_k = reference("rope", p, ins)
+    close(got_q, want_q)
+    close(got_k, want_k)
+    want_kc, want_vc = cache_rows_reference(got_k, split_qkv(ins[1], 3, 2)[2], ins[3], k_before, v_before)
+    assert torch.equal(ins[4], want_kc) and torch.equal(ins[5], want_vc)
+
+
 def test_rope_refuses_a_cache_that_overlaps_another_input(cpu_kernel):
     k = cpu_kernel("rope", tokens=None, packed=True, write_cache=True, **ROPE)
     pos, qkv, cache, slots = torch.zeros(2, dtype=torch.int64), torch.randn(2, 7, 20), cos_sin_cache(50, 20), torch.tensor([0, 1])
