@@ -1,8 +1,8 @@
-"""What every CUDA kernel of the zoo does first, inside its T.Kernel: a build-time helper
-(TileLang is imported when it runs, not when this module is)."""
+"""What every CUDA kernel of the zoo does first, inside its T.Kernel: build-time helpers
+(TileLang is imported when they run, not when this module is)."""
 
 
-def dependent_launch(target):
+def dependent_launch(target, trigger=True):
     """The first statement of every CUDA kernel, inside its T.Kernel: programmatic dependent launch
     on sm_90 and newer (PTX griddepcontrol; measured on the H200 by benchmark/decode_step.py).
 
@@ -11,10 +11,22 @@ def dependent_launch(target):
     lets the next kernel launch (griddepcontrol.launch_dependents). TileLang launches a kernel that
     waits with programmatic stream serialization, so the next one's launch and block scheduling
     overlap this one's tail instead of following its exit; in a chain of small decode kernels
-    that gap is a large part of each step."""
+    that gap is a large part of each step. With trigger=False the kernel calls
+    launch_dependents itself, later."""
     if target.compute_capability >= 90:
         import tilelang.language as T
-        from tilelang.cuda.language import pdl_sync, pdl_trigger
+        from tilelang.cuda.language import pdl_sync
 
         T.evaluate(pdl_sync())
+        if trigger:
+            launch_dependents(target)
+
+
+def launch_dependents(target):
+    """Lets the next kernel on the stream launch (sm_90 and newer): a kernel that started with
+    dependent_launch(target, trigger=False) calls it once its main loop is done."""
+    if target.compute_capability >= 90:
+        import tilelang.language as T
+        from tilelang.cuda.language import pdl_trigger
+
         T.evaluate(pdl_trigger())

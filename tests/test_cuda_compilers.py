@@ -82,6 +82,26 @@ def test_kernels_wait_for_their_inputs_then_release_the_next_launch(arch, depend
         assert (call in body[:first_read]) == dependent and src.count(call) == int(dependent)
 
 
+@pytest.mark.parametrize("m", [8, 512])  # an mma.sync decode tile and a wgmma tile
+def test_a_gemm_releases_the_next_launch_after_its_k_loop(m):
+    """A GEMM waits first, like every kernel, but lets the next kernel launch only once its K loop
+    is done (gemm.build_mma; faster on the H200, docs/measured.md)."""
+    import tilelang
+    import tvm
+
+    import kernels
+
+    spec = kernels.canonicalize("gemm", dict(M=m, N=6144, K=4096, dtype="float16", trans_b=True), "sm_90a")
+    target = kernels.parse_target("sm_90a")
+    tvm_target = tvm.target.Target(target.tilelang_target())
+    with tvm.transform.PassContext(opt_level=3), tvm_target:
+        src = tilelang.lower(kernels.get_kind("gemm").build(dict(spec.params), target), target=tvm_target).kernel_source
+    wait, trigger = src.index("cudaGridDependencySynchronize();"), src.index("cudaTriggerProgrammaticLaunchCompletion();")
+    products = [i for i in (src.rfind("tl::mma_sync<"), src.rfind("tl::wgmma_ss<")) if i >= 0]
+    assert products and wait < src.index("tma_load") and max(products) < trigger
+    assert src.count("cudaTriggerProgrammaticLaunchCompletion();") == 1
+
+
 @needs_nvcc
 @needs_nvrtc
 def test_the_compiler_is_part_of_the_key(make_daemon, tmp_path):

@@ -68,9 +68,13 @@ def test_decode_sizes_get_decode_schedules():
     def schedule_at(m, **shape):
         return _spec(M=m, **shape).params["schedule"]
 
-    assert [schedule_at(m, N=4096, K=4096, trans_b=True) for m in (1, 8, 32, 128, 4096)] == ["gemv", "splitk", "splitk", "splitk", "tma"]
+    assert [schedule_at(m, N=4096, K=4096, trans_b=True) for m in (1, 8, 32, 128, 4096)] == ["gemv", "splitk", "splitk", "tma", "tma"]
     assert schedule_at(1, N=4096, K=4096) == "splitk"  # gemv reads [N, K] rows: not without trans_b
     assert _spec(M=4096, N=4096, K=4096, trans_b=True).params["block_N"] == 256  # prefill keeps its tile
+    # 65-512 rows: column tiles sized so the grid fills whole waves of the 132 SMs, not only powers of two.
+    assert [_spec(M=m, N=14336, K=4096, trans_b=True).params["block_N"] for m in (128, 512)] == [112, 224]  # 128 and 256 blocks
+    assert [_spec(M=m, N=6144, K=4096, trans_b=True).params["block_N"] for m in (128, 512)] == [48, 192]  # 128 blocks each
+    assert _spec(M=512, N=4096, K=4096, trans_b=True).params["block_N"] == 128
     # float32 (tf32) and pre-Hopper parts keep the one prefill build: nothing to route.
     for spec in (_spec(dtype="float32", N=512, K=512), _spec("sm_80", N=512, K=512)):
         assert spec.params["schedule"] == "tma" and spec.params["block_M"] == 128 and GEMM.dispatch(dict(spec.params), spec.target) is None
@@ -91,6 +95,8 @@ def test_explicit_tiles_and_schedules():
         (dict(schedule="gemv", trans_b=True, num_stages=2), "num_stages"),
         (dict(schedule="splitk", split_k=9, block_K=64), "split_k"),  # 8 tiles of K cannot make 9 slices
         (dict(schedule="splitk", split_k=17), "split_k"),
+        (dict(schedule="tma", block_N=100), "block_N"),  # wgmma widths are multiples of 16
+        (dict(schedule="tma", block_N=272), "block_N"),
     ]:
         with pytest.raises(InvalidSpec) as err:
             _spec(N=512, K=512, **params)
@@ -114,6 +120,7 @@ SCHEDULES = [
     dict(N=4104, K=4104, trans_b=True, dtype="bfloat16", residual=True, schedule="splitk", block_M=128, block_N=128, block_K=64, num_stages=5, threads=256, split_k=4),
     dict(N=1000, K=1000, trans_b=True, bias=True, act="gelu", schedule="splitk", block_M=64, block_N=64, block_K=128, num_stages=4, threads=128, split_k=3),
     dict(N=1000, K=1000, trans_b=True, schedule="tma", block_M=64, block_N=128, block_K=64, num_stages=6, threads=128),
+    dict(N=1000, K=1000, schedule="tma", block_M=128, block_N=112, block_K=64, num_stages=4, threads=256),  # a width no power of two
 ]
 
 
@@ -147,10 +154,11 @@ def test_every_schedule_and_the_router_compute_like_torch(make_daemon):
     specs = [{"dtype": "float16", **p} for p in SCHEDULES] + [
         dict(N=4104, K=4104, trans_b=True, dtype="float16"),  # routers: every range's build, by M
         dict(N=1000, K=1000, dtype="bfloat16", bias=True, act="gelu", residual=True),
+        dict(N=6152, K=1000, trans_b=True, dtype="float16", bias=True),  # 128x48 tiles to 128 rows, 128x192 to 512
     ]
     for params in specs:
         kernel = c.get_kernel("gemm", target="sm_90a", M=None, **params)
-        for m in (1, 7, 33, 129, 1000):
+        for m in (1, 7, 33, 100, 129, 300, 1000):  # a row count in every range
             ins = make_inputs("gemm", kernel.spec["params"], "cuda", runtime={"M": m})
             torch.testing.assert_close(kernel(*ins).float(), reference("gemm", kernel.spec["params"], ins).float(), **tolerance(params["dtype"]))
     static = c.get_kernel("gemm", target="sm_90a", M=33, N=1000, K=1000, dtype="float16", trans_b=True)
