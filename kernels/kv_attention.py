@@ -13,10 +13,13 @@ from .tiling import cuda_only, pow2, smem_limit
 
 LOG2E = 1.4426950408889634
 CPU_SCRATCH = 256 * 1024
-# Split-KV on CUDA: blocks to aim for (about two per SM of an H100/H200; more for the page-gather
-# path, whose blocks are smaller), and the fewest tiles a split gets (below that a block's
-# pipeline is mostly prologue).
-TARGET_BLOCKS = 264
+# Split-KV on CUDA. The TMA path's blocks run two per SM of an H100/H200, 264 at once: a call
+# takes the most splits whose blocks all fit in that one wave, since a part-filled second wave
+# costs a whole split's time (batch 8 with 4k keys: 4 splits 0.96x SDPA, 5 splits 0.89x; H200).
+# The page-gather path's blocks are smaller: it aims for at least GATHER_TARGET_BLOCKS (its
+# measured best; fitting waves of them measured no better). And the fewest tiles a split gets
+# (below that a block's pipeline is mostly prologue).
+WAVE_BLOCKS = 264
 GATHER_TARGET_BLOCKS = 1056
 MIN_SPLIT_TILES = 2
 # Page ids a block stages in shared memory before its loop (its split's first pages): the
@@ -315,12 +318,13 @@ class KVAttention(KernelKind):
             # a >= 0 over b >= 1, by C division: floordiv by a runtime divisor lowers to sign fix-ups
             # whose let-bound values TileLang 0.1.15's ThreadSync misreads as thread ranges.
             return T.truncdiv(a + b - 1, b)
-        # Splits per sequence, chosen at run time on the host (a grid size): enough blocks to fill
-        # the GPU, no split under MIN_SPLIT_TILES tiles, at most the build's num_splits.
+        # Splits per sequence, chosen at run time on the host (a grid size): blocks that fill the
+        # GPU, no split under MIN_SPLIT_TILES tiles, at most the build's num_splits.
         if max_splits == 1:
             nsplit = 1
         else:
-            want = cdiv(GATHER_TARGET_BLOCKS if gather else TARGET_BLOCKS, batch * kvh * qblocks)
+            blocks = batch * kvh * qblocks  # per split
+            want = cdiv(GATHER_TARGET_BLOCKS, blocks) if gather else T.truncdiv(WAVE_BLOCKS, blocks)
             if paged:
                 want = T.max(want, T.ceildiv(self._kv_span(s), PAGE_WINDOW * ps))
             nsplit = T.max(1, T.min(max_splits, T.min(want, T.ceildiv(self._kv_span(s), MIN_SPLIT_TILES * bn))))

@@ -175,6 +175,9 @@ GPU_CASES = [
     (dict(DECODE, paged=True, block_N=32, threads=64), dict(batch=5, max_kv=777), None),
     (dict(DECODE, load="cp_async", block_N=64), dict(batch=7, max_kv=1111), None),
     (dict(DECODE, paged=True, block_N=32, num_stages=3, dtype="bfloat16"), dict(batch=4, max_kv=1500), [1, 33, 1000, 1500]),
+    # One warp a block, contiguous (TMA) and paged.
+    (dict(DECODE, block_N=32, threads=32), dict(batch=2, max_kv=700), [1, 700]),
+    (dict(DECODE, paged=True, block_N=32, threads=32), dict(batch=3, max_kv=500), None),
 ]
 
 
