@@ -13,13 +13,13 @@ from .tiling import cuda_only, pow2, smem_limit
 
 LOG2E = 1.4426950408889634
 CPU_SCRATCH = 256 * 1024
-# Split-KV on CUDA. The TMA path's blocks run two per SM of an H100/H200, 264 at once: a call
-# takes the most splits whose blocks all fit in that one wave, since a part-filled second wave
-# costs a whole split's time (batch 8 with 4k keys: 4 splits 0.96x SDPA, 5 splits 0.89x; H200).
-# The page-gather path's blocks are smaller: it aims for at least GATHER_TARGET_BLOCKS (its
-# measured best; fitting waves of them measured no better). And the fewest tiles a split gets
-# (below that a block's pipeline is mostly prologue).
-WAVE_BLOCKS = 264
+# Split-KV on CUDA. A TMA-path block takes about 137 KiB of shared memory, so one runs per SM of
+# an H100/H200: a call takes the most splits whose blocks fit in two full waves (264 blocks), as
+# a part-filled third wave costs a whole split's time (batch 8 with 4k keys: 4 splits, 256
+# blocks, 0.96x SDPA; 5 splits, 320 blocks, 0.89x; H200). The page-gather path's blocks are
+# smaller: it aims for at least GATHER_TARGET_BLOCKS (its measured best; a cap measured no
+# better). And the fewest tiles a split gets (below that a block's pipeline is mostly prologue).
+TWO_WAVES = 264
 GATHER_TARGET_BLOCKS = 1056
 MIN_SPLIT_TILES = 2
 # Page ids a block stages in shared memory before its loop (its split's first pages): the
@@ -324,7 +324,7 @@ class KVAttention(KernelKind):
             nsplit = 1
         else:
             blocks = batch * kvh * qblocks  # per split
-            want = cdiv(GATHER_TARGET_BLOCKS, blocks) if gather else T.truncdiv(WAVE_BLOCKS, blocks)
+            want = cdiv(GATHER_TARGET_BLOCKS, blocks) if gather else T.truncdiv(TWO_WAVES, blocks)
             if paged:
                 want = T.max(want, T.ceildiv(self._kv_span(s), PAGE_WINDOW * ps))
             nsplit = T.max(1, T.min(max_splits, T.min(want, T.ceildiv(self._kv_span(s), MIN_SPLIT_TILES * bn))))
