@@ -50,9 +50,6 @@ def ranges(p, target):
     def narrowest(widths):  # the narrowest column tile whose grid is one wave
         return next((bn for bn in widths if -(-n // bn) <= SMS), widths[-1])
 
-    def one_wave(n):  # the narrowest 16-column multiple whose grid of one row of tiles is at most one wave
-        return min(256, 16 * -(-n // (16 * SMS)))
-
     def whole_waves(n, m_tiles):
         """The widest of the 32-column multiples from 64 to 256 whose grid of m_tiles rows best fills whole waves:
         a last, part-filled wave leaves SMs idle for a whole tile's time (measured at M = 512 on an
@@ -76,7 +73,7 @@ def ranges(p, target):
         table.append((bm, schedule("splitk", block_M=bm, block_N=bn, block_K=bk, num_stages=stages, threads=128, split_k=1)))
     # 65-512 rows: tensor-core bound as much as memory bound; bigger tiles, split K where N is narrow and K long.
     if -(-n // 128) >= 96 or (n > 4224 and k < 8192):
-        bn = one_wave(n)
+        bn = narrowest(range(16, 257, 16))  # any wgmma width
         mid = schedule("tma", block_M=128, block_N=bn, block_K=64, num_stages=deepest(128, bn, 64, 6), threads=256)
     elif k >= 8192:
         mid = schedule("splitk", block_M=128, block_N=128, block_K=64, num_stages=5, threads=256, split_k=4)

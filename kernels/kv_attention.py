@@ -17,7 +17,7 @@ CPU_SCRATCH = 256 * 1024
 # an H100/H200: a call takes the most splits whose blocks fit in two full waves (264 blocks), as
 # a part-filled third wave costs a whole split's time (batch 8 with 4k keys: 4 splits, 256
 # blocks, 0.96x SDPA; 5 splits, 320 blocks, 0.89x; H200). The page-gather path's blocks are
-# smaller: it aims for at least GATHER_TARGET_BLOCKS (its measured best; a cap measured no
+# smaller: it aims for at least GATHER_TARGET_BLOCKS (its measured best; the floor of it measured no
 # better). And the fewest tiles a split gets (below that a block's pipeline is mostly prologue).
 TWO_WAVES = 264
 GATHER_TARGET_BLOCKS = 1056
@@ -27,6 +27,12 @@ MIN_SPLIT_TILES = 2
 PAGE_WINDOW = 512
 DEFAULT_MAX_SPLITS = 32
 LOADS = ("auto", "tma", "cp_async")
+
+
+def _cdiv(T, a, b):
+    # a >= 0 over b >= 1, by C division: floordiv by a runtime divisor lowers to sign fix-ups
+    # whose let-bound values TileLang 0.1.15's ThreadSync misreads as thread ranges.
+    return T.truncdiv(a + b - 1, b)
 
 
 def _splits_by_rule(p):
@@ -167,6 +173,19 @@ class KVAttention(KernelKind):
         part = (p["num_splits"], batch, q_len, h, d) if split else (1,)
         lse = (p["num_splits"], batch, q_len, h) if split else (1,)
         return dict(batch=batch, q_len=q_len, q=(batch, q_len, h, d), kv=kv_shape, table=table, part=part, lse=lse)
+
+    def _num_splits(self, T, p, s):
+        """Splits per sequence of a CUDA call, chosen at run time on the host (a grid size): the blocks
+        that fill the GPU (TWO_WAVES, or GATHER_TARGET_BLOCKS when gathered), no split under
+        MIN_SPLIT_TILES tiles, at most the build's num_splits."""
+        if p["num_splits"] == 1:
+            return 1
+        rows = s["q_len"] * (p["heads"] // p["kv_heads"])
+        blocks = s["batch"] * p["kv_heads"] * T.ceildiv(rows, p["block_H"])  # per split
+        want = _cdiv(T, GATHER_TARGET_BLOCKS, blocks) if self._gather(p) else T.truncdiv(TWO_WAVES, blocks)
+        if p["paged"]:
+            want = T.max(want, T.ceildiv(self._kv_span(s), PAGE_WINDOW * p["page_size"]))
+        return T.max(1, T.min(p["num_splits"], T.min(want, T.ceildiv(self._kv_span(s), MIN_SPLIT_TILES * p["block_N"]))))
 
     @staticmethod
     def _kv_span(s):
@@ -313,21 +332,7 @@ class KVAttention(KernelKind):
         acc_t = "float32"
         ninf = -T.infinity(acc_t)
         qblocks = T.ceildiv(rows, bh)
-
-        def cdiv(a, b):
-            # a >= 0 over b >= 1, by C division: floordiv by a runtime divisor lowers to sign fix-ups
-            # whose let-bound values TileLang 0.1.15's ThreadSync misreads as thread ranges.
-            return T.truncdiv(a + b - 1, b)
-        # Splits per sequence, chosen at run time on the host (a grid size): blocks that fill the
-        # GPU, no split under MIN_SPLIT_TILES tiles, at most the build's num_splits.
-        if max_splits == 1:
-            nsplit = 1
-        else:
-            blocks = batch * kvh * qblocks  # per split
-            want = cdiv(GATHER_TARGET_BLOCKS, blocks) if gather else T.truncdiv(TWO_WAVES, blocks)
-            if paged:
-                want = T.max(want, T.ceildiv(self._kv_span(s), PAGE_WINDOW * ps))
-            nsplit = T.max(1, T.min(max_splits, T.min(want, T.ceildiv(self._kv_span(s), MIN_SPLIT_TILES * bn))))
+        nsplit = self._num_splits(T, p, s)
 
         def page_of(block_table, b, idx, end):
             # Pages from key `end` on are never read from block_table (page 0 stands in; masked).
@@ -428,7 +433,7 @@ class KVAttention(KernelKind):
                 h, f0 = hq % kvh, hq // kvh * bh
                 seq_len = seq_lens[b]
                 kend = seq_len - q_len + T.ceildiv(T.min(rows, f0 + bh), group)
-                chunk = T.ceildiv(cdiv(T.max(kend, 0), nsplit), bn) * bn
+                chunk = T.ceildiv(_cdiv(T, T.max(kend, 0), nsplit), bn) * bn
                 start = sid * chunk
                 stop = T.min(kend, start + chunk)
                 # At least one step, all masked when the split is empty: the pipeline never runs zero times.

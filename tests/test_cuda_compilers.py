@@ -19,6 +19,7 @@ import pytest
 
 from compile_service.build import nvrtc
 from compile_service.build.devices import NVCC, NVRTC, choose
+from tests.lowering import cuda_source
 from tests.marks import needs_gpu, needs_nvcc, needs_nvrtc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,16 +67,7 @@ def test_every_kind_cross_compiles(make_daemon, compiler):
 def test_kernels_wait_for_their_inputs_then_release_the_next_launch(arch, dependent):
     """From sm_90 on, a kernel's first statements are griddepcontrol's wait and launch_dependents
     (kernels.launch.dependent_launch); before sm_90 there is no such instruction."""
-    import tilelang
-    import tvm
-
-    import kernels
-
-    spec = kernels.canonicalize("rmsnorm", dict(M=None, N=4096, dtype="float16"), arch)
-    target = kernels.parse_target(arch)
-    tvm_target = tvm.target.Target(target.tilelang_target())
-    with tvm.transform.PassContext(opt_level=3), tvm_target:
-        src = tilelang.lower(kernels.get_kind("rmsnorm").build(dict(spec.params), target), target=tvm_target).kernel_source
+    src = cuda_source("rmsnorm", dict(M=None, N=4096, dtype="float16"), arch)
     body = src[src.index("__launch_bounds__") :]
     first_read = body.index("*(uint4*)(X_local_cast")  # the kernel's first global load
     for call in ("cudaGridDependencySynchronize();", "cudaTriggerProgrammaticLaunchCompletion();"):
@@ -86,16 +78,7 @@ def test_kernels_wait_for_their_inputs_then_release_the_next_launch(arch, depend
 def test_a_gemm_releases_the_next_launch_after_its_k_loop(m):
     """A GEMM waits first, like every kernel, but lets the next kernel launch only once its K loop
     is done (gemm.build_mma; faster on the H200, docs/measured.md)."""
-    import tilelang
-    import tvm
-
-    import kernels
-
-    spec = kernels.canonicalize("gemm", dict(M=m, N=6144, K=4096, dtype="float16", trans_b=True), "sm_90a")
-    target = kernels.parse_target("sm_90a")
-    tvm_target = tvm.target.Target(target.tilelang_target())
-    with tvm.transform.PassContext(opt_level=3), tvm_target:
-        src = tilelang.lower(kernels.get_kind("gemm").build(dict(spec.params), target), target=tvm_target).kernel_source
+    src = cuda_source("gemm", dict(M=m, N=6144, K=4096, dtype="float16", trans_b=True))
     wait, trigger = src.index("cudaGridDependencySynchronize();"), src.index("cudaTriggerProgrammaticLaunchCompletion();")
     products = [i for i in (src.rfind("tl::mma_sync<"), src.rfind("tl::wgmma_ss<")) if i >= 0]
     assert products and wait < src.index("tma_load") and max(products) < trigger

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import InvalidSpec
 from kernels.rope import cache_rows_reference, cos_sin_cache, rope_reference, split_qkv
+from tests.lowering import cuda_source
 from tests.marks import needs_gpu, needs_nvcc, needs_nvrtc
 
 
@@ -329,20 +330,9 @@ CUDA_SPECS = [
 ]
 
 
-def _cuda_source(kind, params, arch="sm_90a"):
-    import tilelang
-    import tvm
-
-    target = kernels.parse_target(arch)
-    spec = kernels.canonicalize(kind, params, arch)
-    tvm_target = tvm.target.Target(target.tilelang_target())
-    with tvm.transform.PassContext(opt_level=3), tvm_target:
-        return tilelang.lower(kernels.get_kind(kind).build(dict(spec.params), target), target=tvm_target).kernel_source
-
-
 @pytest.mark.parametrize("kind,params", CUDA_SPECS, ids=lambda v: v if isinstance(v, str) else None)
 def test_cuda_forms_lower_for_sm_90a(kind, params):
-    src = _cuda_source(kind, params)
+    src = cuda_source(kind, params)
     assert "__global__" in src
     if params.get("N", 0) % 1024 == 0 and params.get("heads", 0) % 8 == 0:
         # One pass over memory: rows (and a token's heads) move in 16-byte vectors.

@@ -9,11 +9,14 @@ needs a GPU.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import kernels
 from kernels.gemm import TILES, overrides_for, ranges
 from kernels.spec import InvalidSpec
+from tests.lowering import cuda_source
 from tests.marks import needs_gpu
 
 GEMM = kernels.get_kind("gemm")
@@ -142,6 +145,20 @@ def test_every_schedule_lowers_for_sm_90a(params):
         source = tilelang.lower(func, target=tvm.target.Target(target.tilelang_target())).kernel_source
     assert "main_kernel" in source
     assert ("main_kernel_1" in source) == ((spec.params["split_k"] or 1) > 1)  # split-K partials are summed by a second kernel
+
+
+@pytest.mark.parametrize("arch,tile,product", [
+    ("sm_90a", (128, 256), "64, 256, 16"),  # the prefill tile: one m64n256 wgmma per warpgroup, not two m64n128
+    ("sm_90a", (128, 192), "64, 192, 16"),  # a width no power of two
+    ("sm_90a", (64, 128), "64, 128, 16"),
+    ("sm_80", (128, 256), "16, 8, 16"),  # mma.sync: the default warp layout
+])
+def test_each_warpgroup_spans_the_tile_width_on_hopper(arch, tile, product):
+    threads = 256 if tile[0] == 128 else 128
+    src = cuda_source("gemm", dict(M=4096, N=4096, K=4096, dtype="float16", trans_b=True, schedule="tma", block_M=tile[0], block_N=tile[1],
+                                   block_K=64 if arch == "sm_90a" else 32, num_stages=3 if arch == "sm_90a" else 2, threads=threads), arch)
+    products = set(re.findall(r"(?:wgmma_ss|mma_sync)<(?:[^,]*, ){3}(\d+, \d+, \d+)", src))
+    assert products == {product}
 
 
 @needs_gpu

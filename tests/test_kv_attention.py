@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import reference
+from tests.lowering import cuda_source
 from tests.marks import needs_gpu
 
 KIND = "kv_attention"
@@ -130,18 +131,35 @@ def test_cpu_decode_runtime_sizes_one_kernel(cpu_kernel):
 
 # ----- CUDA: lowered for sm_90a on any machine (TileLang cross-compiles)
 
-def _cuda_source(params, arch="sm_90a"):
-    import tilelang
-    import tvm
-
-    spec = kernels.canonicalize(KIND, params, arch)
-    target = kernels.parse_target(arch)
-    tvm_target = tvm.target.Target(target.tilelang_target())
-    with tvm.transform.PassContext(opt_level=3), tvm_target:
-        return tilelang.lower(kernels.get_kind(KIND).build(dict(spec.params), target), target=tvm_target).kernel_source
-
-
 DECODE = dict(batch=None, heads=32, kv_heads=8, head_dim=128, dtype="float16")
+
+
+def _splits(params, keys):
+    """The KV splits an sm_90a build's host code picks for a call with `keys` per sequence."""
+    import tilelang.language as T
+    import tvm
+    from tvm import tirx
+
+    kind = kernels.get_kind(KIND)
+    p = dict(kernels.canonicalize(KIND, params, "sm_90a").params)
+    s = kind._shapes(T, p)
+    expr = kind._num_splits(T, p, s)
+    if isinstance(expr, int):  # fixed by the build
+        return expr
+    runtime = {"max_kv": keys, "max_blocks": keys // (p["page_size"] or 1)}
+    found = {}
+    tirx.stmt_functor.post_order_visit(expr, lambda x: found.setdefault(x.name, x) if isinstance(x, tirx.Var) else None)
+    return int(tvm.arith.Analyzer().simplify(tirx.stmt_functor.substitute(expr, {v: runtime[n] for n, v in found.items()})))
+
+
+def test_decode_splits_fill_two_waves_of_sms():
+    """A contiguous cache takes the most splits whose blocks (one per SM) fit two full waves of
+    an H200's 132 SMs; a gathered (paged) one aims for at least GATHER_TARGET_BLOCKS."""
+    assert [_splits(dict(DECODE, batch=8), n) for n in (1024, 4096, 32768)] == [4, 4, 4]  # 8 x 8 heads x 4 = 256 blocks, not 320
+    assert [_splits(dict(DECODE, batch=1), n) for n in (1024, 4096, 32768)] == [4, 16, 32]  # two 128-key tiles a split; the cap
+    assert _splits(dict(DECODE, batch=64), 32768) == 1
+    assert [_splits(dict(DECODE, batch=8, paged=True), n) for n in (1024, 4096)] == [8, 17]
+    assert _splits(dict(DECODE, batch=8, num_splits=1), 4096) == 1
 
 
 @pytest.mark.parametrize(
@@ -155,7 +173,7 @@ DECODE = dict(batch=None, heads=32, kv_heads=8, head_dim=128, dtype="float16")
     ],
 )
 def test_cuda_lowering_for_sm90a(params, tma):
-    src = _cuda_source(params)
+    src = cuda_source(KIND, params)
     assert ("tma_load" in src) == tma
     split = kernels.canonicalize(KIND, params, "sm_90a").params["num_splits"] > 1
     assert src.count("__global__ void") == (4 if split else 2)  # declaration and definition per kernel

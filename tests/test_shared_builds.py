@@ -16,21 +16,10 @@ import re
 import pytest
 
 import kernels
+from tests.lowering import cuda_source
 from tests.marks import needs_gpu, needs_nvcc
 
 GEMM = {"kind": "gemm", "N": 512, "K": 128, "dtype": "float16", "trans_b": True, "block_N": 128, "target": "sm_90a"}
-
-
-def _device_source(kind: str, params: dict, arch: str) -> str:
-    """The CUDA source TileLang generates for a spec, lowered as a build lowers it but not compiled."""
-    import tilelang
-    import tvm
-
-    target = kernels.parse_target(arch)
-    spec = kernels.canonicalize(kind, params, arch)
-    tvm_target = tvm.target.Target(target.tilelang_target())
-    with tvm.transform.PassContext(opt_level=3), tvm_target:
-        return tilelang.lower(kernels.get_kind(kind).build(dict(spec.params), target), target=tvm_target).kernel_source
 
 
 # GEMMs in the zoo's tilings and epilogues, on both TMA archs we target.
@@ -68,12 +57,12 @@ def test_host_side_dims_never_reach_the_device_code(kind, params, arch, shared_d
     build, fixed = kernels.get_kind(kind).shared_build(spec)
     assert set(fixed) == shared_dims
     # The runtime-size build only gains the dims as (unused) kernel arguments.
-    runtime = _device_source(kind, build.params, arch)
+    runtime = cuda_source(kind, build.params, arch)
     for dim in fixed:
         runtime = re.sub(rf",\s*int {dim}\b", "", runtime)
         assert f"int {dim}" not in runtime
     for values in itertools.product(*[[(dim, v) for v in _static_values(dim, spec.params)] for dim in fixed]):
-        assert _device_source(kind, {**spec.params, **dict(values)}, arch) == runtime, (kind, params, arch, values)
+        assert cuda_source(kind, {**spec.params, **dict(values)}, arch) == runtime, (kind, params, arch, values)
 
 
 def _gemm(arch="sm_90a", **changes):
