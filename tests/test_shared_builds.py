@@ -65,6 +65,15 @@ def test_host_side_dims_never_reach_the_device_code(kind, params, arch, shared_d
         assert cuda_source(kind, {**spec.params, **dict(values)}, arch) == runtime, (kind, params, arch, values)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_causal_attention_starts_its_longest_query_blocks_first(causal):
+    """Query block i of a causal attention reads i + 1 key blocks: the grid runs them last to first,
+    counting blocks on the device (gridDim.x), so seq_len still reaches only the host code."""
+    src = cuda_source("attention", {**ATTENTION, "batch": 1, "seq_len": 4096, "causal": causal}, "sm_90a")
+    reversed_order = re.search(r"int bx = \(\(grid_x\(\) - \(\(int\)blockIdx\.x\)\) - 1\);", src)
+    assert bool(reversed_order) == causal
+
+
 def _gemm(arch="sm_90a", **changes):
     params = {k: v for k, v in {**GEMM, **changes}.items() if k not in ("kind", "target")}
     return kernels.canonicalize("gemm", params, arch)
