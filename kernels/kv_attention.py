@@ -14,14 +14,18 @@ from .tiling import cuda_only, pow2, smem_limit
 LOG2E = 1.4426950408889634
 CPU_SCRATCH = 256 * 1024
 # Split-KV on CUDA. A TMA-path block takes about 137 KiB of shared memory, so one runs per SM of
-# an H100/H200: a call takes the most splits whose blocks fit in two full waves (264 blocks), as
-# a part-filled third wave costs a whole split's time (batch 8 with 4k keys: 4 splits, 256
-# blocks, 0.96x SDPA; 5 splits, 320 blocks, 0.89x; H200). The page-gather path's blocks are
-# smaller: it aims for at least GATHER_TARGET_BLOCKS (its measured best; the floor of it measured no
-# better). And the fewest tiles a split gets (below that a block's pipeline is mostly prologue).
-TWO_WAVES = 264
+# an H100/H200 (132 SMs): a call takes the most splits whose blocks fit in one full wave, each SM
+# streaming one split start to end (H200, SDPA / ours, contiguous: batch 8 with 1k-4k keys 2
+# splits 1.02-1.10x, where two waves (4 splits) gave 0.89-0.95x and 2.4 waves less; batch 1 with
+# 16k-32k keys 16 splits 1.02-1.04x, 32 splits 0.93x). The page-gather path's blocks are smaller
+# (about 72 KiB, three per SM): it aims for at least GATHER_TARGET_BLOCKS, its best overall. One
+# wave of three per SM (396) measured better at batch 8 (6 splits: 0.86-0.93x -> 0.95-0.98x) and
+# worse at batch 64 (1 split, 1.3 waves: 0.95x -> 0.81x with 4k keys). A split reads at least
+# MIN_SPLIT_KEYS keys and two tiles: below that a block is mostly pipeline prologue (16-key
+# pages, 128 keys a split: batch 8 with 1k keys 0.89x, 256: 1.06x).
+ONE_WAVE = 132
 GATHER_TARGET_BLOCKS = 1056
-MIN_SPLIT_TILES = 2
+MIN_SPLIT_KEYS = 256
 # Page ids a block stages in shared memory before its loop (its split's first pages): the
 # gather then never waits on a block_table load. Paged splits are sized to fit when num_splits allows.
 PAGE_WINDOW = 512
@@ -176,16 +180,16 @@ class KVAttention(KernelKind):
 
     def _num_splits(self, T, p, s):
         """Splits per sequence of a CUDA call, chosen at run time on the host (a grid size): the blocks
-        that fill the GPU (TWO_WAVES, or GATHER_TARGET_BLOCKS when gathered), no split under
-        MIN_SPLIT_TILES tiles, at most the build's num_splits."""
+        that fill the GPU (ONE_WAVE, or GATHER_TARGET_BLOCKS when gathered), no split under
+        MIN_SPLIT_KEYS keys or two tiles, at most the build's num_splits."""
         if p["num_splits"] == 1:
             return 1
         rows = s["q_len"] * (p["heads"] // p["kv_heads"])
         blocks = s["batch"] * p["kv_heads"] * T.ceildiv(rows, p["block_H"])  # per split
-        want = _cdiv(T, GATHER_TARGET_BLOCKS, blocks) if self._gather(p) else T.truncdiv(TWO_WAVES, blocks)
+        want = _cdiv(T, GATHER_TARGET_BLOCKS, blocks) if self._gather(p) else T.truncdiv(ONE_WAVE, blocks)
         if p["paged"]:
             want = T.max(want, T.ceildiv(self._kv_span(s), PAGE_WINDOW * p["page_size"]))
-        return T.max(1, T.min(p["num_splits"], T.min(want, T.ceildiv(self._kv_span(s), MIN_SPLIT_TILES * p["block_N"]))))
+        return T.max(1, T.min(p["num_splits"], T.min(want, T.ceildiv(self._kv_span(s), max(MIN_SPLIT_KEYS, 2 * p["block_N"])))))
 
     @staticmethod
     def _kv_span(s):

@@ -152,13 +152,14 @@ def _splits(params, keys):
     return int(tvm.arith.Analyzer().simplify(tirx.stmt_functor.substitute(expr, {v: runtime[n] for n, v in found.items()})))
 
 
-def test_decode_splits_fill_two_waves_of_sms():
-    """A contiguous cache takes the most splits whose blocks (one per SM) fit two full waves of
-    an H200's 132 SMs; a gathered (paged) one aims for at least GATHER_TARGET_BLOCKS."""
-    assert [_splits(dict(DECODE, batch=8), n) for n in (1024, 4096, 32768)] == [4, 4, 4]  # 8 x 8 heads x 4 = 256 blocks, not 320
-    assert [_splits(dict(DECODE, batch=1), n) for n in (1024, 4096, 32768)] == [4, 16, 32]  # two 128-key tiles a split; the cap
+def test_decode_splits_fill_one_wave_of_sms():
+    """A contiguous cache takes the most splits whose blocks (one per SM) fit one full wave of an
+    H200's 132 SMs; a gathered (paged) one aims for at least GATHER_TARGET_BLOCKS; no split reads
+    under MIN_SPLIT_KEYS keys."""
+    assert [_splits(dict(DECODE, batch=8), n) for n in (1024, 4096, 32768)] == [2, 2, 2]  # 8 x 8 heads x 2 = 128 blocks, not 256
+    assert [_splits(dict(DECODE, batch=1), n) for n in (1024, 4096, 32768)] == [4, 16, 16]  # 256 keys a split; one wave
     assert _splits(dict(DECODE, batch=64), 32768) == 1
-    assert [_splits(dict(DECODE, batch=8, paged=True), n) for n in (1024, 4096)] == [8, 17]
+    assert [_splits(dict(DECODE, batch=8, paged=True), n) for n in (1024, 4096)] == [4, 16]  # 256 keys: four 64-key tiles
     assert _splits(dict(DECODE, batch=8, num_splits=1), 4096) == 1
 
 
