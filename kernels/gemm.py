@@ -50,7 +50,7 @@ def ranges(p, target):
     def narrowest(widths):  # the narrowest column tile whose grid is one wave
         return next((bn for bn in widths if -(-n // bn) <= SMS), widths[-1])
 
-    def whole_waves(n, m_tiles):
+    def whole_waves(m_tiles):
         """The widest of the 32-column multiples from 64 to 256 whose grid of m_tiles rows best fills whole waves:
         a last, part-filled wave leaves SMs idle for a whole tile's time (measured at M = 512 on an
         H200: 128x192 tiles 1.00x cuBLAS on a 6144-wide weight, where 128x256's 96 blocks gave 0.84x)."""
@@ -88,7 +88,7 @@ def ranges(p, target):
         table.append((256, schedule("tma", block_M=64, block_N=128, block_K=64, num_stages=6, threads=128)))
     else:
         table.append((256, schedule("tma", block_M=128, block_N=128, block_K=64, num_stages=5, threads=256)))
-    bn = whole_waves(n, 512 // 128)
+    bn = whole_waves(512 // 128)
     table.append((512, schedule("tma", block_M=128, block_N=bn, block_K=64, num_stages=deepest(128, bn, 64, 5), threads=256)))
     table.append((None, big))
     # Neighbours with one build become one range.

@@ -18,11 +18,11 @@ CPU_SCRATCH = 256 * 1024
 # streaming one split start to end (H200, SDPA / ours, contiguous: batch 8 with 1k-4k keys 2
 # splits 1.02-1.10x, where two waves (4 splits) gave 0.89-0.95x and 2.4 waves less; batch 1 with
 # 16k-32k keys 16 splits 1.02-1.04x, 32 splits 0.93x). The page-gather path's blocks are smaller
-# (about 72 KiB, three per SM): it aims for at least GATHER_TARGET_BLOCKS, its best overall. One
-# wave of three per SM (396) measured better at batch 8 (6 splits: 0.86-0.93x -> 0.95-0.98x) and
-# worse at batch 64 (1 split, 1.3 waves: 0.95x -> 0.81x with 4k keys). A split reads at least
-# MIN_SPLIT_KEYS keys and two tiles: below that a block is mostly pipeline prologue (16-key
-# pages, 128 keys a split: batch 8 with 1k keys 0.89x, 256: 1.06x).
+# (about 72 KiB: three fit an SM's shared memory): it aims for at least GATHER_TARGET_BLOCKS, its
+# best overall. One wave of three per SM (396) measured better at batch 8 (6 splits: 0.86-0.93x
+# -> 0.95-0.98x) and worse at batch 64 (1 split, 1.3 waves: 0.95x -> 0.81x with 4k keys). A
+# split reads at least MIN_SPLIT_KEYS keys and two tiles: below that a block is mostly pipeline
+# prologue (16-key pages, 128 keys a split: batch 8 with 1k keys 0.89x, 256: 1.06x).
 ONE_WAVE = 132
 GATHER_TARGET_BLOCKS = 1056
 MIN_SPLIT_KEYS = 256
