@@ -4,13 +4,12 @@
 
 import math
 
-from .launch import dependent_launch
+from .launch import dependent_launch, grid_x
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
 from .tiling import cuda_only, pow2, smem_limit
 
 LOG2E = 1.4426950408889634
-GRID_X = "__device__ __forceinline__ int grid_x() { return gridDim.x; }\n"
 CPU_SCRATCH = 256 * 1024
 # CUDA (block_M, block_N, num_stages) defaults, largest first; the first that fits shared memory wins.
 DEFAULT_TILES = ((128, 128, 2), (128, 64, 2), (128, 64, 1), (64, 64, 2), (64, 64, 1), (64, 32, 1))
@@ -184,9 +183,7 @@ class Attention(KernelKind):
                 # start first, so the last wave is short ones (b1 h32/8 d128 on the H200: 2048
                 # tokens 102 -> 100 us, 4096 tokens 333 -> 312 us). The block count is read on the
                 # device (gridDim.x), so seq_len stays out of the device code (host_side_dims).
-                if causal:
-                    T.import_source(GRID_X)
-                bx = T.call_extern("int32", "grid_x") - 1 - bid if causal else bid
+                bx = grid_x() - 1 - bid if causal else bid
                 Q_s = T.alloc_shared((bm, d), dtype)
                 K_s = T.alloc_shared((bn, d), dtype)
                 V_s = T.alloc_shared((bn, d), dtype)

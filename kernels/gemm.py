@@ -7,7 +7,7 @@ import math
 from .launch import dependent_launch, launch_dependents
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import cuda_only, pow2, smem_limit
+from .tiling import SMS, cuda_only, pow2, smem_limit
 
 ACTS = ("none", "gelu", "silu", "relu")
 
@@ -28,10 +28,6 @@ def prefill_tiles(p, target):
         return {"block_M": 128, "block_N": 128, "block_K": 32, "num_stages": 3 if smem_limit(target) >= 80 * 1024 else 2, "threads": 256}
     # 128x256x64 in 3 stages: the wgmma-friendly Hopper tile (measured 0.96x cuBLAS on H200)
     return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256}
-
-
-# SMs of an H100/H200 SXM: the decode tiles below aim at one wave of blocks.
-SMS = 132
 
 
 def ranges(p, target):

@@ -6,24 +6,24 @@ or paged (vLLM/FlashInfer NHD pages), GQA, split-KV (flash-decoding) with a log-
 import math
 from dataclasses import replace
 
-from .launch import dependent_launch
+from .launch import dependent_launch, grid_x
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import cuda_only, pow2, smem_limit
+from .tiling import SM_SMEM, SMS, cuda_only, pow2, smem_limit
 
 LOG2E = 1.4426950408889634
 CPU_SCRATCH = 256 * 1024
-# Split-KV on CUDA. A TMA-path block takes about 137 KiB of shared memory, so one runs per SM of
-# an H100/H200 (132 SMs): a call takes the most splits whose blocks fit in one full wave, each SM
-# streaming one split start to end (H200, SDPA / ours, contiguous: batch 8 with 1k-4k keys 2
-# splits 1.02-1.10x, where two waves (4 splits) gave 0.89-0.95x and 2.4 waves less; batch 1 with
-# 16k-32k keys 16 splits 1.02-1.04x, 32 splits 0.93x). The page-gather path's blocks are smaller
-# (about 72 KiB: three fit an SM's shared memory): it aims for at least GATHER_TARGET_BLOCKS, its
-# best overall. One wave of three per SM (396) measured better at batch 8 (6 splits: 0.86-0.93x
-# -> 0.95-0.98x) and worse at batch 64 (1 split, 1.3 waves: 0.95x -> 0.81x with 4k keys). A
-# split reads at least MIN_SPLIT_KEYS keys and two tiles: below that a block is mostly pipeline
-# prologue (16-key pages, 128 keys a split: batch 8 with 1k keys 0.89x, 256: 1.06x).
-ONE_WAVE = 132
+# Split-KV on CUDA. A wave is the blocks that run at once: SMS times the blocks whose shared memory
+# fits an SM (the default TMA-path block takes about 137 KiB: one; the page-gather block about
+# 72 KiB: three). A call whose head blocks fit one wave takes the most splits whose blocks fit it,
+# each block streaming one split start to end. H200, contiguous, SDPA / ours: batch 8 with 1k-4k
+# keys 2 splits 1.02-1.10x, where two waves (4 splits) gave 0.89-0.95x; batch 1 with 16k-32k keys
+# 16 splits 1.02-1.04x, 32 splits 0.93x. 16-key pages, side by side: batch 2, 6 and 8 with 4k-32k
+# keys 5-21% faster than the 1056 blocks (2-3 waves) they took before. A larger call takes one
+# split on the TMA path and, gathered, the splits that make at least GATHER_TARGET_BLOCKS (paged
+# batch 64 with 4k keys: 3 splits 0.95x, one split in 1.3 waves 0.81x). A split reads at least
+# MIN_SPLIT_KEYS keys and two tiles: below that a block is mostly pipeline prologue (16-key pages,
+# 128 keys a split: batch 8 with 1k keys 0.89x, 256: 1.06x).
 GATHER_TARGET_BLOCKS = 1056
 MIN_SPLIT_KEYS = 256
 # Page ids a block stages in shared memory before its loop (its split's first pages): the
@@ -179,14 +179,18 @@ class KVAttention(KernelKind):
         return dict(batch=batch, q_len=q_len, q=(batch, q_len, h, d), kv=kv_shape, table=table, part=part, lse=lse)
 
     def _num_splits(self, T, p, s):
-        """Splits per sequence of a CUDA call, chosen at run time on the host (a grid size): the blocks
-        that fill the GPU (ONE_WAVE, or GATHER_TARGET_BLOCKS when gathered), no split under
-        MIN_SPLIT_KEYS keys or two tiles, at most the build's num_splits."""
+        """Splits per sequence of a CUDA call, chosen at run time on the host: the split kernel's grid
+        x, which its device code reads back (grid_x), so this rule is evaluated once a call. The
+        most splits whose blocks fit one wave, or for a call too large for one wave one split (TMA)
+        or GATHER_TARGET_BLOCKS (gathered); no split under MIN_SPLIT_KEYS keys or two tiles, at
+        most the build's num_splits."""
         if p["num_splits"] == 1:
             return 1
         rows = s["q_len"] * (p["heads"] // p["kv_heads"])
         blocks = s["batch"] * p["kv_heads"] * T.ceildiv(rows, p["block_H"])  # per split
-        want = _cdiv(T, GATHER_TARGET_BLOCKS, blocks) if self._gather(p) else T.truncdiv(ONE_WAVE, blocks)
+        wave = SMS * max(1, SM_SMEM // self._smem(p["block_H"], p["block_N"], p["num_stages"], p["head_dim"]))
+        many = _cdiv(T, GATHER_TARGET_BLOCKS, blocks) if self._gather(p) else 1
+        want = T.if_then_else(blocks <= wave, T.truncdiv(wave, blocks), many)
         if p["paged"]:
             want = T.max(want, T.ceildiv(self._kv_span(s), PAGE_WINDOW * p["page_size"]))
         return T.max(1, T.min(p["num_splits"], T.min(want, T.ceildiv(self._kv_span(s), max(MIN_SPLIT_KEYS, 2 * p["block_N"])))))
@@ -437,7 +441,8 @@ class KVAttention(KernelKind):
                 h, f0 = hq % kvh, hq // kvh * bh
                 seq_len = seq_lens[b]
                 kend = seq_len - q_len + T.ceildiv(T.min(rows, f0 + bh), group)
-                chunk = T.ceildiv(_cdiv(T, T.max(kend, 0), nsplit), bn) * bn
+                splits = grid_x() if max_splits > 1 else 1  # nsplit, as the host launched it
+                chunk = T.ceildiv(_cdiv(T, T.max(kend, 0), splits), bn) * bn
                 start = sid * chunk
                 stop = T.min(kend, start + chunk)
                 # At least one step, all masked when the split is empty: the pipeline never runs zero times.
@@ -484,7 +489,7 @@ class KVAttention(KernelKind):
                     row_sum[i] = T.if_then_else(lsum[i] > 0, T.log2(lsum[i]) + m[i] * scale, ninf)
                 for i, c in T.Parallel(bh, d):
                     acc[i, c] *= r[i]
-                if nsplit == 1:
+                if splits == 1:
                     for i, c in T.Parallel(bh, d):
                         f = f0 + i
                         if f < rows:

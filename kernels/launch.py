@@ -1,5 +1,6 @@
-"""What every CUDA kernel of the zoo does first, inside its T.Kernel: build-time helpers
-(TileLang is imported when they run, not when this module is)."""
+"""What CUDA kernels of the zoo call inside their T.Kernel: programmatic dependent launch, which
+every one does first, and reading the grid's size on the device. Build-time helpers (TileLang is
+imported when they run, not when this module is)."""
 
 
 def dependent_launch(target, trigger=True):
@@ -30,3 +31,15 @@ def launch_dependents(target):
         from tilelang.cuda.language import pdl_trigger
 
         T.evaluate(pdl_trigger())
+
+
+GRID_X = "__device__ __forceinline__ int grid_x() { return gridDim.x; }\n"
+
+
+def grid_x():
+    """The grid's x extent read on the device (gridDim.x): a size the host computed from runtime
+    dims, without its expression in the device code (there it would also be evaluated per use)."""
+    import tilelang.language as T
+
+    T.import_source(GRID_X)
+    return T.call_extern("int32", "grid_x")

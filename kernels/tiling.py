@@ -8,6 +8,9 @@ from .spec import InvalidSpec
 # Shared memory a block may use, by compute capability (KiB, leaving room for
 # barriers): Hopper/B200 227, A100 163, consumer parts 99, Turing 64.
 _SMEM_KIB = {90: 220, 100: 220, 103: 220, 80: 160, 87: 160, 75: 64}
+# An H100/H200 SXM: the decode kernels size their grids to whole waves of these SMs.
+SMS = 132
+SM_SMEM = 228 * 1024  # shared memory per SM, which its resident blocks divide (NVIDIA Hopper tuning guide)
 
 
 def smem_limit(target):

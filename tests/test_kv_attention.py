@@ -3,6 +3,8 @@ or paged; GQA; split-KV). CPU numerics through the daemon, the spec's rules, CUD
 sm_90a (cross-compiled here), and GPU numerics where a GPU is visible. Sizes are ragged: no
 multiple of any tile, seq_lens differing per sequence."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -153,14 +155,29 @@ def _splits(params, keys):
 
 
 def test_decode_splits_fill_one_wave_of_sms():
-    """A contiguous cache takes the most splits whose blocks (one per SM) fit one full wave of an
-    H200's 132 SMs; a gathered (paged) one aims for at least GATHER_TARGET_BLOCKS; no split reads
-    under MIN_SPLIT_KEYS keys."""
+    """A call whose blocks fit one wave takes the most splits that fit it: 132 SMs times the
+    blocks whose shared memory fits one (a TMA block: one; a page-gather block: three). A larger
+    call takes one split (TMA) or aims for GATHER_TARGET_BLOCKS (gathered); no split reads under
+    MIN_SPLIT_KEYS keys."""
     assert [_splits(dict(DECODE, batch=8), n) for n in (1024, 4096, 32768)] == [2, 2, 2]  # 8 x 8 heads x 2 = 128 blocks, not 256
     assert [_splits(dict(DECODE, batch=1), n) for n in (1024, 4096, 32768)] == [4, 16, 16]  # 256 keys a split; one wave
     assert _splits(dict(DECODE, batch=64), 32768) == 1
-    assert [_splits(dict(DECODE, batch=8, paged=True), n) for n in (1024, 4096)] == [4, 16]  # 256 keys: four 64-key tiles
+    paged = dict(DECODE, paged=True)
+    assert [_splits(dict(paged, batch=8), n) for n in (1024, 4096, 32768)] == [4, 6, 6]  # 256 keys: four 64-key tiles; 384 of 396 blocks
+    assert _splits(dict(paged, batch=2), 32768) == 24  # 384 blocks, not 32 splits' 512 (1.3 waves)
+    assert _splits(dict(paged, batch=64), 4096) == 3  # 512 head blocks are more than a wave: 1536 >= 1056
     assert _splits(dict(DECODE, batch=8, num_splits=1), 4096) == 1
+
+
+def test_split_kernel_reads_its_split_count_from_the_grid():
+    """The split count is computed once a call, on the host, as the split kernel's grid x; the
+    kernel reads it back (gridDim.x) instead of carrying the rule into its device code, where it
+    was inlined at each use (a wider rule there measured up to 25% slower on the H200). The rule
+    reads the cache's length (max_kv); the split kernel itself never needs it (TMA reads K and V)."""
+    src = cuda_source(KIND, DECODE)
+    split_kernel = src.split("__launch_bounds__")[1]  # its definition, up to the combine kernel's
+    assert "int splits = grid_x();" in split_kernel
+    assert not re.search(r"\bmax_kv\b", split_kernel.split("{", 1)[1])
 
 
 @pytest.mark.parametrize(
