@@ -19,7 +19,7 @@ CPU_SCRATCH = 256 * 1024
 # each block streaming one split start to end. H200, contiguous, SDPA / ours: batch 8 with 1k-4k
 # keys 2 splits 1.02-1.10x, where two waves (4 splits) gave 0.89-0.95x; batch 1 with 16k-32k keys
 # 16 splits 1.02-1.04x, 32 splits 0.93x. 16-key pages, side by side: batch 2, 6 and 8 with 4k-32k
-# keys 5-21% faster than the 1056 blocks (2-3 waves) they took before. A larger call takes one
+# keys 5-20% faster than aiming at 1056 blocks (1.3-3 waves) as before. A larger call takes one
 # split on the TMA path and, gathered, the splits that make at least GATHER_TARGET_BLOCKS (paged
 # batch 64 with 4k keys: 3 splits 0.95x, one split in 1.3 waves 0.81x). A split reads at least
 # MIN_SPLIT_KEYS keys and two tiles: below that a block is mostly pipeline prologue (16-key pages,
