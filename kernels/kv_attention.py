@@ -19,11 +19,14 @@ CPU_SCRATCH = 256 * 1024
 # each block streaming one split start to end. H200, contiguous, SDPA / ours: batch 8 with 1k-4k
 # keys 2 splits 1.02-1.10x, where two waves (4 splits) gave 0.89-0.95x; batch 1 with 16k-32k keys
 # 16 splits 1.02-1.04x, 32 splits 0.93x. 16-key pages, side by side: batch 2, 6 and 8 with 4k-32k
-# keys 5-20% faster than aiming at 1056 blocks (1.3-3 waves) as before. A larger call takes one
-# split on the TMA path and, gathered, the splits that make at least GATHER_TARGET_BLOCKS (paged
-# batch 64 with 4k keys: 3 splits 0.95x, one split in 1.3 waves 0.81x). A split reads at least
-# MIN_SPLIT_KEYS keys and two tiles: below that a block is mostly pipeline prologue (16-key pages,
-# 128 keys a split: batch 8 with 1k keys 0.89x, 256: 1.06x).
+# keys 5-20% faster than aiming at 1056 blocks (1.3-3 waves) as before. A larger call takes, on the
+# TMA path, the splits that fill its last wave (_filling_splits), and gathered, the splits that make
+# at least GATHER_TARGET_BLOCKS (paged batch 64 with 4k keys: 3 splits 0.95x, one split in 1.3
+# waves 0.81x); short TMA splits fill three quarters of a wave (see _num_splits). A gathered split
+# reads at least MIN_SPLIT_KEYS keys and two tiles: below that a block is mostly pipeline prologue
+# (16-key pages, 128 keys a split: batch 8 with 1k keys 0.89x, 256: 1.06x), unless that leaves
+# most SMs idle; a TMA split at least one tile (batch 1 with 1k keys, 8 splits of one tile:
+# 6.5 us, 4 of two: 7.3-7.8 us).
 GATHER_TARGET_BLOCKS = 1056
 MIN_SPLIT_KEYS = 256
 # Page ids a block stages in shared memory before its loop (its split's first pages): the
@@ -43,6 +46,25 @@ def _splits_by_rule(p):
     """Most splits a build may use: split-KV pays for small batches of few query rows; a chunked
     prefill (many or runtime q_len) has parallelism enough in its query blocks."""
     return DEFAULT_MAX_SPLITS if p["q_len"] is not None and p["q_len"] <= 16 else 1
+
+
+def _filling_splits(T, blocks, wave, tiles):
+    """Splits for a TMA-path call of more head blocks than one wave (one block per SM), where one
+    split can leave the last wave nearly empty (batch 17: 136 blocks, a second wave of 4: 0.69x
+    SDPA on the H200). The most splits whose blocks fit 2w + 1 waves, where one split takes w,
+    when that fills the waves at least 5 points better than one split and leaves each split 4
+    tiles; else one. A single candidate, not a search: lowering pays for this host expression's
+    size (a search over 1-4 splits, 315 nodes, took 510 s to lower, this rule 13 s).
+    H200, SDPA / ours, one split -> the count taken, side by side: batch 17 with 4k / 16k keys
+    0.68x / 0.70x -> 0.87x / 1.00x (4), batch 20 with 16k 0.74x -> 1.02x (4), batch 36 with 4k
+    1.07x -> 1.12x (3), batch 56 with 4k / 16k 0.93x / 0.95x -> 0.98x / 1.05x (2); batch 28, 44
+    and 64 keep one (2 or 4 splits measured 4-7% slower there)."""
+    waves = T.ceildiv(blocks, wave)
+    s = T.max(1, T.truncdiv((2 * waves + 1) * wave, blocks))
+    s_waves = T.ceildiv(s * blocks, wave)
+    # s*blocks / (s_waves*wave) >= blocks / (waves*wave) + 1/20, in integers
+    better = 20 * (s * blocks * waves - blocks * s_waves) >= s_waves * waves * wave
+    return T.if_then_else(T.And(better, 4 * s <= tiles), s, 1)
 
 
 @register
@@ -180,20 +202,44 @@ class KVAttention(KernelKind):
 
     def _num_splits(self, T, p, s):
         """Splits per sequence of a CUDA call, chosen at run time on the host: the split kernel's grid
-        x, which its device code reads back (grid_x), so this rule is evaluated once a call. The
-        most splits whose blocks fit one wave, or for a call too large for one wave one split (TMA)
-        or GATHER_TARGET_BLOCKS (gathered); no split under MIN_SPLIT_KEYS keys or two tiles, at
-        most the build's num_splits."""
+        x, which its device code reads back (grid_x); the combine kernel reads it once. The most
+        splits whose blocks fit one wave (three quarters of one for short TMA splits), or for a
+        call too large for one wave _filling_splits
+        (TMA) or GATHER_TARGET_BLOCKS (gathered); each split at least one tile (TMA) or
+        MIN_SPLIT_KEYS keys and two tiles (gathered, two tiles for a small call); at most the
+        build's num_splits."""
         if p["num_splits"] == 1:
             return 1
+        bn = p["block_N"]
         rows = s["q_len"] * (p["heads"] // p["kv_heads"])
         blocks = s["batch"] * p["kv_heads"] * T.ceildiv(rows, p["block_H"])  # per split
-        wave = SMS * max(1, SM_SMEM // self._smem(p["block_H"], p["block_N"], p["num_stages"], p["head_dim"]))
-        many = _cdiv(T, GATHER_TARGET_BLOCKS, blocks) if self._gather(p) else 1
-        want = T.if_then_else(blocks <= wave, T.truncdiv(wave, blocks), many)
+        wave = SMS * max(1, SM_SMEM // self._smem(p["block_H"], bn, p["num_stages"], p["head_dim"]))
+        span = self._kv_span(s)
+        tiles = T.ceildiv(span, bn)
+        one_wave = T.truncdiv(wave, blocks)
+        if self._gather(p):
+            # Splits of MIN_SPLIT_KEYS that would leave over half the SMs idle go down to two tiles
+            # (H200, 16-key pages: batch 1 with 1k / 2k keys 0.91x / 0.95x -> 1.08x / 1.03x, batch
+            # 2 with 1k 0.99x -> 1.13x).
+            few = blocks * T.ceildiv(span, MIN_SPLIT_KEYS) < SMS // 2
+            many = _cdiv(T, GATHER_TARGET_BLOCKS, blocks)
+            fewest_keys = T.if_then_else(few, 2 * bn, max(MIN_SPLIT_KEYS, 2 * bn))
+        else:
+            many, fewest_keys = _filling_splits(T, blocks, wave, tiles), bn
+            # Short splits, four or more of them, aim at three quarters of a wave (H200: batch 1
+            # with 4k-12k keys, 11-12 splits against 16, 3-10% faster over three runs; batch 3 with
+            # 4k, 4 against 5, 4-6%). Not at 8 tiles a split or more, where a wave's worth of splits
+            # streams longer (batch 1 with 16k keys: the same time), nor under 4 splits (batch 8:
+            # 1 against 2, 10-16% slower). As many splits as their whole tiles need: 16 tiles over
+            # 12 splits is 8 splits of 2 (12 left 4 blocks empty: batch 1 with 2k keys 8.8 us, 8
+            # splits 8.1).
+            quarters = T.truncdiv(wave * 3 // 4, blocks)
+            short = T.And(quarters >= 4, tiles < 8 * one_wave)
+            one_wave = T.if_then_else(short, T.ceildiv(tiles, T.ceildiv(tiles, T.max(1, quarters))), one_wave)
+        want = T.if_then_else(blocks <= wave, one_wave, many)
         if p["paged"]:
-            want = T.max(want, T.ceildiv(self._kv_span(s), PAGE_WINDOW * p["page_size"]))
-        return T.max(1, T.min(p["num_splits"], T.min(want, T.ceildiv(self._kv_span(s), max(MIN_SPLIT_KEYS, 2 * p["block_N"])))))
+            want = T.max(want, T.ceildiv(span, PAGE_WINDOW * p["page_size"]))
+        return T.max(1, T.min(p["num_splits"], T.min(want, T.ceildiv(span, fewest_keys))))
 
     @staticmethod
     def _kv_span(s):
@@ -507,27 +553,32 @@ class KVAttention(KernelKind):
         @T.macro
         def combine_body(O_part, LSE, O):
             if max_splits > 1:
-                with T.Kernel(heads, q_len, batch, threads=d) as (hh, i, b):
+                # One idle block when the split kernel wrote O itself: a full grid of idle blocks
+                # cost up to 2.3 us (batch 64 with 1k keys, one split: 71.1 -> 68.8 us, H200).
+                combines = T.if_then_else(nsplit > 1, heads, 1)
+                with T.Kernel(combines, q_len, T.if_then_else(nsplit > 1, batch, 1), threads=d) as (hh, i, b):
                     dependent_launch(target)
                     # The splits' log-sum-exps are loaded once, a thread each, and read from shared
                     # memory; the partial outputs are summed over the splits this call made, not the
                     # build's most (loops over num_splits cost in proportion, measured on the H200).
                     lse_s = T.alloc_shared((max_splits,), acc_t)
+                    splits = T.alloc_local((1,), "int32")  # the rule evaluated once, not at each use
                     mx = T.alloc_local((1,), acc_t)
                     tot = T.alloc_local((1,), acc_t)
                     acc = T.alloc_fragment((d,), acc_t)
-                    if nsplit > 1:  # else the split kernel wrote O
+                    splits[0] = nsplit
+                    if splits[0] > 1:  # else the split kernel wrote O
                         for sp in T.Parallel(max_splits):
-                            lse_s[sp] = T.if_then_else(sp < nsplit, LSE[T.min(sp, max_splits - 1), b, i, hh], ninf)
+                            lse_s[sp] = T.if_then_else(sp < splits[0], LSE[T.min(sp, max_splits - 1), b, i, hh], ninf)
                         mx[0] = ninf
-                        for sp in T.serial(nsplit):
+                        for sp in T.serial(splits[0]):
                             mx[0] = T.max(mx[0], lse_s[sp])
                         tot[0] = 0
-                        for sp in T.serial(nsplit):
+                        for sp in T.serial(splits[0]):
                             tot[0] += T.if_then_else(mx[0] == ninf, 0, T.exp2(lse_s[sp] - mx[0]))
                         for c in T.Parallel(d):
                             acc[c] = 0
-                            for sp in T.serial(nsplit):
+                            for sp in T.serial(splits[0]):
                                 acc[c] += T.if_then_else(mx[0] == ninf, 0, T.exp2(lse_s[sp] - mx[0])) * O_part[sp, b, i, hh, c]
                             O[b, i, hh, c] = T.if_then_else(tot[0] > 0, acc[c] / tot[0], 0)
 

@@ -157,16 +157,44 @@ def _splits(params, keys):
 def test_decode_splits_fill_one_wave_of_sms():
     """A call whose blocks fit one wave takes the most splits that fit it: 132 SMs times the
     blocks whose shared memory fits one (a TMA block: one; a page-gather block: three). A larger
-    call takes one split (TMA) or aims for GATHER_TARGET_BLOCKS (gathered); no split reads under
-    MIN_SPLIT_KEYS keys."""
+    gathered call aims for GATHER_TARGET_BLOCKS; a gathered split reads at least MIN_SPLIT_KEYS
+    keys (two tiles when that would leave over half the SMs idle), a TMA split one tile."""
     assert [_splits(dict(DECODE, batch=8), n) for n in (1024, 4096, 32768)] == [2, 2, 2]  # 8 x 8 heads x 2 = 128 blocks, not 256
-    assert [_splits(dict(DECODE, batch=1), n) for n in (1024, 4096, 32768)] == [4, 16, 16]  # 256 keys a split; one wave
+    assert [_splits(dict(DECODE, batch=1), n) for n in (1024, 4096, 32768)] == [8, 11, 16]  # 1k: 8 one-tile splits; 4k: 3/4 of a wave, 3 tiles each
     assert _splits(dict(DECODE, batch=64), 32768) == 1
     paged = dict(DECODE, paged=True)
     assert [_splits(dict(paged, batch=8), n) for n in (1024, 4096, 32768)] == [4, 6, 6]  # 256 keys: four 64-key tiles; 384 of 396 blocks
+    assert [_splits(dict(paged, batch=1), n) for n in (1024, 2048, 4096)] == [8, 16, 16]  # 4 splits of 256 keys would be 32 blocks
     assert _splits(dict(paged, batch=2), 32768) == 24  # 384 blocks, not 32 splits' 512 (1.3 waves)
     assert _splits(dict(paged, batch=64), 4096) == 3  # 512 head blocks are more than a wave: 1536 >= 1056
     assert _splits(dict(DECODE, batch=8, num_splits=1), 4096) == 1
+
+
+def test_decode_splits_past_one_wave_fill_the_last_wave():
+    """A TMA call of more head blocks than a wave splits when one split would leave its last wave
+    part-filled (kv_attention._filling_splits): batch 17 is 136 head blocks, a full wave and 4 more;
+    as 4 splits, 544 blocks fill 5 waves to 82% (H200: 0.70x -> 1.00x SDPA at 16k keys). A
+    batch whose one split already fills its waves keeps it, as does a cache too short for 4
+    tiles a split."""
+    got = {b: _splits(dict(DECODE, batch=b), 16384) for b in (17, 20, 24, 28, 36, 44, 56, 64)}
+    assert got == {17: 4, 20: 4, 24: 3, 28: 1, 36: 3, 44: 1, 56: 2, 64: 1}
+    assert [_splits(dict(DECODE, batch=17), n) for n in (1024, 2048)] == [1, 4]  # 8 tiles: 4 splits would read 2 each
+
+
+def test_split_rule_stays_a_small_host_expression():
+    """The split count is a TIR expression of the call's sizes, and TileLang's lowering pays for
+    its size at every use of the grid it sizes (sm_90a, this machine): one split past a wave, 20
+    nodes, lowered in 8 s; the kept rule, 86 nodes, 13 s; a search over 1-4 splits at two fill
+    thresholds, 152 nodes, 51 s, and with a wave cap, 315 nodes, 510 s."""
+    import tilelang.language as T
+    from tvm import tirx
+
+    kind = kernels.get_kind(KIND)
+    for params in (DECODE, dict(DECODE, paged=True)):
+        p = dict(kernels.canonicalize(KIND, params, "sm_90a").params)
+        nodes = []
+        tirx.stmt_functor.post_order_visit(kind._num_splits(T, p, kind._shapes(T, p)), nodes.append)
+        assert len(nodes) <= 100, (params, len(nodes))
 
 
 def test_split_kernel_reads_its_split_count_from_the_grid():
@@ -214,6 +242,9 @@ GPU_CASES = [
     # One warp a block, contiguous (TMA) and paged.
     (dict(DECODE, block_N=32, threads=32), dict(batch=2, max_kv=700), [1, 700]),
     (dict(DECODE, paged=True, block_N=32, threads=32), dict(batch=3, max_kv=500), None),
+    # Past one wave: 136 head blocks in 4 splits (_filling_splits); 264 in one, the combine one idle block.
+    (DECODE, dict(batch=17, max_kv=2100), None),
+    (DECODE, dict(batch=33, max_kv=600), None),
 ]
 
 
