@@ -204,10 +204,9 @@ class KVAttention(KernelKind):
         """Splits per sequence of a CUDA call, chosen at run time on the host: the split kernel's grid
         x, which its device code reads back (grid_x); the combine kernel reads it once. The most
         splits whose blocks fit one wave (three quarters of one for short TMA splits), or for a
-        call too large for one wave _filling_splits
-        (TMA) or GATHER_TARGET_BLOCKS (gathered); each split at least one tile (TMA) or
-        MIN_SPLIT_KEYS keys and two tiles (gathered, two tiles for a small call); at most the
-        build's num_splits."""
+        call too large for one wave _filling_splits (TMA) or GATHER_TARGET_BLOCKS (gathered);
+        each split at least one tile (TMA) or MIN_SPLIT_KEYS keys and two tiles (gathered; two
+        tiles for a small call); at most the build's num_splits."""
         if p["num_splits"] == 1:
             return 1
         bn = p["block_N"]
@@ -233,9 +232,9 @@ class KVAttention(KernelKind):
             # 1 against 2, 10-16% slower). As many splits as their whole tiles need: 16 tiles over
             # 12 splits is 8 splits of 2 (12 left 4 blocks empty: batch 1 with 2k keys 8.8 us, 8
             # splits 8.1).
-            quarters = T.truncdiv(wave * 3 // 4, blocks)
-            short = T.And(quarters >= 4, tiles < 8 * one_wave)
-            one_wave = T.if_then_else(short, T.ceildiv(tiles, T.ceildiv(tiles, T.max(1, quarters))), one_wave)
+            three_quarters = T.truncdiv(wave * 3 // 4, blocks)
+            short = T.And(three_quarters >= 4, tiles < 8 * one_wave)
+            one_wave = T.if_then_else(short, T.ceildiv(tiles, T.ceildiv(tiles, T.max(1, three_quarters))), one_wave)
         want = T.if_then_else(blocks <= wave, one_wave, many)
         if p["paged"]:
             want = T.max(want, T.ceildiv(span, PAGE_WINDOW * p["page_size"]))
