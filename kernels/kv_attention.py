@@ -215,7 +215,7 @@ class KVAttention(KernelKind):
         wave = SMS * max(1, SM_SMEM // self._smem(p["block_H"], bn, p["num_stages"], p["head_dim"]))
         span = self._kv_span(s)
         tiles = T.ceildiv(span, bn)
-        one_wave = T.truncdiv(wave, blocks)
+        fit = T.truncdiv(wave, blocks)  # the most splits whose blocks fit one wave
         if self._gather(p):
             # Splits of MIN_SPLIT_KEYS that would leave over half the SMs idle go down to two tiles
             # (H200, 16-key pages: batch 1 with 1k / 2k keys 0.91x / 0.95x -> 1.08x / 1.03x, batch
@@ -233,9 +233,9 @@ class KVAttention(KernelKind):
             # 12 splits is 8 splits of 2 (12 left 4 blocks empty: batch 1 with 2k keys 8.8 us, 8
             # splits 8.1).
             three_quarters = T.truncdiv(wave * 3 // 4, blocks)
-            short = T.And(three_quarters >= 4, tiles < 8 * one_wave)
-            one_wave = T.if_then_else(short, T.ceildiv(tiles, T.ceildiv(tiles, T.max(1, three_quarters))), one_wave)
-        want = T.if_then_else(blocks <= wave, one_wave, many)
+            short = T.And(three_quarters >= 4, tiles < 8 * fit)
+            fit = T.if_then_else(short, T.ceildiv(tiles, T.ceildiv(tiles, T.max(1, three_quarters))), fit)
+        want = T.if_then_else(blocks <= wave, fit, many)
         if p["paged"]:
             want = T.max(want, T.ceildiv(span, PAGE_WINDOW * p["page_size"]))
         return T.max(1, T.min(p["num_splits"], T.min(want, T.ceildiv(span, fewest_keys))))
