@@ -232,7 +232,8 @@ def prim_func_scratch(T, body, M, N, K, b_shape, dtype, has_bias, has_res, w_sha
 @register
 class Gemm(KernelKind):
     name = "gemm"
-    warm_up = ({"M": 256, "N": 256, "K": 256, "dtype": "float16", "trans_b": True},)
+    # One per family of generated headers: the wgmma tiles, and the small-M split-K tiles (rows <= 32).
+    warm_up = ({"M": 256, "N": 256, "K": 256, "dtype": "float16", "trans_b": True}, {"M": 16, "N": 256, "K": 256, "dtype": "float16", "trans_b": True})
     doc = "C[M,N] = act(A[M,K] @ B + bias[N]) + R[M,N], with B as [K,N] or, when trans_b, [N,K]; bias and R optional; C may be written over R."
     params = (
         dim("M", "rows of A and C; None makes it a runtime size", dynamic=True),

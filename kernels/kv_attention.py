@@ -71,6 +71,10 @@ def _filling_splits(T, blocks, wave, tiles):
 class KVAttention(KernelKind):
     name = "kv_attention"
     compile_cost = 3.0
+    warm_up = (  # the two read paths generate different headers
+        {"batch": 1, "heads": 8, "kv_heads": 8, "q_len": 1, "head_dim": 128, "dtype": "float16"},
+        {"batch": 1, "heads": 8, "kv_heads": 8, "q_len": 1, "head_dim": 128, "paged": True, "dtype": "float16"},
+    )
     doc = (
         "O = softmax(Q K^T / sqrt(d)) V of Q,O [batch,q_len,heads,head_dim] against a KV cache: K,V [batch,max_kv,kv_heads,head_dim], "
         "or with paged [num_pages,page_size,kv_heads,head_dim] plus block_table int32 [batch,max_blocks]; seq_lens int32 [batch] keys "

@@ -33,7 +33,9 @@ def launch_dependents(target):
         T.evaluate(pdl_trigger())
 
 
-GRID_X = "__device__ __forceinline__ int grid_x() { return gridDim.x; }\n"
+# A macro, not a function: TileLang puts imported source above its #includes, and a directive
+# there keeps the include block NVRTC precompiles (build/nvrtc.py) whole; a function would end it.
+GRID_X = "#define grid_x() ((int)gridDim.x)\n"
 
 
 def grid_x():

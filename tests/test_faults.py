@@ -64,9 +64,10 @@ def wait_for(predicate, timeout: float = 90, what: str = "condition") -> None:
         time.sleep(0.02)
 
 
-def children(pid: int) -> list[int]:
-    """Every child process of `pid` (all its threads' children)."""
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (all its threads' children, theirs, ...)."""
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    return children + [d for c in children for d in descendants(c)]
 
 
 def alive(pid: int) -> bool:
@@ -84,11 +85,12 @@ def test_kill_9_mid_burst_leaves_a_cache_a_new_daemon_serves(make_daemon):
     store = Store(d.cache_dir, create=False)
     # Kill once some entries are published and another compile is under way.
     wait_for(lambda: len(store.keys()) >= 2 and any(store.staging_dir.iterdir()), what="a published entry and a compile in progress")
-    workers = children(d.proc.pid)
+    workers = descendants(d.proc.pid)
+    assert len(workers) >= 3  # the zygote, its workers (and multiprocessing's resource tracker)
     d.proc.kill()
     d.proc.wait()
     runner.communicate(timeout=60)
-    # Its compile workers (and multiprocessing's resource tracker) die with it.
+    # The zygote and its compile workers (and the resource tracker) die with it.
     wait_for(lambda: not [p for p in workers if alive(p)], timeout=10, what="the killed daemon's workers to die")
     # Read-only verify: dead writers' staging dirs at most, never a corrupt entry.
     rc, report = verify_cli(d.cache_dir)

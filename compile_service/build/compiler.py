@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -74,7 +75,10 @@ def worker_init(
     daemon's store owns the entries.
 
     `warm_target` ("sm_90a", "auto"): with NVRTC, the target whose precompiled headers
-    warm_step builds, one prelude at a time, when the scheduler has nothing else to do.
+    are built here: those of the preludes an earlier warm-up found (a file in the
+    device-binary directory) on a thread while TileLang imports (they need NVRTC only),
+    and any others by warm_step, one prelude at a time, when the scheduler has nothing
+    else to do. Run in the zygote, this warms every worker forked from it.
     `log_level`: log like the daemon (a spawned process starts with no logging set up).
     """
     if log_level is not None:
@@ -83,11 +87,14 @@ def worker_init(
 
     kernel_plugins.load(**(plugins or {}))
 
+    device = devices.get(cuda_compiler)
+    _warm["target"] = warm_target if cuda_compiler == devices.NVRTC else None
+    warming = _warm_known_preludes(device, device_binary_dir(Path(cache_root), device.id)) if cache_root and _warm["target"] else None
+
     import tilelang  # noqa: F401
     import tvm_ffi
     from tilelang.env import env
 
-    device = devices.get(cuda_compiler)
     if cache_root:
         binaries = device_binary_dir(Path(cache_root), device.id)
         binaries.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -96,7 +103,6 @@ def worker_init(
     logging.getLogger("tilelang").setLevel(logging.WARNING)
 
     compile_device = device.callback()
-    _warm["target"] = warm_target if cuda_compiler == devices.NVRTC else None
 
     locks = Path(env.TILELANG_CACHE_DIR) / "locks"
     locks.mkdir(parents=True, exist_ok=True)
@@ -115,6 +121,58 @@ def worker_init(
 
     tvm_ffi.register_global_func("tilelang_callback_cuda_compile", f=compile_once, override=True)
     _device["compiler"], _device["callback"] = device, compile_once
+    if warming is not None:
+        warming.join()
+
+
+def _cuda_warm_target():
+    """The CUDA target whose headers this process warms, or None."""
+    import kernels
+
+    target = kernels.parse_target(_warm["target"]) if _warm["target"] else None
+    return None if target is None or target.is_cpu else target
+
+
+def _preludes_file(binaries: Path, target) -> Path:
+    """Where the first warm-up leaves the preludes TileLang generates for the registered kinds'
+    warm-up examples, keyed by everything that shapes them."""
+    import kernels
+
+    from ..keys import tilelang_version
+
+    sources_digest = hashlib.sha256("".join(kernels.source_digest(k) for k in sorted(kernels.kinds())).encode()).hexdigest()
+    return binaries / f"nvrtc-preludes-{target.arch}-{tilelang_version()}-{sources_digest[:16]}.json"
+
+
+def _warm_known_preludes(device, binaries: Path):
+    """A started thread building the PCHs of the preludes an earlier warm-up found, or None."""
+    target = _cuda_warm_target()
+    try:
+        preludes = json.loads(_preludes_file(binaries, target).read_text()) if target else None
+    except (OSError, ValueError):
+        preludes = None
+    if not isinstance(preludes, list) or not all(isinstance(p, str) for p in preludes):
+        return None
+
+    def warm():
+        start = time.perf_counter()
+        try:
+            device.warm(preludes, str(target.arch))
+        except Exception as exc:  # noqa: BLE001 - a failed warm-up costs only speed
+            log.warning("NVRTC warm-up of the known preludes failed: %s: %s", type(exc).__name__, exc)
+            return
+        _warm["done"].update(preludes)
+        log.info("NVRTC precompiled headers for %d known preludes built in %.1f s", len(preludes), time.perf_counter() - start)
+
+    thread = threading.Thread(target=warm, name="pch-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
+def worker_forked() -> None:
+    """In a worker forked from a process that ran worker_init (the zygote): everything is set
+    up and inherited, PCHs included; only the device compiler's private scratch is new."""
+    _device["compiler"].forked()
 
 
 def warm_step() -> tuple[int, bool]:
@@ -127,18 +185,13 @@ def warm_step() -> tuple[int, bool]:
     the first worker to get there does it and leaves them in the device-binary
     directory, keyed by everything that shapes them, for the others and later daemons.
     """
-    import kernels
     from tilelang.env import env
 
-    from ..keys import tilelang_version
-
     pid = os.getpid()
-    text = _warm["target"]
-    target = kernels.parse_target(text) if text else None
-    if target is None or target.is_cpu:
+    target = _cuda_warm_target()
+    if target is None:
         return pid, True
-    sources_digest = hashlib.sha256("".join(kernels.source_digest(k) for k in sorted(kernels.kinds())).encode()).hexdigest()
-    known = Path(env.TILELANG_CACHE_DIR) / f"nvrtc-preludes-{target.arch}-{tilelang_version()}-{sources_digest[:16]}.json"
+    known = _preludes_file(Path(env.TILELANG_CACHE_DIR), target)
     try:
         preludes = json.loads(known.read_text())
     except (OSError, ValueError):

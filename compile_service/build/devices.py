@@ -40,8 +40,13 @@ class DeviceCompiler:
         raise NotImplementedError
 
     def warm(self, sources: list[str], arch: str) -> int:
-        """Prepares for compiling `sources`' kind of code (NVRTC: parses their header preludes)."""
+        """Prepares for compiling `sources`' kind of code (NVRTC: parses their header preludes).
+        Needs no TileLang import, so it can run beside one."""
         return 0
+
+    def forked(self) -> None:
+        """In a process forked from the one that set this compiler up (a worker, from the zygote):
+        what must not be shared with siblings is made anew."""
 
     @property
     def compiles(self) -> int | None:
@@ -89,14 +94,26 @@ class Nvrtc(DeviceCompiler):
 
         return nvrtc.unavailable_reason()
 
+    def _nvrtc(self):
+        from . import nvrtc
+
+        if self._compiler is None:
+            self._compiler = nvrtc.Compiler(nvrtc.private_pch_dir())
+        return self._compiler
+
     def callback(self) -> Callable:
         from . import nvrtc
 
-        self._compiler = nvrtc.Compiler(nvrtc.private_pch_dir())
-        return nvrtc.callback(self._compiler)
+        return nvrtc.callback(self._nvrtc())
 
     def warm(self, sources: list[str], arch: str) -> int:
-        return self._compiler.warm(sources, arch)
+        return self._nvrtc().warm(sources, arch)
+
+    def forked(self) -> None:
+        from . import nvrtc
+
+        if self._compiler is not None:  # the parent's PCHs stay usable; new ones go to a directory of our own
+            self._compiler.adopt(nvrtc.private_pch_dir())
 
     @property
     def compiles(self) -> int | None:

@@ -9,14 +9,15 @@ same on both paths. (TileLang's own NVRTC backend also swaps the host side for
 a Python launcher, and refuses to run where no GPU is visible; an explicit
 `--gpu-architecture` is all NVRTC needs, so this path cross-compiles too.)
 
-What makes it fast is NVRTC's automatic precompiled headers (`-pch`, NVRTC 12.8
-and later): the first compile of a given #include prelude parses the headers
-and keeps the result in this process; every later compile with the same
-prelude reuses it. TileLang emits a handful of distinct preludes (one per
-family of kernels), so a worker pays the header parse once per family: an
-sm_90a GEMM's device code takes 1.4 s the first time and 0.25 s after.
-A PCH is tied to the address of NVRTC's heap in the process that made it, so
-it cannot be shared between workers; `warm()` builds them at worker start.
+What makes it fast is NVRTC's precompiled headers (NVRTC 12.8 and later): the
+first compile of a given #include prelude parses the headers and saves the
+result; every later compile with the same prelude reuses it. TileLang emits a
+handful of distinct preludes (one per family of kernels), so a process pays the
+header parse once per family: an sm_90a GEMM's device code takes 1.4 s the
+first time and 0.25 s after. A PCH is tied to the address of NVRTC's heap in
+the process that made it, so workers cannot share one, except by forking from
+the process that made it: the zygote builds the PCHs it knows of before the
+workers fork (build.workers), and `warm()` builds the rest in each worker.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ from pathlib import Path
 from ..fsutil import pid_alive
 
 log = logging.getLogger(__name__)
+
+# What NVRTC reads before TileLang's source. It has no system headers: TileLang's shim stands in
+# for <cstdint> and friends. The device runtime's header declares programmatic dependent launch
+# (cudaGridDependencySynchronize), which nvcc includes implicitly. The same for every source, so
+# the include block a PCH covers is the same for warm-up and real compiles.
+_PREFIX = '#include <tl_templates/cuda/nvrtc_std.h>\n#include "cuda_device_runtime_api.h"\n'
 
 # Diagnostics TileLang's headers trigger under NVRTC that say nothing about the kernel:
 # 1444 deprecated longlong4, 20012 host/device annotations ignored on defaulted members.
@@ -119,42 +126,79 @@ def prelude(code: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tilelang_include_dirs() -> tuple[str, str]:
+    """TileLang's template and CUTLASS include directories, found as tilelang.env finds them
+    ($TL_TEMPLATE_PATH, $TL_CUTLASS_PATH, else beside the package) but without importing
+    TileLang: a worker parses the headers while its TileLang import runs."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("tilelang")
+    root = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else ""
+    third_party = os.path.join(root, "3rdparty")
+    return (
+        os.environ.get("TL_TEMPLATE_PATH") or os.path.join(third_party, "..", "src"),
+        os.environ.get("TL_CUTLASS_PATH") or os.path.join(third_party, "cutlass", "include"),
+    )
+
+
 class Compiler:
-    """One process's NVRTC: fixed options, and the PCHs it has built so far."""
+    """One process's NVRTC: fixed options, and the PCHs it (or the process it was forked from)
+    has built so far.
+
+    PCHs are explicit (`--create-pch` / `--use-pch`), one file per prelude and options, so
+    a worker forked from a process that built them uses them (they are tied to NVRTC's heap,
+    which a fork keeps at the same address), and writes the ones it makes itself into its
+    own directory, never into the shared one.
+    """
 
     def __init__(self, pch_dir: str | None = None):
-        import tilelang
-        from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
-
         reason = unavailable_reason()
         if reason:
             raise NvrtcError(reason)
-        templates = TILELANG_TEMPLATE_PATH or os.path.join(os.path.dirname(tilelang.__file__), "src")
+        templates, cutlass = tilelang_include_dirs()
         self.options = [
             "-std=c++20",
             f"-I{templates}",
-            f"-I{CUTLASS_INCLUDE_DIR}",
+            f"-I{cutlass}",
             *(f"-I{d}" for d in cuda_include_dirs()),
             f"-D__CUDACC_VER_MAJOR__={version().split('.')[0]}",
             "-default-device",  # TileLang's headers leave device helpers unannotated; nvcc infers what NVRTC needs told
             "-lineinfo",  # as TileLang's nvcc path: profilers map SASS back to the source
-            "-pch",
             *_QUIET,
         ]
-        if pch_dir:
-            self.options.append(f"--pch-dir={pch_dir}")
+        self.pch_dir = pch_dir  # where this process writes the PCHs it makes; None: it makes none
+        self._pch: dict[str, str] = {}  # prelude and options digest -> a PCH file made for them
         self.compiles = 0  # programs compiled (the device-binary cache answers the rest)
+        self.header_parses = 0  # of those, the ones no PCH served (each parses every header)
+
+    def adopt(self, pch_dir: str) -> None:
+        """In a forked child: keep using the parent's PCHs, write new ones into `pch_dir`."""
+        self.pch_dir = pch_dir
+
+    def has_pch(self, code: str, arch: str, extra: list[str] = ()) -> bool:
+        return self._pch_key(_PREFIX + code, self._options(arch, extra)) in self._pch
+
+    def _options(self, arch: str, extra) -> list[str]:
+        return [*self.options, f"--gpu-architecture={arch}", *extra]
+
+    @staticmethod
+    def _pch_key(source: str, options: list[str]) -> str:
+        return hashlib.sha256("\0".join([prelude(source), *options]).encode()).hexdigest()[:32]
 
     def compile(self, code: str, arch: str, extra: list[str] = ()) -> bytes:
         """A cubin for `arch` ("sm_90a") from TileLang's CUDA source."""
         from cuda.bindings import nvrtc
 
-        # NVRTC has no system headers: TileLang's shim stands in for <cstdint> and friends.
-        source = "#include <tl_templates/cuda/nvrtc_std.h>\n"
-        if "cudaGridDependencySynchronize" in code or "cudaTriggerProgrammaticLaunchCompletion" in code:
-            source += '#include "cuda_device_runtime_api.h"\n'
-        source += code
-        options = [*self.options, f"--gpu-architecture={arch}", *extra]
+        source = _PREFIX + code
+        options = self._options(arch, extra)
+        key = self._pch_key(source, options)
+        pch = self._pch.get(key)
+        made = None
+        if pch:
+            options.append(f"--use-pch={pch}")
+        elif self.pch_dir:
+            made = os.path.join(self.pch_dir, f"{key}.pch")
+            options.append(f"--create-pch={made}")
         result, program = nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], [])
         if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise NvrtcError(f"nvrtcCreateProgram: {result}")
@@ -167,12 +211,19 @@ class Compiler:
             if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
                 errors = [line for line in text.splitlines() if "error" in line]
                 raise NvrtcError(f"NVRTC failed ({status.name}) for {arch}:\n" + "\n".join(errors[:20] or text.splitlines()[-20:]))
+            if made:
+                created = nvrtc.nvrtcGetPCHCreateStatus(program)[0]
+                if created == nvrtc.nvrtcResult.NVRTC_SUCCESS:
+                    self._pch[key] = made
+                else:  # e.g. the PCH heap is full: this prelude is parsed each time
+                    log.warning("NVRTC made no PCH for a prelude (%s); its kernels parse every header", created.name)
             _, size = nvrtc.nvrtcGetCUBINSize(program)
             cubin = b" " * size
             nvrtc.nvrtcGetCUBIN(program, cubin)
         finally:
             nvrtc.nvrtcDestroyProgram(program)
         self.compiles += 1
+        self.header_parses += not pch
         return cubin
 
     def warm(self, sources: list[str], arch: str) -> int:
@@ -187,6 +238,8 @@ class Compiler:
             if head in seen:
                 continue
             seen.add(head)
+            if self.has_pch(head, arch):
+                continue
             start = time.perf_counter()
             try:
                 self.compile(head + 'extern "C" __global__ void kernel_service_warm_up() {}\n', arch)
