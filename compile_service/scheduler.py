@@ -5,7 +5,7 @@
 - Priorities: a request somebody is blocked on (GetKernel) goes before
   background work (Prefetch).
 - The pool: `workers` driver threads, each feeding one compile at a time to a
-  pool of as many worker processes (forked from one zygote that imported TileLang: build.workers).
+  pool of as many worker processes (spawned, TileLang imported once each).
   Publishing to the store happens on the driver thread, outside any lock.
 - Shared builds: a spec that fixes dims only the host code uses (its kind's
   `host_side_dims`) is not compiled; it waits for the build that leaves them
@@ -21,11 +21,10 @@
   down to `max_bytes` / `max_entries` (see Store.evict).
 - Publishing (hashes, fsyncs, a rename) runs on a few publisher threads, not on
   the driver: a worker takes its next job as soon as its build is done.
-- Warm-up in the background: every worker is forked at once from the zygote
-  (build.workers), which imported TileLang and built the NVRTC headers an earlier
-  warm-up found; with NVRTC, any preludes still missing are built one per task
-  (compiler.warm_step), only when no compile is waiting; one worker is always left
-  free for a request while others warm.
+- Warm-up in the background: every worker is spawned at once (its TileLang import
+  runs in it, not in the daemon), and with NVRTC each builds its precompiled
+  headers one prelude per task (compiler.warm_step), only when no compile is
+  waiting; one worker is always left free for a request while others warm.
 - Serving only: a request that may not compile (a strict client), or any request
   to a scheduler made with `compiles=False` (`serve --no-compile`: no workers at
   all), is answered from the cache or raises NotReady at once; a shared build's
@@ -45,6 +44,7 @@ import concurrent.futures as cf
 import itertools
 import json
 import logging
+import multiprocessing
 import os
 import queue
 import shutil
@@ -61,7 +61,7 @@ from proto.wire import Outcome, not_ready_details
 
 from . import metrics as metrics_
 from .build import compiler, devices
-from .build import workers as workers_
+from .fsutil import die_with_parent
 from .keys import cache_key
 from .store import BUILD, Budget, Claim, Entry, Storage, StoreError
 
@@ -107,6 +107,17 @@ class _Job:
     cancelled: bool = field(default=False, compare=False)  # given back before it started: drivers skip it
 
 
+def process_pool(workers: int, initargs: tuple) -> cf.Executor:
+    """The daemon's pool: worker processes, each importing TileLang once, each dying with the
+    daemon. Spawned, not forked: the daemon runs gRPC threads, which fork does not survive."""
+    return cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=(os.getpid(), *initargs))
+
+
+def _start_worker(daemon_pid: int, *initargs) -> None:
+    die_with_parent(daemon_pid)  # a killed daemon must not leave 500 MB workers behind
+    compiler.worker_init(*initargs)
+
+
 def in_process_pool(workers: int, initargs: tuple) -> cf.Executor:
     """Compiles in this process (the no-daemon fallback): no process to spawn from an agent."""
     return cf.ThreadPoolExecutor(1, thread_name_prefix="compile", initializer=compiler.worker_init, initargs=initargs)
@@ -124,7 +135,7 @@ class Scheduler:
         device: devices.DeviceCompiler = devices.get(devices.NVCC),
         warm_target: str | None = None,
         metrics: metrics_.Metrics | None = None,
-        pool=workers_.pool,
+        pool=process_pool,
         start: bool = True,
         compiles: bool = True,
     ):
@@ -172,15 +183,17 @@ class Scheduler:
             self.start_workers()
 
     def start_workers(self) -> None:
-        """Forks every worker now and starts their warm-up. The calling thread waits until the
-        zygote has set up (the daemon's spawner thread, once it says SERVING); requests and
-        stats do not."""
+        """Spawns every worker now, from the calling thread, without waiting for their imports,
+        and starts their warm-up. A worker dies with the thread that spawned it (die_with_parent):
+        the daemon calls this from its main thread, right after it says SERVING."""
         if self._pool is None:  # serving only
             return
-        self._spawn(self._pool)
+        with self._lock:
+            self._spawn(self._pool)
         self._started.set()
 
     def _spawn(self, pool: cf.Executor) -> None:
+        """Under self._lock."""
         for _ in range(self.workers):
             pool.submit(os.getpid)  # each submit to a pool without an idle worker spawns one
         # Warm-up steps circulate below every request, leaving one worker free for a request.
@@ -561,8 +574,7 @@ class Scheduler:
                 return
             self._pool = self._new_pool()
             self._warm.clear()  # the new workers warm up as the first ones did
-            fresh = self._pool
-        self._spawn(fresh)
+            self._spawn(self._pool)
         broken.shutdown(wait=False, cancel_futures=True)
 
     # ----- shutdown

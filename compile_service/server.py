@@ -7,9 +7,8 @@ everything created is owner-only (group-readable with --mode 0750), take the
 cache's and the socket's instance locks (files opened without following links;
 a second live daemon is refused with the holder's pid; a socket left by a
 killed daemon is removed, since its lock died with it, and only if it is a
-socket), start the compile workers' zygote (it imports TileLang once and builds
-the NVRTC headers it knows of, in the background; the workers fork from it after
-SERVING and die with it, as it dies with the daemon), then listen: on the Unix socket (0600,
+socket), spawn the compile workers (they import TileLang and warm up in the
+background, and die with the daemon), then listen: on the Unix socket (0600,
 or 0660 with --mode 0750), and on TCP only when asked (loopback unless
 --allow-remote, every call authenticated with the token written to
 <cache root>/tcp-token), always with so_reuseport=0 so a second process can
@@ -293,9 +292,9 @@ class Daemon:
             start=False,  # the spawner starts them once SERVING
             compiles=not cfg.no_compile,
         )
-        threading.Thread(target=self._spawn_workers, name="spawner", daemon=True).start()
+        threading.Thread(target=self._spawn_workers, name="spawner", daemon=True).start()  # at nice 0, as its workers
         # From here on this thread only starts gRPC: lowering its priority now makes
-        # every thread gRPC creates inherit it (the zygote, started above, and its workers keep nice 0).
+        # every thread gRPC creates inherit it (the workers are spawned at nice 0).
         _yield_to_compiles()
 
         address = socket_address(cfg.socket)
@@ -365,11 +364,13 @@ class Daemon:
         threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True).start()
 
     def _spawn_workers(self) -> None:
-        """Forks the compile workers from the zygote once the daemon says SERVING (the zygote,
-        started with the scheduler, imports TileLang meanwhile); waits for the zygote's set-up."""
+        """Spawns the compile workers once the daemon says SERVING (their TileLang imports would
+        slow gRPC's start on a busy machine), then stays until the daemon stops: a worker dies
+        with the thread that spawned it (die_with_parent), and takes its priority (nice 0)."""
         self._serving.wait()
         if not self._stopped.is_set():
             self.scheduler.start_workers()
+        self._stopped.wait()
 
     def _housekeeping(self) -> None:
         """After SERVING: the start-up chores that may walk a large cache, then the counters

@@ -86,11 +86,10 @@ def test_kill_9_mid_burst_leaves_a_cache_a_new_daemon_serves(make_daemon):
     # Kill once some entries are published and another compile is under way.
     wait_for(lambda: len(store.keys()) >= 2 and any(store.staging_dir.iterdir()), what="a published entry and a compile in progress")
     workers = descendants(d.proc.pid)
-    assert len(workers) >= 3  # the zygote, its workers (and multiprocessing's resource tracker)
     d.proc.kill()
     d.proc.wait()
     runner.communicate(timeout=60)
-    # The zygote and its compile workers (and the resource tracker) die with it.
+    # Its compile workers (and multiprocessing's resource tracker) die with it.
     wait_for(lambda: not [p for p in workers if alive(p)], timeout=10, what="the killed daemon's workers to die")
     # Read-only verify: dead writers' staging dirs at most, never a corrupt entry.
     rc, report = verify_cli(d.cache_dir)

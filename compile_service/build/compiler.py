@@ -78,7 +78,7 @@ def worker_init(
     are built here: those of the preludes an earlier warm-up found (a file in the
     device-binary directory) on a thread while TileLang imports (they need NVRTC only),
     and any others by warm_step, one prelude at a time, when the scheduler has nothing
-    else to do. Run in the zygote, this warms every worker forked from it.
+    else to do.
     `log_level`: log like the daemon (a spawned process starts with no logging set up).
     """
     if log_level is not None:
@@ -167,12 +167,6 @@ def _warm_known_preludes(device, binaries: Path):
     thread = threading.Thread(target=warm, name="pch-warm-up", daemon=True)
     thread.start()
     return thread
-
-
-def worker_forked() -> None:
-    """In a worker forked from a process that ran worker_init (the zygote): everything is set
-    up and inherited, PCHs included; only the device compiler's private scratch is new."""
-    _device["compiler"].forked()
 
 
 def warm_step() -> tuple[int, bool]:

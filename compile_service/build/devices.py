@@ -44,10 +44,6 @@ class DeviceCompiler:
         Needs no TileLang import, so it can run beside one."""
         return 0
 
-    def forked(self) -> None:
-        """In a process forked from the one that set this compiler up (a worker, from the zygote):
-        what must not be shared with siblings is made anew."""
-
     @property
     def compiles(self) -> int | None:
         """Device compiles run by this process so far, when the compiler counts them."""
@@ -108,12 +104,6 @@ class Nvrtc(DeviceCompiler):
 
     def warm(self, sources: list[str], arch: str) -> int:
         return self._nvrtc().warm(sources, arch)
-
-    def forked(self) -> None:
-        from . import nvrtc
-
-        if self._compiler is not None:  # the parent's PCHs stay usable; new ones go to a directory of our own
-            self._compiler.adopt(nvrtc.private_pch_dir())
 
     @property
     def compiles(self) -> int | None:

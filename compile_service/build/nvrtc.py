@@ -15,9 +15,9 @@ result; every later compile with the same prelude reuses it. TileLang emits a
 handful of distinct preludes (one per family of kernels), so a process pays the
 header parse once per family: an sm_90a GEMM's device code takes 1.4 s the
 first time and 0.25 s after. A PCH is tied to the address of NVRTC's heap in
-the process that made it, so workers cannot share one, except by forking from
-the process that made it: the zygote builds the PCHs it knows of before the
-workers fork (build.workers), and `warm()` builds the rest in each worker.
+the process that made it, so workers cannot share one: each builds those an
+earlier warm-up found while its TileLang import runs (compiler.worker_init),
+and `warm()` builds the rest.
 """
 
 from __future__ import annotations
@@ -142,13 +142,10 @@ def tilelang_include_dirs() -> tuple[str, str]:
 
 
 class Compiler:
-    """One process's NVRTC: fixed options, and the PCHs it (or the process it was forked from)
-    has built so far.
+    """One process's NVRTC: fixed options, and the PCHs it has built so far.
 
-    PCHs are explicit (`--create-pch` / `--use-pch`), one file per prelude and options, so
-    a worker forked from a process that built them uses them (they are tied to NVRTC's heap,
-    which a fork keeps at the same address), and writes the ones it makes itself into its
-    own directory, never into the shared one.
+    PCHs are explicit (`--create-pch` / `--use-pch`), one file per prelude and options,
+    so that whether a compile found one is known (`header_parses`), not guessed.
     """
 
     def __init__(self, pch_dir: str | None = None):
@@ -170,10 +167,6 @@ class Compiler:
         self._pch: dict[str, str] = {}  # prelude and options digest -> a PCH file made for them
         self.compiles = 0  # programs compiled (the device-binary cache answers the rest)
         self.header_parses = 0  # of those, the ones no PCH served (each parses every header)
-
-    def adopt(self, pch_dir: str) -> None:
-        """In a forked child: keep using the parent's PCHs, write new ones into `pch_dir`."""
-        self.pch_dir = pch_dir
 
     def has_pch(self, code: str, arch: str, extra: list[str] = ()) -> bool:
         return self._pch_key(_PREFIX + code, self._options(arch, extra)) in self._pch
