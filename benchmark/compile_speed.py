@@ -26,6 +26,13 @@ on a fresh cache directory:
                       first kernel and to all of them, its workers' start and
                       warm-up included (tilelang's own first/all figures count
                       from its process's start, `import tilelang` included)
+  layer               a Llama-3-8B layer's 7 kernels (zoo.llama_layer: four
+                      M=None GEMMs, rmsnorm, swiglu, causal attention) from a
+                      fresh cache, the daemon up and warm, asked by a fresh
+                      agent one get_kernel after another, then (another fresh
+                      daemon) in one prefetch
+  layer_from_serve    the same layer, one by one, the daemon started with the
+                      agent: from the launch to the whole layer
 
 --backend picks the daemon's CUDA device compiler (`serve --cuda-compiler`);
 with several, every service mode runs once per backend, named `service:nvcc`,
@@ -87,7 +94,7 @@ import zoo  # noqa: E402
 from compile_service.tools.launch import DaemonProcess  # noqa: E402  (benchmark/zoo.py, next to this file)
 
 COLD_MODES = ("baseline", "tilelang", "service")
-MODES = ("baseline", "tilelang", "service", "from_serve", "stampede_tilelang", "stampede_service", "warm_tilelang", "warm_service", "service_under_load")
+MODES = ("baseline", "tilelang", "service", "from_serve", "layer", "layer_from_serve", "stampede_tilelang", "stampede_service", "warm_tilelang", "warm_service", "service_under_load")
 LOAD_THREADS = 8
 
 
@@ -423,6 +430,7 @@ class Run:
         self.warm = {}  # "tilelang" / "service" / "service:nvrtc" -> a cache dir holding the whole zoo
         self.backend, self.suffix = "auto", ""  # the service modes' CUDA compiler, and ":name" when several run
         self.builds = _builds_needed(specs)  # (builds, copies) the daemon makes for the zoo
+        self.layer = zoo.llama_layer(self.target)  # the layer modes' kernels
 
     def fresh_dir(self, name: str) -> Path:
         path = self.work / f"{name}-{next(self.seq)}"
@@ -675,11 +683,43 @@ def mode_warm_service(run: Run) -> dict:
         return {**_warm(run, "warm_service" + run.suffix, "service_agent", socket=daemon.socket, one_by_one=True), "startup_s": daemon.startup_s}
 
 
+def _layer_agent(run: Run, name: str, daemon: Daemon, t0: float, one_by_one: bool) -> dict:
+    """A fresh agent process asks `daemon` for the Llama layer's kernels; times from `t0` (wall)."""
+    progress = Progress(name, len(run.layer))
+    try:
+        r = Child(run, "service_agent", run.layer, progress=progress, socket=daemon.socket, t0=repr(t0), one_by_one=one_by_one).wait()
+    finally:
+        progress.close()
+    stats = daemon.rpc.stats()
+    return {**r, "compiles": stats["compiles"], "derived": stats["derived"]}
+
+
+def mode_layer(run: Run) -> dict:
+    """The Llama-3-8B layer (zoo.llama_layer) from a fresh cache, the daemon up and warm, as an
+    agent asks for it: one get_kernel after another (wall_s, from the first request), and, from
+    another fresh daemon, in one prefetch (prefetch_s)."""
+    with Daemon(run, run.fresh_dir("layer")) as daemon:
+        one = _layer_agent(run, "layer" + run.suffix, daemon, time.time(), one_by_one=True)
+    with Daemon(run, run.fresh_dir("layer")) as daemon:
+        batch = _layer_agent(run, "layer_prefetch" + run.suffix, daemon, time.time(), one_by_one=False)
+    return {"wall_s": one["all_after_import_s"], "prefetch_s": batch["all_after_import_s"], "kernels": one["kernels"], "compiles": one["compiles"],
+            "derived": one["derived"], "startup_s": daemon.startup_s, "ready_s": daemon.ready_s}
+
+
+def mode_layer_from_serve(run: Run) -> dict:
+    """`serve` on a fresh cache and an agent started with it, asking for the layer one kernel
+    after another: wall_s from the launch to the agent holding the whole layer."""
+    t0 = time.time()
+    with Daemon(run, run.fresh_dir("layer_from_serve"), ready=False) as daemon:
+        r = _layer_agent(run, "layer_from_serve" + run.suffix, daemon, t0, one_by_one=True)
+    return {**r, "wall_s": r["all_s"], "startup_s": daemon.startup_s}
+
+
 # ----------------------------------------------------------------------------
 # Report.
 
 
-SERVICE_MODES = ("service", "from_serve", "service_under_load", "stampede_service", "warm_service")
+SERVICE_MODES = ("service", "from_serve", "layer", "layer_from_serve", "service_under_load", "stampede_service", "warm_service")
 NVRTC_PER_KERNEL_GOAL_S, NVRTC_WALL_GOAL_S = 0.5, 6.0  # issue 7, for the 126-kernel zoo on the 16-core H200 host
 
 
@@ -753,6 +793,8 @@ def table(report: dict) -> str:
         if "idle_s" in m:
             i = m["idle_s"]
             notes.append(f"idle worker-s: ramp {i['ramp']:.1f}, between {i['between']:.1f}, tail {i['tail']:.1f}")
+        if "prefetch_s" in m:
+            notes.append(f"one by one {m['wall_s']:.2f}s, in one prefetch {m['prefetch_s']:.2f}s")
         if "first_s" in m:
             notes.append(f"first {m['first_s']:.2f}s ({m['first_after_import_s']:.2f}s after import), all after import {m['all_after_import_s']:.2f}s")
         if "cuda_compiler" in m and not run_is_cpu(report):

@@ -100,3 +100,28 @@ def label(spec: dict) -> str:
     p = params_of(spec)
     shape = "x".join(str(p[d]) for d in ("M", "seq_len", "N", "K", "heads", "kv_heads") if d in p)
     return f"{spec['kind']} {shape}"
+
+
+# A Llama-3-8B layer as an agent's decode step asks for it (benchmark/decode_step.py's kinds):
+# four GEMMs over a runtime number of tokens (each a router over its M ranges), the norm, the
+# MLP activation and causal attention over a runtime sequence length.
+LAYER = dict(hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128)
+
+
+def llama_layer(target: str) -> list[dict]:
+    """The layer's 7 specs for `target` (16-bit on CUDA, float32 on "c")."""
+    import kernels
+
+    resolved = kernels.parse_target(target)
+    t = {"target": str(resolved), "dtype": "float32" if resolved.is_cpu else "bfloat16"}
+    h, f, heads, kv, d = (LAYER[k] for k in ("hidden", "ffn", "heads", "kv_heads", "head_dim"))
+    gemm = lambda n, k: {"kind": "gemm", "M": None, "N": n, "K": k, "trans_b": True, **t}  # noqa: E731
+    return [
+        {"kind": "rmsnorm", "M": None, "N": h, **t},
+        gemm((heads + 2 * kv) * d, h),
+        {"kind": "attention", "batch": 1, "heads": heads, "kv_heads": kv, "seq_len": None, "head_dim": d, "causal": True, **t},
+        gemm(h, heads * d),
+        gemm(2 * f, h),
+        {"kind": "swiglu", "M": None, "N": f, "packed": True, **t},
+        gemm(h, f),
+    ]
