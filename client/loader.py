@@ -458,8 +458,10 @@ class Kernel:
                 rc = self._fn(*[ctypes.c_void_p(t.data_ptr()) for t in args], *extra)
             if rc != 0:
                 raise RuntimeError(f"{self.kind} kernel returned error {rc}")
-        else:
-            self._fn(*args)  # TVM-FFI launches on torch's current stream
+        elif self._fn(*args) is not None:  # TVM-FFI launches on torch's current stream
+            # A library that allocated its outputs itself (TileLang's callee-allocated ABI) left
+            # the buffers above unwritten: never hand those back.
+            raise RuntimeError(f"{self.kind}: the library returned tensors of its own instead of writing its outputs; its entry was built for another call ABI (rebuild it)")
         if out is not None:
             return out
         outs = [args[i] for i in self._outputs]

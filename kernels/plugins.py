@@ -1,8 +1,9 @@
 """Kinds from outside the zoo, loaded only from places the daemon's operator trusts.
 
 - installed packages, through the entry-point group `kernel_service.kinds`: an
-  entry point names a module (importing it registers its kinds), a KernelKind
-  subclass, or a factory (kernels.jit), served under the entry point's name;
+  entry point names a module (importing it registers its kinds, and each
+  `@tilelang.jit` / `@autotune` object it defines is served under its name), a
+  KernelKind subclass, or a factory (kernels.jit), served under the entry point's name;
 - `serve --kernel-module MODULE` or `--kernel-module MODULE:ATTR`, the same three.
 
 Never a module a request names: requests only pick among registered kinds.
@@ -16,7 +17,7 @@ import inspect
 import logging
 from importlib import metadata
 
-from .jit import JitKind, is_factory
+from .jit import JitKind, is_factory, is_jit_object, jit_function
 from .registry import register
 from .spec import KernelKind
 
@@ -27,7 +28,12 @@ GROUP = "kernel_service.kinds"
 
 def _register(obj, name: str, origin: str) -> None:
     if inspect.ismodule(obj):
-        return  # importing it registered its kinds
+        # Importing it registered its kinds; its own @tilelang.jit / @autotune objects (not
+        # ones it imports) are served under their names.
+        for attr, value in vars(obj).items():
+            if is_jit_object(value) and getattr(jit_function(value), "__module__", None) == obj.__name__:
+                register(JitKind(attr, value), origin)
+        return
     if isinstance(obj, type) and issubclass(obj, KernelKind):
         register(obj, origin)
     elif isinstance(obj, KernelKind):
@@ -39,11 +45,11 @@ def _register(obj, name: str, origin: str) -> None:
 
 
 def load_module(target: str) -> None:
-    """`MODULE` or `MODULE:ATTR` (a kind class, or a factory served under ATTR's name)."""
+    """`MODULE` (its kinds and @tilelang.jit objects) or `MODULE:ATTR` (a kind class, or a
+    factory served under ATTR's name)."""
     module_name, _, attr = target.partition(":")
     module = importlib.import_module(module_name)
-    if attr:
-        _register(getattr(module, attr), attr, f"module {target}")
+    _register(getattr(module, attr) if attr else module, attr, f"module {target}")
 
 
 def load_entry_points(allow: tuple[str, ...] | None = None) -> list[str]:

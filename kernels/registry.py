@@ -7,6 +7,7 @@ import ast
 import functools
 import hashlib
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -62,29 +63,38 @@ def _module_file(name: str) -> str | None:
 
 def _local_imports(path: str, package: str) -> set[str]:
     """Modules `path` imports from its own top-level package or from `kernels` (the framework),
-    read off its source: relative imports, `from kernels.x import`, `import kernels.x`."""
+    read off its source: relative imports, `from kernels.x import`, `import kernels.x`. A
+    top-level module (package "") has no package: its own are the top-level modules beside
+    it in its directory (`from helpers import tile` next to `my_kinds.py`)."""
     tree = ast.parse(Path(path).read_text(), path)
-    module_pkg = package
+    home = package.split(".")[0]
     found = set()
     for node in ast.walk(tree):
         names = []
         if isinstance(node, ast.ImportFrom):
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), module_pkg) if node.level else node.module
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level else node.module
             names = [base] + [f"{base}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         for name in names:
             top = name.split(".")[0]
-            if top in (package.split(".")[0], "kernels") and name not in ("kernels", package.split(".")[0]) and _module_file(name):
+            if name in ("kernels", home) or not _module_file(name):
+                continue
+            if top in (home, "kernels") or (not home and "." not in name and _beside(_module_file(name), path)):
                 found.add(name)
     return found
 
 
+def _beside(module_file: str, path: str) -> bool:
+    return Path(module_file).resolve().parent == Path(path).resolve().parent
+
+
 @functools.cache
-def _digest_of_files(files: tuple[str, ...]) -> str:
+def _digest_of_files(files: tuple[str, ...], options: str = "{}") -> str:
     # Ordered by name and bytes, never by path: a kind and the framework installed under other
     # roots (a plugin in /opt, kernels in site-packages) digest the same on every host.
-    digest = hashlib.sha256()
+    # `options`: the kind's compile_options (pass configs, compile flags) as JSON.
+    digest = hashlib.sha256(b"" if options == "{}" else options.encode() + b"\0")
     for name, data in sorted((Path(path).name.encode(), Path(path).read_bytes()) for path in files):
         digest.update(name + b"\0" + data + b"\0")
     return digest.hexdigest()
@@ -115,9 +125,12 @@ def _package_of(path: str) -> str:
 
 
 def source_digest(kind: str) -> str:
-    """sha256 over the source that shapes `kind`'s kernels: editing one kind changes only its keys.
+    """sha256 over the source that shapes `kind`'s kernels (and its compile_options): editing one
+    kind changes only its keys.
     Read once per process: a running daemon keeps serving the code it started with."""
     digest = _DIGESTS.get(kind)
     if digest is None:
-        digest = _DIGESTS[kind] = _digest_of_files(dependency_files(get_kind(kind)))
+        k = get_kind(kind)
+        options = json.dumps(k.compile_options, sort_keys=True, default=str)
+        digest = _DIGESTS[kind] = _digest_of_files(dependency_files(k), options)
     return digest

@@ -23,6 +23,9 @@ __all__ = ["InvalidSpec", "Target", "parse_target", "Param", "KernelKind", "Cano
 MAX_DIM = 1 << 20
 DTYPES_16 = ("float16", "bfloat16")
 DTYPES = ("float16", "bfloat16", "float32")
+# Every dtype a tensor of a served kernel may have (what the client's loader allocates): the
+# choices of a factory's dtype-valued parameters (kernels.jit).
+TENSOR_DTYPES = DTYPES + ("float64", "int8", "uint8", "int32", "int64", "bool")
 
 
 class InvalidSpec(ValueError):
@@ -129,6 +132,15 @@ class Param:
     nullable: bool = False  # None allowed: a runtime (dynamic) dimension, or "use the default tiling"
     doc: str = ""
 
+    @property
+    def type_name(self) -> str:
+        return self.type.__name__
+
+    @property
+    def is_dtype(self) -> bool:
+        """A dtype-valued parameter, whatever its name: a str choosing among tensor dtypes."""
+        return self.type is str and bool(self.choices) and set(self.choices) <= set(TENSOR_DTYPES)
+
     def check(self, value: Any) -> Any:
         if value is None:
             if self.nullable:
@@ -159,10 +171,12 @@ class Param:
 
 
 def _dtype_name(value: Any) -> str | None:
-    """"float16" for torch.float16 or numpy.dtype("float16"), None for anything else (imports neither)."""
+    """"float16" for torch.float16, numpy.dtype("float16") or TileLang's T.float16, None for anything else (imports neither)."""
     module = type(value).__module__.split(".")[0]
     if module == "torch" and type(value).__name__ == "dtype":
         return str(value).removeprefix("torch.")
+    if module == "tvm_ffi" and type(value).__name__ == "dtype":
+        return str(value)  # TileLang's T.float16
     if module == "numpy" and hasattr(value, "itemsize") and isinstance(getattr(value, "name", None), str) and not isinstance(value, type):
         return value.name  # numpy.dtype("float16") (a numpy.dtypes.Float16DType)
     return None
@@ -250,6 +264,10 @@ class KernelKind:
     # Compile time relative to a GEMM's: a batch starts its longest compiles first,
     # so that none is left running alone at the end while other workers idle.
     compile_cost: ClassVar[float] = 1.0
+    # Keyword arguments for TileLang's JITKernel beside the target: `pass_configs` and
+    # `compile_flags` (a @tilelang.jit factory's decorator arguments: kernels.jit). They are
+    # part of the kind's keys (registry.source_digest).
+    compile_options: ClassVar[dict] = {}
 
     def canonicalize(self, raw: dict, target: Target) -> CanonicalSpec:
         known = {p.name for p in self.params}
@@ -264,8 +282,10 @@ class KernelKind:
                 raise InvalidSpec(p.name, f"missing required parameter of kind {self.name!r}")
             else:
                 values[p.name] = p.default
-        if target.is_cpu and values.get("dtype") in DTYPES_16:
-            raise InvalidSpec("dtype", f"{values['dtype']} is not supported on target {target.describe()}; use float32")
+        if target.is_cpu:
+            for p in self.params:
+                if p.is_dtype and values[p.name] in DTYPES_16:
+                    raise InvalidSpec(p.name, f"{values[p.name]} is not supported on target {target.describe()}; use float32")
         values = self.check(values, target) or values
         return CanonicalSpec(self.name, values, target)
 
@@ -400,7 +420,7 @@ class KernelKind:
 
 
 def field_doc(p: Param) -> dict:
-    out = {"name": p.name, "type": p.type.__name__, "doc": p.doc, "required": p.default is REQUIRED, "nullable": p.nullable}
+    out = {"name": p.name, "type": p.type_name, "doc": p.doc, "required": p.default is REQUIRED, "nullable": p.nullable}
     if p.default is not REQUIRED:
         out["default"] = p.default
     if p.choices:

@@ -288,6 +288,31 @@ def call_abi(func, outputs: tuple[int, ...], target, inplace: dict[str, str] | N
         raise CompileFailed(f"the kernel's call ABI is not one the loader can call: {exc}") from None
 
 
+OUT_IDX_ATTR = "tilelang_out_idx"  # TileLang's record of a PrimFunc's T.empty outputs
+
+
+def _build_options(func, kind, params: dict):
+    """(PrimFunc, outputs, JITKernel keyword arguments) for one build: the one rule for outputs.
+
+    Outputs are always caller-allocated, one plain ABI for both loaders: no out_idx is passed,
+    and a PrimFunc's own `tilelang_out_idx` (its `T.empty` tensors, eager style) names its
+    outputs and is removed, since TileLang's tvm_ffi lowering would otherwise allocate them in
+    the callee and leave the buffers the loader passes unwritten. Pass configs and compile
+    flags are the body's (T.annotate_pass_configs / T.annotate_compile_flags) overridden or
+    extended by the kind's (KernelKind.compile_options: a factory's decorator), as
+    tilelang.compile merges them."""
+    attrs = func.attrs or {}
+    outputs = kind.output_slots(params)
+    if OUT_IDX_ATTR in attrs:
+        outputs = tuple(int(i) for i in attrs[OUT_IDX_ATTR])
+        func = func.without_attr(OUT_IDX_ATTR)
+    pass_configs = {**dict(attrs.get("tilelang_pass_configs") or {}), **dict(kind.compile_options.get("pass_configs") or {})}
+    flags = kind.compile_options.get("compile_flags") or []
+    compile_flags = list(attrs.get("tilelang_compile_flags") or []) + ([flags] if isinstance(flags, str) else list(flags))
+    options = {"pass_configs": pass_configs or None, "compile_flags": compile_flags or None}
+    return func, outputs, {k: v for k, v in options.items() if v is not None}
+
+
 def build(spec_json: str, staging: str) -> dict:
     """Compiles one canonical spec into `staging`; returns the library's file name
     and the entry's metadata (spec, abi, compile_seconds, toolchain).
@@ -308,12 +333,10 @@ def build(spec_json: str, staging: str) -> dict:
     try:
         func = kind.build(dict(spec["params"]), target)
         params = dict(spec["params"])
-        abi = call_abi(func, kind.output_slots(params), target, kind.inplace(params), kind.scratch(params), kind.writes(params))
+        func, outputs, options = _build_options(func, kind, params)
+        abi = call_abi(func, outputs, target, kind.inplace(params), kind.scratch(params), kind.writes(params))
         traced = time.perf_counter()
-        # No out_idx: the caller allocates outputs, which keeps one plain ABI
-        # for both loaders (TileLang's tvm_ffi path would otherwise switch to
-        # callee-allocated outputs).
-        kernel = tilelang.JITKernel(func, target=target.tilelang_target(), execution_backend="auto")
+        kernel = tilelang.JITKernel(func, target=target.tilelang_target(), execution_backend="auto", **options)
         lowered = time.perf_counter()
     except CompileFailed:
         raise

@@ -1,0 +1,190 @@
+"""Users' own TileLang kernels (issue 30): the styles TileLang's examples are written in, served
+on target "c" by a real daemon and compared with torch; their keys and build options."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import client
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def user_daemon(tmp_path_factory):
+    from compile_service.tools.launch import DaemonProcess
+
+    base = tmp_path_factory.mktemp("user-kernels")
+    d = DaemonProcess(base / "cache", "--target", "c", "--kernel-module", "tests.user_kernels", workers=2, log_path=base / "daemon.log").start(timeout=120)
+    yield d
+    d.stop()
+
+
+def test_eager_style_kernels_return_what_the_kernel_wrote(user_daemon):
+    c = user_daemon.client()
+    for M in (7, None):  # a T.const size, static or runtime
+        mm = c.get_kernel("eager_matmul", M=M, N=6, K=9, target="c")
+        a, b = torch.randn(7, 9), torch.randn(9, 6)
+        torch.testing.assert_close(mm(a, b), a @ b)
+    norm = c.get_kernel("eager_rmsnorm", M=None, N=16, eps=1e-5, target="c")
+    x, w = torch.randn(5, 16), torch.randn(16)
+    torch.testing.assert_close(norm(x, w), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w)
+
+
+def test_a_callee_allocated_output_is_built_caller_allocated():
+    """TileLang's tvm_ffi lowering would allocate a T.empty output in the callee (and the loader's
+    buffer would come back unwritten); the build strips the record so it stays a parameter."""
+    from tilelang.jit.abi import CALLEE_ALLOCATED_OUTPUTS_ATTR, prepare_tvm_ffi_callee_allocated_outputs
+
+    import kernels
+    from compile_service.build.compiler import _build_options
+    from kernels import plugins
+
+    plugins.load_module("tests.user_kernels")
+    kind = kernels.get_kind("eager_matmul")
+    params = dict(kernels.canonicalize("eager_matmul", {"M": 4, "N": 4, "K": 4}, "c").params)
+    func, outputs, _ = _build_options(kind.build(params, kernels.parse_target("c")), kind, params)
+    assert [i % len(func.params) for i in outputs] == [2]  # C, the T.empty tensor
+    stamped, out_idx = prepare_tvm_ffi_callee_allocated_outputs(func, None, supports_callee_allocated_outputs=True)
+    assert out_idx is None and CALLEE_ALLOCATED_OUTPUTS_ATTR not in (stamped.attrs or {})
+
+
+def test_the_schema_takes_what_tilelang_code_takes(user_daemon):
+    c = user_daemon.client()
+    kinds = {k["name"]: {p["name"]: p for p in k["params"]} for k in c.kinds()}
+    assert {"eager_matmul", "eager_rmsnorm", "gemm_kernel", "tuned_scale", "scale_rows_", "cuda_only"} <= set(kinds)  # several in one module
+    mm = kinds["eager_matmul"]
+    assert list(mm) == ["M", "N", "K", "block_K", "dtype", "accum_dtype"]  # tensors A, B are inputs, not parameters
+    assert mm["accum_dtype"]["default"] == "float32" and "float16" in mm["accum_dtype"]["choices"]
+    assert kinds["gemm_kernel"]["trans_b"]["required"] and kinds["gemm_kernel"]["trans_b"]["doc"] != "size"
+
+    gemm = c.get_kernel("gemm_kernel", N=6, K=5, trans_b=True, target="c")  # a bool with no default, M=None, num_stages=0
+    for m in (1, 4):
+        a, b = torch.randn(m, 5), torch.randn(6, 5)
+        torch.testing.assert_close(gemm(a, b), a @ b.T)
+    with pytest.raises(client.InvalidSpec, match="accum_dtype: bfloat16 is not supported on target 'c'"):
+        c.get_kernel("eager_rmsnorm", M=4, N=8, accum_dtype="bfloat16", target="c")
+    with pytest.raises(client.InvalidSpec, match="declared for target 'cuda'"):
+        c.get_kernel("cuda_only", N=8, dtype="float32", target="c")
+
+
+def test_autotuned_and_in_place_kernels(user_daemon):
+    c = user_daemon.client()
+    tuned = c.get_kernel("tuned_scale", N=7, unroll=2, scale=0.5, target="c")  # the config given as parameters
+    x = torch.randn(3, 7)
+    torch.testing.assert_close(tuned(x), x * 0.5)
+    scale = c.get_kernel("scale_rows_", N=4, scale=3.0, target="c")  # updates X, returns nothing
+    x = torch.randn(5, 4)
+    want = x * 3.0
+    assert scale(x) == ()
+    torch.testing.assert_close(x, want)
+
+
+def test_decorator_pass_configs_reach_the_build_and_the_key(tmp_path):
+    (tmp_path / "pc_kinds.py").write_text(textwrap.dedent('''
+        import tilelang
+        import tilelang.language as T
+
+        def body(N):
+            @T.prim_func
+            def main(X: T.Tensor((N,), "float32"), Y: T.Tensor((N,), "float32")):
+                with T.Kernel(1):
+                    for i in T.serial(N):
+                        Y[i] = X[i]
+            return main
+
+        plain = tilelang.jit(out_idx=[-1])(body)
+        bogus = tilelang.jit(out_idx=[-1], pass_configs={"tl.no_such_option": True}, compile_flags=["-O3"])(body)
+    '''))
+    code = textwrap.dedent('''
+        import json, tempfile, kernels
+        from kernels import plugins
+        from compile_service.build import compiler
+        plugins.load_module("pc_kinds:plain"); plugins.load_module("pc_kinds:bogus")
+        out = {"digests": [kernels.source_digest(k) for k in ("plain", "bogus")]}
+        for k in ("plain", "bogus"):
+            try:
+                compiler.build(kernels.canonicalize(k, {"N": 4}, "c").to_json(), tempfile.mkdtemp())
+                out[k] = "built"
+            except compiler.CompileFailed as exc:
+                out[k] = str(exc)
+        print(json.dumps(out))
+    ''')
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["digests"][0] != out["digests"][1]  # same source, other options: other keys
+    assert out["plain"] == "built" and "no_such_option" in out["bogus"]  # the decorator's pass configs reach TileLang
+
+
+def _digest(path: Path, target: str) -> str:
+    code = f"import kernels; from kernels import plugins; plugins.load_module({target!r}); print(kernels.source_digest({target.partition(':')[2]!r}))"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{path}"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip().splitlines()[-1]
+
+
+def test_keys_cover_a_top_level_plugins_sibling_modules(tmp_path):
+    (tmp_path / "tiles.py").write_text("BLOCK = 4\n")
+    (tmp_path / "my_kinds.py").write_text(textwrap.dedent('''
+        import tilelang.language as T
+        from tiles import BLOCK
+
+        def copy_kernel(N):
+            @T.prim_func
+            def main(X: T.Tensor((N,), "float32"), Y: T.Tensor((N,), "float32")):
+                with T.Kernel(1):
+                    for i in T.serial(N):
+                        Y[i] = X[i] * BLOCK
+            return main
+    '''))
+    before = _digest(tmp_path, "my_kinds:copy_kernel")
+    with open(tmp_path / "tiles.py", "a") as f:
+        f.write("# an edit\n")
+    assert _digest(tmp_path, "my_kinds:copy_kernel") != before
+
+
+def test_keys_cover_a_jit_kind_subclasss_own_file(tmp_path):
+    (tmp_path / "sub_kinds.py").write_text(textwrap.dedent('''
+        import tilelang.language as T
+
+        def copy_kernel(N):
+            @T.prim_func
+            def main(X: T.Tensor((N,), "float32"), Y: T.Tensor((N,), "float32")):
+                with T.Kernel(1):
+                    for i in T.serial(N):
+                        Y[i] = X[i]
+            return main
+    '''))
+    (tmp_path / "sub_kind.py").write_text(textwrap.dedent('''
+        from kernels.jit import JitKind
+        from kernels.registry import register
+        from sub_kinds import copy_kernel
+
+        class Copy(JitKind):
+            pass
+
+        register(Copy("copy", copy_kernel))
+    '''))
+    code = "import kernels, sub_kind; print(kernels.source_digest('copy'))"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+
+    def digest():
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip().splitlines()[-1]
+
+    before = digest()
+    with open(tmp_path / "sub_kind.py", "a") as f:
+        f.write("# an edit\n")
+    assert digest() != before
