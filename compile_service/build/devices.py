@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 from collections.abc import Callable
 
 NVCC, NVRTC = "nvcc", "nvrtc"
@@ -79,6 +80,7 @@ class Nvrtc(DeviceCompiler):
 
     def __init__(self):
         self._compiler = None
+        self._lock = threading.Lock()  # worker_init's warm-up thread and its main thread both ask for it
 
     def release(self) -> str:
         from . import nvrtc
@@ -93,9 +95,10 @@ class Nvrtc(DeviceCompiler):
     def _nvrtc(self):
         from . import nvrtc
 
-        if self._compiler is None:
-            self._compiler = nvrtc.Compiler(nvrtc.private_pch_dir())
-        return self._compiler
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = nvrtc.Compiler(nvrtc.private_pch_dir())
+            return self._compiler
 
     def callback(self) -> Callable:
         from . import nvrtc
