@@ -79,15 +79,20 @@ def test_quick_run_builds_every_kernel_in_every_mode(tmp_path):
     assert n == 6 and report["target"] == "c" and report["quick"] is True
     assert isinstance(report["cpu_quota"], int) and report["cpu_quota"] >= 1
     assert set(report["modes"]) == set(MODES)
+    layer = len(zoo.llama_layer("c"))
     for name, mode in report["modes"].items():
         assert "error" not in mode, f"{name} failed: {mode.get('error')}"
         assert isinstance(mode["wall_s"], float) and mode["wall_s"] > 0, name
         assert isinstance(mode["compiles"], int), name
-        assert mode["kernels"] == n, f"{name} built {mode['kernels']} of {n} kernels"
+        want = layer if name.startswith("layer") else n
+        assert mode["kernels"] == want, f"{name} built {mode['kernels']} of {want} kernels"
 
     modes = report["modes"]
     for name in ("baseline", "tilelang", "service", "from_serve", "service_under_load"):  # each on a fresh cache
         assert modes[name]["compiles"] == n, name
+    for name in ("layer", "layer_from_serve"):  # the layer's kernels, each built once on a fresh cache
+        assert modes[name]["compiles"] == layer, name
+    assert 0 < modes["layer"]["prefetch_s"] and modes["layer_from_serve"]["wall_s"] >= modes["layer_from_serve"]["startup_s"]
     for name in ("warm_tilelang", "warm_service"):
         assert modes[name]["compiles"] == 0, name
     # The point of the service: one compile per kernel however many agents ask.
