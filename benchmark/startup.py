@@ -327,7 +327,13 @@ class Bench:
         args += ["--t0", repr(t0)]
         with open(log, "w") as log_file:
             proc = subprocess.Popen(args, cwd=ROOT, env=child_env(env or {}), stdout=subprocess.PIPE, stderr=log_file, text=True)
-            killer = threading.Timer(self.args.child_timeout, proc.kill)
+            timed_out = threading.Event()
+
+            def kill():
+                timed_out.set()
+                proc.kill()
+
+            killer = threading.Timer(self.args.child_timeout, kill)
             killer.start()
             result, kernels = None, 0
             try:
@@ -346,6 +352,8 @@ class Bench:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+        if timed_out.is_set():
+            raise RuntimeError(f"{name}: killed after {self.args.child_timeout:g} s (--child-timeout); its log: {log}")
         if rc != 0 or result is None:
             raise RuntimeError(f"{name}: the child exited with status {rc}; the end of {log}:\n{log.read_text()[-3000:]}")
         if out.exists():
