@@ -317,7 +317,8 @@ class Bench:
         with the path of its saved output (if any) as "output"."""
         out = self.work / f"{name}-{next(self.seq)}.pt"
         log = out.with_suffix(".log")
-        args = [sys.executable, str(Path(__file__).resolve()), "_child", role, "--config", json.dumps(asdict(self.cfg)), "--layers", str(self.layers), "--out", str(out)]
+        args = [sys.executable, str(Path(__file__).resolve()), "_child", role,
+                "--config", json.dumps(asdict(self.cfg)), "--layers", str(self.layers), "--out", str(out)]
         for flag, value in flags.items():
             if value is True:
                 args.append(f"--{flag.replace('_', '-')}")
@@ -511,7 +512,8 @@ def plot(report: dict, path: str) -> None:
     names = list(rows)[::-1]
     fig, ax = plt.subplots(figsize=(10, 0.5 * len(names) + 1.5))
     left = [0.0] * len(names)
-    for phase, color in (("imports", "tab:gray"), ("weights", "tab:olive"), ("waiting_for_daemon", "tab:purple"), ("kernels", "tab:blue"), ("forward", "tab:green")):
+    colors = {"imports": "tab:gray", "weights": "tab:olive", "waiting_for_daemon": "tab:purple", "kernels": "tab:blue", "forward": "tab:green"}
+    for phase, color in colors.items():
         widths = [rows[n]["phases_s"].get(phase, 0.0) for n in names]
         ax.barh(names, widths, left=left, color=color, label=phase.replace("_", " "))
         left = [a + w for a, w in zip(left, widths)]
@@ -571,7 +573,8 @@ def main(argv=None) -> int:
     cfg = config_for(args)
 
     b = Bench(args, cfg)
-    print(f"startup: {args.layers} layers, {len(layer_specs(cfg))} kernels, target {cfg.target}, variants {', '.join(variants)}; work dir {b.work}", file=sys.stderr)
+    print(f"startup: {args.layers} layers, {len(layer_specs(cfg))} kernels, target {cfg.target}, variants {', '.join(variants)}; work dir {b.work}",
+          file=sys.stderr)
     rows, failed = {}, []
     try:
         for name in sorted(variants, key=VARIANTS.index):  # cold before warm: warm variants reuse the caches

@@ -178,7 +178,8 @@ STARTUP_VARIANTS = ("served_cold", "served_cold_from_serve", "served_warm", "til
 
 def test_startup_small_times_every_variant_and_served_outputs_match_eager(tmp_path):
     out_json = tmp_path / "startup.json"
-    args = ["--small", "--workers", "2", "--variants", ",".join(STARTUP_VARIANTS), "--json", str(out_json), "--work-dir", str(tmp_path / "work")]
+    args = ["--small", "--workers", "2", "--variants", ",".join(STARTUP_VARIANTS), "--json", str(out_json),
+            "--work-dir", str(tmp_path / "work")]
     proc = subprocess.run([sys.executable, str(STARTUP), *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
