@@ -117,6 +117,13 @@ def kernel_specs(cfg: LayerConfig) -> dict[str, dict]:
     return specs
 
 
+def prefill_attention_spec(cfg: LayerConfig, q_len: int) -> dict:
+    """The causal attention kernel of a q_len-token prefill chunk of one fresh sequence, as a client.prefetch spec."""
+    c = cfg
+    return {"kind": "attention", "batch": 1, "heads": c.heads, "kv_heads": c.kv_heads, "seq_len": q_len, "head_dim": c.head_dim, "causal": True,
+            "target": c.target, "dtype": c.dtype}
+
+
 def attention_kernel(client, cfg: LayerConfig, batch: int, q_len: int, served_kinds: set[str]):
     """attend(q [batch, q_len, heads, d], k_new, v_new [batch*q_len, kv_heads, d], cache) -> [batch, q_len, heads, d].
 
@@ -128,7 +135,8 @@ def attention_kernel(client, cfg: LayerConfig, batch: int, q_len: int, served_ki
     c, d = cfg, cfg.head_dim
     common = {"target": c.target, "dtype": c.dtype}
     if q_len > 1 and batch == 1:
-        k = client.get_kernel("attention", batch=1, heads=c.heads, kv_heads=c.kv_heads, seq_len=q_len, head_dim=d, causal=True, **common)
+        spec = prefill_attention_spec(cfg, q_len)
+        k = client.get_kernel(spec.pop("kind"), **spec)
 
         def attend(q, k_new, v_new, cache):
             # v_new is a strided view of the QKV GEMM's output and the kind takes contiguous
@@ -254,13 +262,13 @@ def torch_layer(x, r, positions, batch_of, k_cache, v_cache, w: dict, cfg: Layer
 # ----- inputs
 
 
-def make_weights(cfg: LayerConfig, device) -> dict:
+def make_weights(cfg: LayerConfig, device, seed: int = 0) -> dict:
     """The layer's weights: HF's separate projections (the torch layer's) and, built once from the
     same tensors, their concatenations "qkv" [(heads + 2*kv_heads)*d, hidden] and "gate_up"
-    [2*ffn, hidden] (the served layer's fused GEMMs, and the fused torch layer's)."""
+    [2*ffn, hidden] (the served layer's fused GEMMs, and the fused torch layer's). Random, from `seed`."""
     c, d = cfg, cfg.head_dim
     dtype = getattr(torch, c.dtype)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
 
     def weight(*shape):
         return (torch.randn(*shape, generator=g) / math.sqrt(shape[-1])).to(device=device, dtype=dtype)
@@ -419,7 +427,8 @@ def validate_specs(cfg: LayerConfig, cases) -> None:
         kernels.canonicalize(spec["kind"], params, spec["target"])
     for batch, q_len in cases:
         if q_len > 1:
-            kernels.canonicalize("attention", dict(batch=1, heads=cfg.heads, kv_heads=cfg.kv_heads, seq_len=q_len, head_dim=cfg.head_dim, causal=True, dtype=cfg.dtype), cfg.target)
+            spec = prefill_attention_spec(cfg, q_len)
+            kernels.canonicalize(spec["kind"], {k: v for k, v in spec.items() if k not in ("kind", "target")}, spec["target"])
 
 
 def compile_torch_layer(mode: str, cases: int):

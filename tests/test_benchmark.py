@@ -172,3 +172,44 @@ def test_decode_step_without_cuda_says_how_to_check_on_the_cpu():
     out = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_step.py")], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode != 0 and "needs a CUDA GPU" in out.stderr and "--small --check-only" in out.stderr
+
+
+# ----- benchmark/startup.py: a fresh agent's start to a ready model, on the CPU
+
+STARTUP = ROOT / "benchmark" / "startup.py"
+# One torch.compile variant of four, for time (a cold compile takes 17 s on 2 cores, a warm one two processes); ~65 s in all.
+STARTUP_VARIANTS = ("served_cold", "served_cold_from_serve", "served_warm", "tilelang_cold", "tilelang_warm", "compile_default_cold", "eager")
+
+
+def test_startup_small_times_every_variant_and_served_outputs_match_eager(tmp_path):
+    out_json = tmp_path / "startup.json"
+    args = ["--small", "--workers", "2", "--variants", ",".join(STARTUP_VARIANTS), "--json", str(out_json),
+            "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run([sys.executable, str(STARTUP), *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "served_cold_from_serve" in proc.stdout  # the table
+    report = json.loads(out_json.read_text())
+    assert report["layers"] == 2 and report["kernels"] == 9 and report["problems"] == []
+    assert report["config"]["target"] == "c" and report["config"]["dtype"] == "float32"
+    variants = report["variants"]
+    assert set(variants) == set(STARTUP_VARIANTS)
+    for name, v in variants.items():
+        assert "error" not in v, f"{name} failed: {v.get('error')}"
+        assert v["ready_s"] > 0 and all(seconds >= 0 for seconds in v["phases_s"].values()), (name, v)
+        assert v["phases_s"]["imports"] > 0, name
+        if not name.startswith("tilelang"):  # TileLang's variants stop at ready
+            assert v["first_output_s"] >= v["ready_s"], (name, v)
+    for name in ("served_cold", "served_cold_from_serve", "served_warm", "compile_default_cold"):
+        assert variants[name]["rel_error_vs_eager"] < 1e-4, name
+    compiled = variants["compile_default_cold"]
+    assert compiled["ready_s"] == compiled["first_output_s"] and (compiled["inductor_cache"], compiled["fxgraph_misses"]) == ("environment", 1)
+    assert variants["served_cold"]["outcomes"] == {"compiled": 9} and variants["served_cold_from_serve"]["outcomes"] == {"compiled": 9}
+    assert variants["served_warm"]["outcomes"] == {"hit": 9}
+    assert (variants["tilelang_cold"]["compiled"], variants["tilelang_warm"]["compiled"], variants["tilelang_warm"]["loaded"]) == (9, 0, 9)
+    assert "waiting_for_daemon" in variants["served_cold_from_serve"]["phases_s"]
+
+
+def test_startup_refuses_an_unknown_variant():
+    out = subprocess.run([sys.executable, str(STARTUP), "--small", "--variants", "served_cold,nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "nope" in out.stderr

@@ -93,6 +93,18 @@ class DaemonProcess:
 
         return client.connect(self.socket, **options)
 
+    def wait_workers_ready(self, timeout: float = 600) -> None:
+        """Blocks until every compile worker has started and warmed up (stats: workers_ready == workers)."""
+        deadline = time.monotonic() + timeout
+        c = self.client()
+        try:
+            while (stats := c.stats())["workers_ready"] < stats["workers"]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{stats['workers_ready']} of {stats['workers']} workers ready after {timeout:.0f}s; see {self.log_path}")
+                time.sleep(0.05)
+        finally:
+            c.close()
+
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
 
