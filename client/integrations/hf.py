@@ -194,7 +194,7 @@ class RotaryLayer(nn.Module):
         positions = torch.arange(cache.shape[0], device=q.device)
         if cos.shape[0] != b:
             positions = positions.repeat(b)
-        qo, ko = entry.kernel(positions, q.transpose(1, 2).reshape(b * s, h, d), k.transpose(1, 2).reshape(b * s, kvh, d), cache)
+        qo, ko = entry.kernel(positions, q.transpose(1, 2).reshape(b * s, h, d).contiguous(), k.transpose(1, 2).reshape(b * s, kvh, d).contiguous(), cache.contiguous())
         return qo.view(b, s, h, d).transpose(1, 2), ko.view(b, s, kvh, d).transpose(1, 2)
 
 
@@ -224,8 +224,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     ):
         entry = None
     entry = _served(entry, module, query, key, value)
-    out = None if entry is None else _serve_attention(entry, module, query, key, value, attention_mask, kwargs.get("sliding_window"))
+    out, kind = (None, None) if entry is None else _serve_attention(entry, module, query, key, value, attention_mask, kwargs.get("sliding_window"))
     if out is not None:
+        if kind != entry.kind and not torch.compiler.is_compiling():  # counted as attention above
+            entry.report.calls[entry.kind] -= 1
+            entry.report.calls[kind] += 1
         return out, None
     if entry is not None and not torch.compiler.is_compiling():  # counted as served above: it was not
         entry.report.calls[entry.kind] -= 1
@@ -243,17 +246,17 @@ def _serve_attention(entry, module, query, key, value, mask, sliding_window):
     Q, K, V = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D] views
     if mask is None:
         if sliding_window is not None and kv > sliding_window:
-            return None
+            return None, None
         if q == kv:
-            return attn(Q.contiguous(), K.contiguous(), V.contiguous())
+            return attn(Q.contiguous(), K.contiguous(), V.contiguous()), "attention"
         if causal and kv_attn is not None:  # queries at the end of the cache (decode, chunked prefill)
-            return kv_attn(Q.contiguous(), K.contiguous(), V.contiguous(), torch.full((b,), kv, dtype=torch.int32, device=query.device))
-        return None
+            return kv_attn(Q.contiguous(), K.contiguous(), V.contiguous(), torch.full((b,), kv, dtype=torch.int32, device=query.device)), "kv_attention"
+        return None, None
     if torch.compiler.is_compiling() or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
-        return None  # reading the mask would be data-dependent: a traced call keeps sdpa
+        return None, None  # reading the mask would be data-dependent: a traced call keeps sdpa
     # Padding, one sequence at a time: each row's keys must be one run [lo, hi) and its mask exactly
     # that run (causal: up to the query's own position). Padded queries get zeros (HF's are meaningless).
-    out = query.new_zeros(b, q, h, d)
+    out, kind = query.new_zeros(b, q, h, d), "attention"
     off = kv - q
     i = torch.arange(q, device=mask.device)[:, None]
     j = torch.arange(kv, device=mask.device)[None, :]
@@ -266,19 +269,21 @@ def _serve_attention(entry, module, query, key, value, mask, sliding_window):
         if causal:
             r0, r1 = max(0, lo - off), hi - off
             if r1 <= r0 or not torch.equal(m[r0:r1], ((j >= lo) & (j <= i + off))[r0:r1]):
-                return None
+                return None, None
         else:
             r0, r1 = lo, hi
             if q != kv or not torch.equal(m[lo:hi], ((j >= lo) & (j < hi)).expand(q, kv)[lo:hi]):
-                return None
+                return None, None
         qs, ks, vs = (t[row : row + 1, a:z].contiguous() for t, a, z in ((Q, r0, r1), (K, lo, hi), (V, lo, hi)))
         if r1 - r0 == hi - lo:
             out[row, r0:r1] = attn(qs, ks, vs)[0]
+            kind = "attention"
         elif causal and kv_attn is not None:
             out[row, r0:r1] = kv_attn(qs, ks, vs, torch.full((1,), hi - lo, dtype=torch.int32, device=query.device))[0]
+            kind = "kv_attention"
         else:
-            return None
-    return out
+            return None, None
+    return out, kind
 
 
 # ----- planning: which module gets which kernel
@@ -337,7 +342,14 @@ def _plan(model, device, dtype, target):
             plans.append((name, m, "attention", {"batch": None, "seq_len": None, "causal": bool(m.is_causal), **shape}))
             if m.is_causal:
                 plans.append((name, m, "kv_attention", {"batch": None, "q_len": None, **shape}))
-            for fn in vars(m).get("_kernel_funcs", {}).values():
+            funcs = vars(m).get("_kernel_funcs", {})
+            for fname, fn in list(funcs.items()):
+                # A deep copy of the model copies these into each module, while its forward calls the
+                # modeling module's own: point them back at that one, or the swap would be a no-op.
+                # (kernels makes a class per decorated function: the shared one is the global of that class.)
+                shared = [v for v in vars(sys.modules.get(cls.__module__, object)).values() if type(v) is type(fn)]
+                if len(shared) == 1 and shared[0] is not fn:
+                    funcs[fname] = fn = shared[0]
                 if getattr(fn, "kernel_layer_name", None) == "rotary_pos_emb":
                     if _code(_func_of(fn)) in known["rope"]:
                         rotary.setdefault(tuple(shape.values()), (f"{name}.rotary_pos_emb", fn, shape))
