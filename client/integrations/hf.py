@@ -14,7 +14,7 @@ What is swapped, through the conventions the HF ecosystem has (Hugging Face `ker
 - rotary (transformers tags `apply_rotary_pos_emb` "rotary_pos_emb") -> `rope` with the model's
   own cos/sin as the cache;
 - attention, registered as `AttentionInterface` / `AttentionMaskInterface` "kernel_service":
-  `attention` for prefill and encoders, `kv_attention` for queries against a KV cache; padded
+  `attention` for prefill and encoders, `kv_attention` for decode steps against a KV cache; padded
   batches are served one sequence at a time (eager only: reading the mask is data-dependent),
   ModernBERT's sliding-window layers where the window covers the sequence.
 
@@ -249,7 +249,7 @@ def _serve_attention(entry, module, query, key, value, mask, sliding_window):
             return None, None
         if q == kv:
             return attn(Q.contiguous(), K.contiguous(), V.contiguous()), "attention"
-        if causal and kv_attn is not None:  # queries at the end of the cache (decode, chunked prefill)
+        if causal and kv_attn is not None and q == 1:  # decode: one query at the end of the cache
             return kv_attn(Q.contiguous(), K.contiguous(), V.contiguous(), torch.full((b,), kv, dtype=torch.int32, device=query.device)), "kv_attention"
         return None, None
     if torch.compiler.is_compiling() or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
@@ -278,7 +278,7 @@ def _serve_attention(entry, module, query, key, value, mask, sliding_window):
         if r1 - r0 == hi - lo:
             out[row, r0:r1] = attn(qs, ks, vs)[0]
             kind = "attention"
-        elif causal and kv_attn is not None:
+        elif causal and kv_attn is not None and r1 - r0 == 1 == q:
             out[row, r0:r1] = kv_attn(qs, ks, vs, torch.full((1,), hi - lo, dtype=torch.int32, device=query.device))[0]
             kind = "kv_attention"
         else:
@@ -341,7 +341,7 @@ def _plan(model, device, dtype, target):
             shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": m.head_dim}
             plans.append((name, m, "attention", {"batch": None, "seq_len": None, "causal": bool(m.is_causal), **shape}))
             if m.is_causal:
-                plans.append((name, m, "kv_attention", {"batch": None, "q_len": None, **shape}))
+                plans.append((name, m, "kv_attention", {"batch": None, "q_len": 1, **shape}))  # decode (split-KV); longer query chunks keep sdpa
             funcs = vars(m).get("_kernel_funcs", {})
             for fname, fn in list(funcs.items()):
                 # A deep copy of the model copies these into each module, while its forward calls the
