@@ -41,13 +41,14 @@ def daemon(tmp_path_factory):
 @contextlib.contextmanager
 def own_rotary(*modeling):
     """transformers' own apply_rotary_pos_emb for the duration (the kernelized one is process-wide)."""
-    saved = [(m.apply_rotary_pos_emb, vars(m.apply_rotary_pos_emb).pop("forward", None)) for m in modeling]
+    saved = [(m, m.apply_rotary_pos_emb) for m in modeling]
     try:
+        for m, fn in saved:
+            m.apply_rotary_pos_emb = getattr(fn, "__wrapped__", fn)
         yield
     finally:
-        for fn, fwd in saved:
-            if fwd is not None:
-                fn.forward = fwd
+        for m, fn in saved:
+            m.apply_rotary_pos_emb = fn
 
 
 def llama(**extra):
@@ -91,6 +92,7 @@ def test_llama_swapped_and_matches(llamas):
     assert type(model.model.layers[0].input_layernorm).forward is modeling_llama.LlamaRMSNorm.forward  # the class is untouched
     assert model.model.layers[0].input_layernorm.forward.__func__ is hf.RMSNormLayer.forward
     assert model.config._attn_implementation == hf.ATTN
+    assert modeling_llama.apply_rotary_pos_emb.__wrapped__ is not modeling_llama.apply_rotary_pos_emb  # replaced, the original kept
     assert model.state_dict().keys() == ref.state_dict().keys()
     ids = torch.randint(3, VOCAB, (2, 11))
     before = dict(r.calls)
@@ -236,3 +238,23 @@ def test_strict_names_a_kept_module(daemon):
     assert "model.layers.0.mlp" not in m.kernel_service.swapped
     with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp.*gelu"):
         hf.kernelize(llama(hidden_act="gelu"), client=daemon[1], backend="kernel-service", strict=True)
+
+
+def test_no_hugging_face_kernels_distribution():
+    """The integration applies the HF `kernels` layer contract itself: no `kernels` distribution is
+    installed (it would share `site-packages/kernels/` with this project's package), and transformers,
+    deciding by package metadata, does not take this project's `kernels` for Hugging Face's."""
+    import importlib.metadata
+    import sys
+
+    import kernels
+    from transformers.integrations import hub_kernels
+    from transformers.utils import import_utils
+
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.distribution("kernels")
+    assert hasattr(kernels, "kinds") and not hasattr(kernels, "kernelize")  # `kernels` is the project's
+    assert not import_utils.is_kernels_available() and not hub_kernels._kernels_enabled
+    assert "kernels.layer" not in sys.modules and "client.integrations.hf" in sys.modules
+    for layer in (hf.RMSNormLayer, hf.SwiGLUMLPLayer, hf.LayerNormLayer, hf.RotaryLayer):  # the layer contract
+        assert layer.can_torch_compile and not layer.has_backward and "__init__" not in vars(layer)

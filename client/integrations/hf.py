@@ -4,15 +4,15 @@
     model = hf.kernelize(LlamaForCausalLM.from_pretrained(...).eval())   # backend="auto"
     model.kernel_service.backend, model.kernel_service.swapped, model.kernel_service.kept
 
-What is swapped, through the conventions the HF ecosystem has (Hugging Face `kernels`
-0.17.2 and transformers' attention interfaces), keeping the model's own weights:
+What is swapped, following the Hugging Face `kernels` layer contract (stateless layer classes
+with `forward`, `has_backward`, `can_torch_compile`, bound to each module instance) but applied
+here, and through transformers' attention interfaces, keeping the model's own weights:
 
-- RMSNorm (transformers tags `LlamaRMSNorm` "RMSNorm") -> `rmsnorm`;
-- the Llama MLP (`act(gate(x)) * up(x)` with SiLU; tagged here) -> `swiglu` between the
-  model's own projections;
-- `nn.LayerNorm` with weights (ModernBERT; tagged here, for this model's instances only) -> `layernorm`;
-- rotary (transformers tags `apply_rotary_pos_emb` "rotary_pos_emb") -> `rope` with the model's
-  own cos/sin as the cache;
+- RMSNorm (`LlamaRMSNorm` and its modular copies) -> `rmsnorm`;
+- the Llama MLP (`act(gate(x)) * up(x)` with SiLU) -> `swiglu` between the model's own projections;
+- `nn.LayerNorm` with weights (ModernBERT; this model's instances only) -> `layernorm`;
+- rotary (the modeling module's `apply_rotary_pos_emb`, replaced by a wrapper) -> `rope` with the
+  model's own cos/sin as the cache;
 - attention, registered as `AttentionInterface` / `AttentionMaskInterface` "kernel_service":
   `attention` for prefill and encoders, `kv_attention` for decode steps against a KV cache; padded
   batches are served one sequence at a time (eager only: reading the mask is data-dependent),
@@ -24,22 +24,18 @@ Kernels are inference-only: in training mode, or when grad would be recorded, ev
 runs its own forward. transformers shares `apply_rotary_pos_emb` between all models of a family,
 so its swap is process-wide, for the head shapes and dtypes kernelized (the same math).
 
-The project's own `kernels` package (the kinds) and Hugging Face's `kernels` share a top-level
-name; importing this module loads Hugging Face's under that name just long enough for
-transformers to bind it (see `_import_transformers`). Import this module before transformers'
-model classes.
+Hugging Face's `kernels` distribution is not used: it and this project's `kernels` package (the
+kinds) share a top-level name and cannot be installed together.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib.metadata
-import importlib.util
-import logging
+import functools
 import sys
+import types
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -50,47 +46,23 @@ _ATTR = "_kernel_service"  # a served module's entry (not a parameter or buffer:
 _ROPE: dict[tuple, "_Entry"] = {}  # (heads, kv_heads, head_dim, dtype, device type) -> the served rope
 
 
-# ----- Hugging Face `kernels` next to the project's `kernels`
+# ----- transformers must not take the project's `kernels` for Hugging Face's
 
 
-def _import_transformers():
-    """Imports transformers' kernel hooks with Hugging Face's `kernels` bound, leaving `kernels` ours.
+def _check_transformers():
+    """transformers decides whether Hugging Face `kernels` is there by package metadata: the import
+    name `kernels` resolves to this project's package, whose distribution (kernel-service, 0.1.x)
+    is outside the range transformers takes, so its hub hooks stay stubs. Were it ever in range (or
+    HF's distribution installed), transformers would import this project's `kernels` as HF's."""
+    from transformers.utils import import_utils
 
-    Both distributions are imported as `kernels`; their submodules' names do not overlap
-    (checked), so HF's live on in sys.modules as kernels.layer, kernels._rust, ... while
-    `kernels` itself stays the project's package. Returns (hf kernels module, transformers hub_kernels).
-    """
-    hub = sys.modules.get("transformers.integrations.hub_kernels")
-    if hub is not None and getattr(hub, "_hf_kernels", None) is not None:
-        return hub._hf_kernels, hub
-    try:
-        dist = importlib.metadata.distribution("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        raise ImportError("client.integrations.hf needs Hugging Face `kernels`: pip install 'kernel-service[hf]'") from None
-    init = Path(dist.locate_file("kernels/__init__.py"))
-    ours = sys.modules.get("kernels")
-    if ours is None:
-        import kernels as ours  # noqa: F811 (the project's kinds, imported by the client anyway)
-    theirs = {f"kernels.{Path(str(f)).with_suffix('').parts[1]}" for f in dist.files or () if str(f).startswith("kernels/") and len(Path(str(f)).parts) > 2}
-    clash = theirs & {name for name in sys.modules if name.startswith("kernels.")}
-    if clash:
-        raise ImportError(f"Hugging Face `kernels` and this project's `kernels` both have {sorted(clash)}: they cannot share a process")
-    spec = importlib.util.spec_from_file_location("kernels", init, submodule_search_locations=[str(init.parent)])
-    hf_kernels = importlib.util.module_from_spec(spec)
-    sys.modules["kernels"] = hf_kernels
-    try:
-        spec.loader.exec_module(hf_kernels)
-        import kernels.layer.layer  # noqa: F401  (everything kernelize() uses, imported while the name is HF's)
-        import transformers.integrations.hub_kernels as hub
-        import transformers.masking_utils  # noqa: F401
-        import transformers.modeling_utils  # noqa: F401
-    finally:
-        sys.modules["kernels"] = ours
-    hub._hf_kernels = hf_kernels
-    return hf_kernels, hub
+    if import_utils.is_kernels_available():
+        raise ImportError(
+            "transformers takes the `kernels` package for Hugging Face's kernels (a `kernels` distribution in its version range "
+            "is installed); this project's `kernels` package has the same top-level name: uninstall Hugging Face's `kernels`")
 
 
-HF_KERNELS, _HUB = _import_transformers()
+_check_transformers()
 
 
 # ----- what kernelize leaves on the model
@@ -136,7 +108,8 @@ def _served(entry, module, *tensors):
     return entry if ok else None
 
 
-# ----- the layers (HF `kernels` layer classes: no __init__, no state, a forward and two flags)
+# ----- the layers (the HF `kernels` layer contract: no __init__, no state, a forward and two flags;
+# kernelize binds forward to the module instance, so `self` is the model's own module)
 
 
 class RMSNormLayer(nn.Module):
@@ -178,6 +151,8 @@ class SwiGLUMLPLayer(nn.Module):
 
 
 class RotaryLayer(nn.Module):
+    """Bound to the modeling module's own `apply_rotary_pos_emb` (`self`), which is its fallback."""
+
     can_torch_compile = True
     has_backward = False
 
@@ -186,7 +161,7 @@ class RotaryLayer(nn.Module):
         if unsqueeze_dim == 1 and q.dim() == 4 and cos.dim() == 3 and cos.shape[-1] == q.shape[-1] and cos.shape[0] in (1, q.shape[0]):
             entry = _served(_ROPE.get((q.shape[1], k.shape[1], q.shape[-1], q.dtype, q.device.type)), None, q, k)
         if entry is None:
-            return type(self).forward(self, q, k, cos, sin, unsqueeze_dim)
+            return self(q, k, cos, sin, unsqueeze_dim)
         b, h, s, d = q.shape
         kvh = k.shape[1]
         # The kernel's cache is [rows, cos | sin] (vLLM's layout); each token's own row is its cos/sin.
@@ -302,15 +277,24 @@ def _known():
     return {
         "rmsnorm": {_code(llama.LlamaRMSNorm.forward)},
         "swiglu": {_code(llama.LlamaMLP.forward)},
-        "rope": {_code(_func_of(llama.apply_rotary_pos_emb)), _code(_func_of(modernbert.apply_rotary_pos_emb))},
+        "rope": {_code(_unwrapped(llama.apply_rotary_pos_emb)), _code(_unwrapped(modernbert.apply_rotary_pos_emb))},
     }
 
 
-def _func_of(func_module):
-    for cell in func_module.__class__.forward.__closure__ or ():
-        if callable(cell.cell_contents):
-            return cell.cell_contents
-    raise RuntimeError(f"cannot find the function inside {func_module!r}")
+def _unwrapped(fn):
+    """A modeling module's own `apply_rotary_pos_emb`, also after kernelize replaced it."""
+    return getattr(fn, "__wrapped__", fn)
+
+
+def _rotary(original):
+    """The replacement for a modeling module's `apply_rotary_pos_emb`: RotaryLayer.forward bound to it."""
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        return RotaryLayer.forward(original, q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.kernel_service = True
+    return apply_rotary_pos_emb
 
 
 def _plan(model, device, dtype, target):
@@ -342,21 +326,16 @@ def _plan(model, device, dtype, target):
             plans.append((name, m, "attention", {"batch": None, "seq_len": None, "causal": bool(m.is_causal), **shape}))
             if m.is_causal:
                 plans.append((name, m, "kv_attention", {"batch": None, "q_len": 1, **shape}))  # decode (split-KV); longer query chunks keep sdpa
-            funcs = vars(m).get("_kernel_funcs", {})
-            for fname, fn in list(funcs.items()):
-                # A deep copy of the model copies these into each module, while its forward calls the
-                # modeling module's own: point them back at that one, or the swap would be a no-op.
-                # (kernels makes a class per decorated function: the shared one is the global of that class.)
-                shared = [v for v in vars(sys.modules.get(cls.__module__, object)).values() if type(v) is type(fn)]
-                if len(shared) == 1 and shared[0] is not fn:
-                    funcs[fname] = fn = shared[0]
-                if getattr(fn, "kernel_layer_name", None) == "rotary_pos_emb":
-                    if _code(_func_of(fn)) in known["rope"]:
-                        rotary.setdefault(tuple(shape.values()), (f"{name}.rotary_pos_emb", fn, shape))
-                    else:
-                        kept[f"{name}.rotary_pos_emb"] = "not a rotary form this integration knows"
-    for key, (name, fn, shape) in rotary.items():
-        plans.append((name, fn, "rope", {"tokens": None, "max_position": None, "style": "neox", **shape}))
+            # The attention forward calls its modeling module's global `apply_rotary_pos_emb`.
+            modeling = sys.modules.get(cls.__module__)
+            fn = getattr(modeling, "apply_rotary_pos_emb", None)
+            if fn is not None and "apply_rotary_pos_emb" in getattr(getattr(fwd, "__code__", None), "co_names", ()):
+                if _code(_unwrapped(fn)) in known["rope"]:
+                    rotary.setdefault(tuple(shape.values()), (f"{name}.rotary_pos_emb", set(), shape))[1].add(modeling)
+                else:
+                    kept[f"{name}.rotary_pos_emb"] = "not a rotary form this integration knows"
+    for key, (name, modelings, shape) in rotary.items():
+        plans.append((name, modelings, "rope", {"tokens": None, "max_position": None, "style": "neox", **shape}))
     for i, (name, m, kind, params) in enumerate(plans):
         plans[i] = (name, m, kind, {**params, "dtype": dtype, "target": target})
     return plans, kept
@@ -369,42 +348,17 @@ def _first_param(model):
         raise ValueError("kernelize: the model has no parameters") from None
 
 
-def _hooks_live(hub) -> str:
-    if not getattr(hub, "_kernels_enabled", False) or not hasattr(hub, "_kernels_kernelize"):
-        return "transformers' kernel hooks are off (USE_HUB_KERNELS, or a `kernels` release this transformers does not take): its layers are not tagged"
-    return ""
-
-
 def _key(kind, params):
     return kind, tuple(sorted((k, str(v)) for k, v in params.items()))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Repo:
-    """A `kernels` repository (any hashable with load() -> layer class): the layer, with no Hub access."""
-
-    layer_name: str
-    layer: type
-
-    def load(self):
-        return self.layer
-
-
 _LAYERS = {"rmsnorm": RMSNormLayer, "swiglu": SwiGLUMLPLayer, "layernorm": LayerNormLayer, "rope": RotaryLayer}
-_OUR_TAGS = {"swiglu": "KernelServiceSwiGLUMLP", "layernorm": "KernelServiceLayerNorm"}  # for classes transformers leaves untagged
-
-
-def _is_ours(m) -> bool:
-    return _ATTR in vars(m)
 
 
 def _serve(model, report: Report, client, strict: bool, device: torch.device, dtype: torch.dtype) -> str:
     """Swaps what can be served; returns why nothing could be ('' when something was)."""
     if model.training:
         return "the model is in training mode (served kernels are inference-only; call model.eval() first)"
-    why = _hooks_live(_HUB)
-    if why:
-        return why
     import client as client_pkg
 
     from ..errors import InvalidSpec, KernelServiceError
@@ -446,43 +400,21 @@ def _serve(model, report: Report, client, strict: bool, device: torch.device, dt
     if not entries:
         return "no module of this model is served: " + "; ".join(f"{n}: {w}" for n, w in report.kept.items()) if report.kept else "no module this integration knows"
 
-    # Tag the classes transformers leaves untagged (only this model's planned instances pass the condition).
-    layer_names = {}
-    for name, (m, entry) in entries.items():
-        if entry.kind == "attention":
-            continue
-        cls = type(m)
-        if not hasattr(cls, "kernel_layer_name"):
-            HF_KERNELS.replace_kernel_forward_from_hub(cls, _OUR_TAGS[entry.kind], condition=_is_ours)
-        layer_names[cls.kernel_layer_name] = entry.kind
-        if entry.kind == "rope":
-            p = entry.more["params"]
-            _ROPE[(p["heads"], p["kv_heads"], p["head_dim"], dtype, device.type)] = entry
-        else:
-            vars(m)[_ATTR] = entry
-    mapping = {layer: {device.type: _Repo(layer, _LAYERS[kind])} for layer, kind in layer_names.items()}
-    quiet = logging.getLogger("kernels.layer.layer")  # it warns for every tagged layer our mapping leaves out (SiLU, ...)
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        with HF_KERNELS.use_kernel_mapping(mapping, inherit_mapping=False):
-            HF_KERNELS.kernelize(model, mode=HF_KERNELS.Mode.INFERENCE | HF_KERNELS.Mode.TORCH_COMPILE, device=device.type)
-    finally:
-        quiet.setLevel(level)
+    # The layer contract, applied here: each module's forward is the layer's, bound to that module.
     for name, (m, entry) in entries.items():
         if entry.kind == "attention":
             continue
         layer = _LAYERS[entry.kind]
-        if getattr(vars(m).get("forward"), "__func__", None) is layer.forward:
-            report.swapped[name] = entry.kind
+        if entry.kind == "rope":
+            p = entry.more["params"]
+            _ROPE[(p["heads"], p["kv_heads"], p["head_dim"], dtype, device.type)] = entry
+            for modeling in m:  # process-wide: transformers' attention calls the module's global
+                if not getattr(modeling.apply_rotary_pos_emb, "kernel_service", False):
+                    modeling.apply_rotary_pos_emb = _rotary(modeling.apply_rotary_pos_emb)
         else:
-            vars(m).pop(_ATTR, None)
-            report.kept[name] = "the kernels hook did not replace its forward"
-    # Tagged modules kernels replaced but nothing serves (another model's layer names): their own forward again.
-    for _, m in model.named_modules():
-        fwd = vars(m).get("forward")
-        if fwd is not None and getattr(fwd, "__func__", None) in {l.forward for l in _LAYERS.values()} and not _is_ours(m) and type(m).__name__ != "Func":
-            del vars(m)["forward"]
+            vars(m)[_ATTR] = entry
+            vars(m)["forward"] = types.MethodType(layer.forward, m)
+        report.swapped[name] = entry.kind
 
     # Attention through transformers' interfaces.
     attn = {name: (m, e) for name, (m, e) in entries.items() if e.kind == "attention"}
