@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import client  # noqa: E402
-import client.integrations.hf as hf  # noqa: E402  (before transformers' model classes: see its docstring)
+import client.integrations.hf as hf  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, ModernBertConfig, ModernBertModel  # noqa: E402
 
 VARIANTS = ("eager", "compile", "kernel-service")
