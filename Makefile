@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(VENV)/bin/python -m pip install -q -e ".[test]" $(NVRTC_SPEC)
+	$(VENV)/bin/python -m pip install -q -e ".[test,hf]" $(NVRTC_SPEC)
 	touch $@
 
 # The fleet tests start a real redis-server (Debian's package): installed here when we are root;

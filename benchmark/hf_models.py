@@ -1,0 +1,207 @@
+"""transformers models kernelized with served kernels, against HF eager (sdpa) and torch.compile.
+
+    python benchmark/hf_models.py                  # CUDA host, bf16, the default daemon ($KERNEL_SERVICE_SOCKET)
+    python benchmark/hf_models.py --json out.json  # the table, and the rows as JSON
+    python benchmark/hf_models.py --small          # anywhere: tiny models, float32, target "c", a private daemon
+
+Workloads (random weights, no download):
+- `llama prefill`: a 2-layer Llama-3-8B-shaped LlamaForCausalLM (hidden 4096, 32/8 heads of 128,
+  FFN 14336, vocab 128256), one forward of 2048 tokens at batch 1 (no cache);
+- `llama generate`: the same model, `generate` of 128 new tokens (greedy, exactly 128) after a
+  128-token prompt, at batch 1 and 8;
+- `modernbert`: a ModernBERT-base-shaped encoder (22 layers, hidden 768, 12 heads, local
+  attention 128 every third layer global), batch 32 x 512 tokens, right-padded to random lengths
+  in [256, 512] (an attention_mask).
+
+Variants, each on its own copy of the same weights: `eager` (transformers' sdpa), `compile`
+(torch.compile of that model: `model.compile()`; generate compiles the forward it calls) and
+`kernel-service` (`client.integrations.hf.kernelize(model, backend="kernel-service")`).
+`ready_s` is the time from the untouched model to its first output (kernelize's prefetch, or
+compile's first call, included); `ms` is the median of --reps timed runs after that. Outputs are
+compared with eager (`max_diff`: logits / hidden states at non-padded positions; generate: the
+fraction of generated tokens equal to eager's). kernel-service runs last: transformers shares
+`apply_rotary_pos_emb` between models of a family, so kernelizing swaps it process-wide.
+
+Padded batches are served one sequence at a time in eager mode; under torch.compile a padded
+mask keeps sdpa (reading it is data-dependent), so `modernbert` compares kernel-service eager
+with compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import client  # noqa: E402
+import client.integrations.hf as hf  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, ModernBertConfig, ModernBertModel  # noqa: E402
+
+VARIANTS = ("eager", "compile", "kernel-service")
+
+
+def llama_config(small: bool) -> LlamaConfig:
+    if small:
+        return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           pad_token_id=0)
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192, pad_token_id=0)
+
+
+def bert_config(small: bool) -> ModernBertConfig:
+    if small:
+        return ModernBertConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                                global_attn_every_n_layers=2, local_attention=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    return ModernBertConfig(vocab_size=50368, hidden_size=768, intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12,
+                            global_attn_every_n_layers=3, local_attention=128, pad_token_id=50283)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, reps):
+    out, times = None, []
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return out, statistics.median(times)
+
+
+def prepare(base, variant, c):
+    """(model, seconds to make it): the variant's copy of `base`."""
+    t = time.perf_counter()
+    model = copy.deepcopy(base)
+    if variant == "compile":
+        model.compile()
+    elif variant == "kernel-service":
+        hf.kernelize(model, client=c, backend="kernel-service", strict=False)
+        if model.kernel_service.backend != "kernel-service":
+            raise SystemExit(f"kernelize chose {model.kernel_service.backend}: {model.kernel_service.reason}")
+    return model, time.perf_counter() - t
+
+
+def run_workload(name, base, inputs, call, compare, device, reps, c, rows, extra=None):
+    reference = None
+    for variant in VARIANTS:
+        model, made = prepare(base, variant, c)
+        sync(device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            first = call(model, inputs)
+        sync(device)
+        ready = made + time.perf_counter() - t
+        with torch.inference_mode():
+            out, sec = timed(lambda: call(model, inputs), device, reps)
+        if variant == "eager":
+            reference = out
+        row = {"workload": name, "variant": variant, "ready_s": round(ready, 3), "ms": round(sec * 1e3, 3), **(extra or {})}
+        row.update(compare(out, reference))
+        if variant == "kernel-service":
+            r = model.kernel_service
+            row["swapped"] = len(r.swapped)
+            row["kept"] = dict(r.kept)
+            row["fallbacks"] = dict(r.fallbacks)
+        rows.append(row)
+        print(f"  {name:<22} {variant:<15} ready {ready:8.2f} s  {sec * 1e3:10.3f} ms", flush=True)
+        del model, first
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny models, float32, on the CPU (target 'c'), with a daemon of its own")
+    parser.add_argument("--socket", help="the daemon's socket (default: $KERNEL_SERVICE_SOCKET or the default socket; --small starts one)")
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per variant (default 10, --small 2)")
+    parser.add_argument("--only", choices=("prefill", "generate", "modernbert"), action="append", help="run only these workloads")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    small = args.small
+    reps = args.reps or (2 if small else 10)
+    device = torch.device("cpu" if small else "cuda")
+    dtype = torch.float32 if small else torch.bfloat16
+    if not small and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --small for the CPU smoke path")
+    daemon = None
+    if small and not args.socket:
+        from compile_service.tools.launch import DaemonProcess
+
+        base_dir = Path(tempfile.mkdtemp(prefix="hf-bench-"))
+        daemon = DaemonProcess(base_dir / "cache", "--target", "c", workers=2, log_path=base_dir / "daemon.log").start(timeout=120)
+        args.socket = str(daemon.socket)
+    c = client.connect(args.socket) if args.socket else client.default_client()
+    only = set(args.only or ("prefill", "generate", "modernbert"))
+    rows: list[dict] = []
+    g = torch.Generator().manual_seed(0)
+    try:
+        torch.manual_seed(0)
+        if only & {"prefill", "generate"}:
+            cfg = llama_config(small)
+            with torch.device(device):
+                base = LlamaForCausalLM(cfg).to(dtype).eval()
+
+            def logits_diff(out, ref):
+                return {"max_diff": float((out.float() - ref.float()).abs().max())}
+
+            if "prefill" in only:
+                n = 16 if small else 2048
+                ids = torch.randint(3, cfg.vocab_size, (1, n), generator=g).to(device)
+                run_workload("llama prefill", base, ids, lambda m, x: m(x, use_cache=False).logits, logits_diff, device, reps, c, rows, {"batch": 1, "tokens": n})
+            if "generate" in only:
+                prompt, new = (8, 8) if small else (128, 128)
+                for batch in (1, 8):
+                    ids = torch.randint(3, cfg.vocab_size, (batch, prompt), generator=g).to(device)
+
+                    def gen(m, x, new=new):
+                        return m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+                    def same(out, ref, prompt=prompt):
+                        return {"same_tokens": float((out[:, prompt:] == ref[:, prompt:]).float().mean())}
+
+                    run_workload(f"llama generate b{batch}", base, ids, gen, same, device, reps, c, rows, {"batch": batch, "new_tokens": new})
+            del base
+        if "modernbert" in only:
+            cfg = bert_config(small)
+            with torch.device(device):
+                base = ModernBertModel(cfg).to(dtype).eval()
+            batch, n = (4, 12) if small else (32, 512)
+            ids = torch.randint(3, min(cfg.vocab_size, 50000), (batch, n), generator=g).to(device)
+            lens = torch.randint(n // 2, n + 1, (batch,), generator=g)
+            mask = (torch.arange(n)[None, :] < lens[:, None]).to(device=device, dtype=torch.long)
+
+            def hidden_diff(out, ref):
+                valid = mask.bool()
+                return {"max_diff": float((out[valid].float() - ref[valid].float()).abs().max())}
+
+            run_workload("modernbert", base, (ids, mask), lambda m, x: m(input_ids=x[0], attention_mask=x[1]).last_hidden_state, hidden_diff, device, reps, c, rows,
+                         {"batch": batch, "tokens": n, "padded": True})
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    eager = {r["workload"]: r["ms"] for r in rows if r["variant"] == "eager"}
+    compiled = {r["workload"]: r["ms"] for r in rows if r["variant"] == "compile"}
+    print(f"\n{'workload':<22} {'variant':<15} {'ready s':>9} {'ms':>10} {'x eager':>8} {'x compile':>10}  check")
+    for r in rows:
+        r["x_eager"] = round(eager[r["workload"]] / r["ms"], 3)
+        r["x_compile"] = round(compiled[r["workload"]] / r["ms"], 3) if r["workload"] in compiled else None
+        check = f"max_diff {r['max_diff']:.3g}" if "max_diff" in r else f"same tokens {r['same_tokens']:.0%}"
+        print(f"{r['workload']:<22} {r['variant']:<15} {r['ready_s']:>9.2f} {r['ms']:>10.3f} {r['x_eager']:>8.2f} {r['x_compile'] or 0:>10.2f}  {check}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,486 @@
+"""Served kernels in Hugging Face transformers models: `kernelize(model)`.
+
+    import client.integrations.hf as hf
+    model = hf.kernelize(LlamaForCausalLM.from_pretrained(...).eval())   # backend="auto"
+    model.kernel_service.backend, model.kernel_service.swapped, model.kernel_service.kept
+
+What is swapped, following the Hugging Face `kernels` layer contract (stateless layer classes
+with `forward`, `has_backward`, `can_torch_compile`, bound to each module instance) but applied
+here, and through transformers' attention interfaces, keeping the model's own weights:
+
+- RMSNorm (`LlamaRMSNorm` and its modular copies) -> `rmsnorm`;
+- the Llama MLP (`act(gate(x)) * up(x)` with SiLU) -> `swiglu` between the model's own projections;
+- `nn.LayerNorm` with weights (ModernBERT; this model's instances only) -> `layernorm`;
+- rotary (the modeling module's `apply_rotary_pos_emb`, replaced by a wrapper) -> `rope` with the
+  model's own cos/sin as the cache;
+- attention, registered as `AttentionInterface` / `AttentionMaskInterface` "kernel_service":
+  `attention` for prefill and encoders, `kv_attention` for decode steps against a KV cache; padded
+  batches are served one sequence at a time (eager only: reading the mask is data-dependent),
+  ModernBERT's sliding-window layers where the window covers the sequence.
+
+A shape, dtype, mask or option a kind does not serve keeps the module's own forward (attention:
+transformers' `sdpa`), call by call; `strict=True` raises instead, naming the module and why.
+Kernels are inference-only: in training mode, or when grad would be recorded, every module
+runs its own forward. transformers shares `apply_rotary_pos_emb` between all models of a family,
+so its swap is process-wide, for the head shapes and dtypes kernelized (the same math).
+
+Hugging Face's `kernels` distribution is not used: it and this project's `kernels` package (the
+kinds) share a top-level name and cannot be installed together.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import sys
+import types
+import warnings
+
+import torch
+from torch import nn
+
+BACKENDS = ("eager", "compile", "kernel-service", "auto")
+ATTN = "kernel_service"  # the attention implementation's name (no "flash" or "sdpa": transformers special-cases those)
+_ATTR = "_kernel_service"  # a served module's entry (not a parameter or buffer: the state dict is unchanged)
+_ROPE: dict[tuple, "_Entry"] = {}  # (heads, kv_heads, head_dim, dtype, device type) -> the served rope
+
+
+# ----- transformers must not take the project's `kernels` for Hugging Face's
+
+
+def _check_transformers():
+    """transformers decides whether Hugging Face `kernels` is there by package metadata: the import
+    name `kernels` resolves to this project's package, whose distribution (kernel-service, 0.1.x)
+    is outside the range transformers takes, so its hub hooks stay stubs. Were it ever in range (or
+    HF's distribution installed), transformers would import this project's `kernels` as HF's."""
+    from transformers.utils import import_utils
+
+    if import_utils.is_kernels_available():
+        raise ImportError(
+            "transformers takes the `kernels` package for Hugging Face's kernels (a `kernels` distribution in its version range "
+            "is installed); this project's `kernels` package has the same top-level name: uninstall Hugging Face's `kernels`")
+
+
+_check_transformers()
+
+
+# ----- what kernelize leaves on the model
+
+
+@dataclasses.dataclass
+class Report:
+    """`model.kernel_service` after kernelize: what was asked, chosen, swapped and kept."""
+
+    requested: str
+    backend: str = "eager"
+    reason: str = ""  # why the backend is not the one requested (or auto's choice)
+    swapped: dict = dataclasses.field(default_factory=dict)  # module name -> kind
+    kept: dict = dataclasses.field(default_factory=dict)  # module name -> why it keeps its own forward
+    calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # kind -> eager calls served
+    fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # kind -> calls that ran the module's own forward
+    original_attn: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    kind: str
+    kernel: object  # client.Kernel
+    report: Report
+    dtype: torch.dtype
+    device_type: str
+    more: dict = dataclasses.field(default_factory=dict)  # attention: the kv_attention kernel
+
+
+def _served(entry, module, *tensors):
+    """The entry when this call can be served (inference, the kernel's dtype and device), else None."""
+    if entry is None:
+        return None
+    x = tensors[0]
+    ok = (
+        not (module is not None and module.training)
+        and x.dtype == entry.dtype
+        and x.device.type == entry.device_type
+        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    )
+    if not torch.compiler.is_compiling():
+        (entry.report.calls if ok else entry.report.fallbacks)[entry.kind] += 1
+    return entry if ok else None
+
+
+# ----- the layers (the HF `kernels` layer contract: no __init__, no state, a forward and two flags;
+# kernelize binds forward to the module instance, so `self` is the model's own module)
+
+
+class RMSNormLayer(nn.Module):
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, hidden_states):
+        entry = _served(self.__dict__.get(_ATTR), self, hidden_states, self.weight)
+        if entry is None:
+            return type(self).forward(self, hidden_states)
+        n = hidden_states.shape[-1]
+        return entry.kernel(hidden_states.reshape(-1, n).contiguous(), self.weight).view(hidden_states.shape)
+
+
+class LayerNormLayer(nn.Module):
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, input):
+        entry = _served(self.__dict__.get(_ATTR), self, input, self.weight, self.bias)
+        if entry is None:
+            return type(self).forward(self, input)
+        n = input.shape[-1]
+        args = (input.reshape(-1, n).contiguous(), self.weight) + ((self.bias,) if self.bias is not None else ())
+        return entry.kernel(*args).view(input.shape)
+
+
+class SwiGLUMLPLayer(nn.Module):
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, x):
+        entry = _served(self.__dict__.get(_ATTR), self, x, self.gate_proj.weight)
+        if entry is None:
+            return type(self).forward(self, x)
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        n = gate.shape[-1]
+        return self.down_proj(entry.kernel(gate.reshape(-1, n), up.reshape(-1, n)).view(gate.shape))
+
+
+class RotaryLayer(nn.Module):
+    """Bound to the modeling module's own `apply_rotary_pos_emb` (`self`), which is its fallback."""
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        entry = None
+        if unsqueeze_dim == 1 and q.dim() == 4 and cos.dim() == 3 and cos.shape[-1] == q.shape[-1] and cos.shape[0] in (1, q.shape[0]):
+            entry = _served(_ROPE.get((q.shape[1], k.shape[1], q.shape[-1], q.dtype, q.device.type)), None, q, k)
+        if entry is None:
+            return self(q, k, cos, sin, unsqueeze_dim)
+        b, h, s, d = q.shape
+        kvh = k.shape[1]
+        # The kernel's cache is [rows, cos | sin] (vLLM's layout); each token's own row is its cos/sin.
+        cache = torch.cat((cos[..., : d // 2], sin[..., : d // 2]), dim=-1).reshape(-1, d).to(q.dtype)
+        positions = torch.arange(cache.shape[0], device=q.device)
+        if cos.shape[0] != b:
+            positions = positions.repeat(b)
+        qo, ko = entry.kernel(positions, q.transpose(1, 2).reshape(b * s, h, d).contiguous(), k.transpose(1, 2).reshape(b * s, kvh, d).contiguous(), cache.contiguous())
+        return qo.view(b, s, h, d).transpose(1, 2), ko.view(b, s, kvh, d).transpose(1, 2)
+
+
+# ----- attention
+
+
+def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, local_size=None,
+          allow_is_causal_skip=True, allow_is_bidirectional_skip=False, **kwargs):
+    """sdpa's mask, except that a plain causal or full pattern with no padding is None even while
+    tracing (torch < 2.14 materializes it under torch.compile): the served kernels need no mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    plain = (allow_is_causal_skip and (q_length == 1 or q_length == kv_length)) or allow_is_bidirectional_skip
+    if attention_mask is None and plain and (local_size is None or kv_length <= local_size) and not isinstance(q_offset, torch.Tensor):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size=local_size,
+                     allow_is_causal_skip=allow_is_causal_skip, allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs)
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: query [B, Hq, S, D], key/value [B, Hkv, L, D] -> ([B, S, Hq, D], None)."""
+    entry = module.__dict__.get(_ATTR)
+    d = query.shape[-1]
+    if entry is not None and (
+        dropout or (scaling is not None and abs(scaling - d**-0.5) > 1e-6 * d**-0.5)
+        or kwargs.get("softcap") is not None or kwargs.get("output_attentions") or kwargs.get("s_aux") is not None
+    ):
+        entry = None
+    entry = _served(entry, module, query, key, value)
+    out, kind = (None, None) if entry is None else _serve_attention(entry, module, query, key, value, attention_mask, kwargs.get("sliding_window"))
+    if out is not None:
+        if kind != entry.kind and not torch.compiler.is_compiling():  # counted as attention above
+            entry.report.calls[entry.kind] -= 1
+            entry.report.calls[kind] += 1
+        return out, None
+    if entry is not None and not torch.compiler.is_compiling():  # counted as served above: it was not
+        entry.report.calls[entry.kind] -= 1
+        entry.report.fallbacks[entry.kind] += 1
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def _serve_attention(entry, module, query, key, value, mask, sliding_window):
+    b, h, q, d = query.shape
+    kv = key.shape[2]
+    causal = bool(getattr(module, "is_causal", False))
+    attn, kv_attn = entry.kernel, entry.more.get("kv_attention")
+    Q, K, V = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D] views
+    if mask is None:
+        if sliding_window is not None and kv > sliding_window:
+            return None, None
+        if q == kv:
+            return attn(Q.contiguous(), K.contiguous(), V.contiguous()), "attention"
+        if causal and kv_attn is not None and q == 1:  # decode: one query at the end of the cache
+            return kv_attn(Q.contiguous(), K.contiguous(), V.contiguous(), torch.full((b,), kv, dtype=torch.int32, device=query.device)), "kv_attention"
+        return None, None
+    if torch.compiler.is_compiling() or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
+        return None, None  # reading the mask would be data-dependent: a traced call keeps sdpa
+    # Padding, one sequence at a time: each row's keys must be one run [lo, hi) and its mask exactly
+    # that run (causal: up to the query's own position). Padded queries get zeros (HF's are meaningless).
+    out, kind = query.new_zeros(b, q, h, d), "attention"
+    off = kv - q
+    i = torch.arange(q, device=mask.device)[:, None]
+    j = torch.arange(kv, device=mask.device)[None, :]
+    for row in range(b):
+        m = mask[row, 0].expand(q, kv)
+        keys = m.any(0).nonzero()
+        if keys.numel() == 0:
+            continue
+        lo, hi = int(keys[0]), int(keys[-1]) + 1
+        if causal:
+            r0, r1 = max(0, lo - off), hi - off
+            if r1 <= r0 or not torch.equal(m[r0:r1], ((j >= lo) & (j <= i + off))[r0:r1]):
+                return None, None
+        else:
+            r0, r1 = lo, hi
+            if q != kv or not torch.equal(m[lo:hi], ((j >= lo) & (j < hi)).expand(q, kv)[lo:hi]):
+                return None, None
+        qs, ks, vs = (t[row : row + 1, a:z].contiguous() for t, a, z in ((Q, r0, r1), (K, lo, hi), (V, lo, hi)))
+        if r1 - r0 == hi - lo:
+            out[row, r0:r1] = attn(qs, ks, vs)[0]
+            kind = "attention"
+        elif causal and kv_attn is not None and r1 - r0 == 1 == q:
+            out[row, r0:r1] = kv_attn(qs, ks, vs, torch.full((1,), hi - lo, dtype=torch.int32, device=query.device))[0]
+            kind = "kv_attention"
+        else:
+            return None, None
+    return out, kind
+
+
+# ----- planning: which module gets which kernel
+
+
+def _code(fn):
+    c = fn.__code__
+    return c.co_code, c.co_consts, c.co_names
+
+
+def _known():
+    """The forwards whose computation the layers above reproduce (by bytecode: modular copies match)."""
+    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.modernbert import modeling_modernbert as modernbert
+
+    return {
+        "rmsnorm": {_code(llama.LlamaRMSNorm.forward)},
+        "swiglu": {_code(llama.LlamaMLP.forward)},
+        "rope": {_code(_unwrapped(llama.apply_rotary_pos_emb)), _code(_unwrapped(modernbert.apply_rotary_pos_emb))},
+    }
+
+
+def _unwrapped(fn):
+    """A modeling module's own `apply_rotary_pos_emb`, also after kernelize replaced it."""
+    return getattr(fn, "__wrapped__", fn)
+
+
+def _rotary(original):
+    """The replacement for a modeling module's `apply_rotary_pos_emb`: RotaryLayer.forward bound to it."""
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        return RotaryLayer.forward(original, q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.kernel_service = True
+    return apply_rotary_pos_emb
+
+
+def _plan(model, device, dtype, target):
+    """(module name, module, kind, params) for every module kernelize could swap, plus why others are kept."""
+    known = _known()
+    plans, kept, rotary = [], {}, {}
+    for name, m in model.named_modules():
+        cls = type(m)
+        fwd = getattr(cls, "forward", None)
+        code = _code(fwd) if hasattr(fwd, "__code__") else None
+        if code in known["rmsnorm"]:
+            plans.append((name, m, "rmsnorm", {"M": None, "N": m.weight.shape[-1], "eps": float(m.variance_epsilon)}))
+        elif code in known["swiglu"]:
+            act = getattr(m.config, "hidden_act", None)
+            if act in ("silu", "swish"):
+                plans.append((name, m, "swiglu", {"M": None, "N": m.gate_proj.out_features}))
+            else:
+                kept[name] = f"activation {act!r} is not SiLU (swiglu serves silu(gate) * up)"
+        elif cls is nn.LayerNorm:
+            if m.weight is None or len(m.normalized_shape) != 1:
+                kept[name] = "layernorm serves one normalized dim with weights"
+            else:
+                plans.append((name, m, "layernorm", {"M": None, "N": m.normalized_shape[0], "eps": float(m.eps), "bias": m.bias is not None}))
+        elif hasattr(m, "head_dim") and hasattr(m, "is_causal") and hasattr(m, "config"):
+            cfg = m.config
+            heads = cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+            shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": m.head_dim}
+            plans.append((name, m, "attention", {"batch": None, "seq_len": None, "causal": bool(m.is_causal), **shape}))
+            if m.is_causal:
+                plans.append((name, m, "kv_attention", {"batch": None, "q_len": 1, **shape}))  # decode (split-KV); longer query chunks keep sdpa
+            # The attention forward calls its modeling module's global `apply_rotary_pos_emb`.
+            modeling = sys.modules.get(cls.__module__)
+            fn = getattr(modeling, "apply_rotary_pos_emb", None)
+            if fn is not None and "apply_rotary_pos_emb" in getattr(getattr(fwd, "__code__", None), "co_names", ()):
+                if _code(_unwrapped(fn)) in known["rope"]:
+                    rotary.setdefault(tuple(shape.values()), (f"{name}.rotary_pos_emb", set(), shape))[1].add(modeling)
+                else:
+                    kept[f"{name}.rotary_pos_emb"] = "not a rotary form this integration knows"
+    for key, (name, modelings, shape) in rotary.items():
+        plans.append((name, modelings, "rope", {"tokens": None, "max_position": None, "style": "neox", **shape}))
+    for i, (name, m, kind, params) in enumerate(plans):
+        plans[i] = (name, m, kind, {**params, "dtype": dtype, "target": target})
+    return plans, kept
+
+
+def _first_param(model):
+    try:
+        return next(model.parameters())
+    except StopIteration:
+        raise ValueError("kernelize: the model has no parameters") from None
+
+
+def _key(kind, params):
+    return kind, tuple(sorted((k, str(v)) for k, v in params.items()))
+
+
+_LAYERS = {"rmsnorm": RMSNormLayer, "swiglu": SwiGLUMLPLayer, "layernorm": LayerNormLayer, "rope": RotaryLayer}
+
+
+def _serve(model, report: Report, client, strict: bool, device: torch.device, dtype: torch.dtype) -> str:
+    """Swaps what can be served; returns why nothing could be ('' when something was)."""
+    if model.training:
+        return "the model is in training mode (served kernels are inference-only; call model.eval() first)"
+    import client as client_pkg
+
+    from ..errors import InvalidSpec, KernelServiceError
+
+    c = client or client_pkg.default_client()
+    target = "c" if device.type == "cpu" else "auto"
+    plans, kept = _plan(model, device, dtype, target)
+    report.kept.update(kept)
+    valid, index = [], {}
+    for name, m, kind, params in plans:
+        key = _key(kind, params)
+        if key in index:
+            continue
+        try:
+            c._request(kind, {k: v for k, v in params.items() if k != "target"}, target)
+        except InvalidSpec as exc:
+            index[key] = exc
+            continue
+        index[key] = len(valid)
+        valid.append({"kind": kind, **params})
+    try:
+        results = c.prefetch(valid) if valid else []  # one RPC: cold kernels compile in parallel
+    except KernelServiceError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    entries = {}  # module name -> (module, entry); kv_attention rides on its module's attention entry
+    for name, m, kind, params in plans:
+        got = index[_key(kind, params)]
+        got = got if isinstance(got, Exception) else results[got]
+        if kind == "kv_attention":
+            if not isinstance(got, Exception) and name in entries:
+                entries[name][1].more["kv_attention"] = got
+        elif isinstance(got, Exception):
+            report.kept[name] = f"{kind} is not served: {got}"
+        else:
+            entries[name] = (m, _Entry(kind, got, report, dtype, device.type, {"params": params}))
+    if strict and report.kept:
+        name, why = next(iter(report.kept.items()))
+        raise RuntimeError(f"kernelize(strict=True): {name} would keep its own forward: {why}")
+    if not entries:
+        return "no module of this model is served: " + "; ".join(f"{n}: {w}" for n, w in report.kept.items()) if report.kept else "no module this integration knows"
+
+    # The layer contract, applied here: each module's forward is the layer's, bound to that module.
+    for name, (m, entry) in entries.items():
+        if entry.kind == "attention":
+            continue
+        layer = _LAYERS[entry.kind]
+        if entry.kind == "rope":
+            p = entry.more["params"]
+            _ROPE[(p["heads"], p["kv_heads"], p["head_dim"], dtype, device.type)] = entry
+            for modeling in m:  # process-wide: transformers' attention calls the module's global
+                if not getattr(modeling.apply_rotary_pos_emb, "kernel_service", False):
+                    modeling.apply_rotary_pos_emb = _rotary(modeling.apply_rotary_pos_emb)
+        else:
+            vars(m)[_ATTR] = entry
+            vars(m)["forward"] = types.MethodType(layer.forward, m)
+        report.swapped[name] = entry.kind
+
+    # Attention through transformers' interfaces.
+    attn = {name: (m, e) for name, (m, e) in entries.items() if e.kind == "attention"}
+    if attn:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(ATTN, _attention)
+        AttentionMaskInterface.register(ATTN, _mask)
+        report.original_attn = model.config._attn_implementation
+        for name, (m, entry) in attn.items():
+            vars(m)[_ATTR] = entry
+            report.swapped[name] = "attention" + (" + kv_attention" if "kv_attention" in entry.more else "")
+        model.set_attn_implementation(ATTN)
+    if strict and report.kept:
+        name, why = next(iter(report.kept.items()))
+        raise RuntimeError(f"kernelize(strict=True): {name} keeps its own forward: {why}")
+    return ""
+
+
+def _warm(model, device):
+    """One tiny forward, so that first-call costs are paid inside kernelize."""
+    if getattr(model, "main_input_name", None) != "input_ids":
+        return
+    with torch.inference_mode():
+        model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device))
+
+
+def kernelize(model, *, client=None, backend: str = "auto", strict: bool = False, warmup: bool = True):
+    """Swaps a transformers model's norms, MLP activation, rotary and attention for served kernels, in place.
+
+    backend: "kernel-service" (served kernels), "compile" (`model.compile()`), "eager" (nothing
+    changes), or "auto": kernel-service on CUDA when the daemon serves the model's shapes, else
+    compile on CUDA, else eager. A requested backend that is unavailable warns (RuntimeWarning,
+    naming the backend used instead) and falls back; strict=True raises instead, and also when a
+    module would keep its own forward. client: a client.Client (default: the default connection).
+    warmup: run one tiny forward before returning. Returns the model; `model.kernel_service`
+    (a Report) says which backend was chosen, which modules were swapped and which kept, and
+    counts the calls served and fallen back (eager calls).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    param = _first_param(model)
+    device, dtype = param.device, param.dtype
+    cuda = device.type == "cuda"
+    report = Report(requested=backend)
+    chosen = backend
+    if backend == "auto" and not cuda:
+        chosen, report.reason = "eager", "auto: the model is not on a CUDA device"
+    elif backend in ("auto", "kernel-service"):
+        why = _serve(model, report, client, strict, device, dtype)
+        if not why:
+            chosen = "kernel-service"
+        else:
+            chosen, report.reason = ("compile" if cuda else "eager"), f"kernel-service is unavailable: {why}"
+            if backend == "kernel-service":
+                if strict:
+                    raise RuntimeError(f"kernelize(strict=True): backend 'kernel-service' is unavailable: {why}")
+                warnings.warn(f"kernelize: backend 'kernel-service' is unavailable ({why}); using {chosen!r}", RuntimeWarning, stacklevel=2)
+    if chosen == "compile":
+        model.compile()
+    report.backend = chosen
+    model.kernel_service = report
+    if warmup and chosen == "kernel-service":
+        _warm(model, device)
+    return model
+
+
+__all__ = ["BACKENDS", "Report", "kernelize"]

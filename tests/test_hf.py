@@ -1,0 +1,260 @@
+"""client.integrations.hf: kernelize() on tiny random-init transformers models, served on target "c".
+
+One daemon for the module; each model is kernelized once (module fixtures) and compared with an
+untouched copy of the same weights running transformers' own eager forward. transformers shares
+`apply_rotary_pos_emb` between the models of a family, so the reference runs with its original
+forward put back (`own_rotary`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import warnings
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+hf = pytest.importorskip("client.integrations.hf")
+
+from compile_service.tools.launch import DaemonProcess  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, ModernBertConfig, ModernBertModel  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+from transformers.models.modernbert import modeling_modernbert  # noqa: E402
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    base = tmp_path_factory.mktemp("hf-daemon")
+    d = DaemonProcess(base / "cache", "--target", "c", workers=2, log_path=base / "daemon.log").start(timeout=120)
+    c = d.client()
+    yield d, c
+    c.close()
+    d.stop()
+
+
+@contextlib.contextmanager
+def own_rotary(*modeling):
+    """transformers' own apply_rotary_pos_emb for the duration (the kernelized one is process-wide)."""
+    saved = [(m, m.apply_rotary_pos_emb) for m in modeling]
+    try:
+        for m, fn in saved:
+            m.apply_rotary_pos_emb = getattr(fn, "__wrapped__", fn)
+        yield
+    finally:
+        for m, fn in saved:
+            m.apply_rotary_pos_emb = fn
+
+
+def llama(**extra):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      pad_token_id=0, **extra)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def modernbert():
+    torch.manual_seed(0)
+    # Layers 0 and 2 full, layer 1 sliding with a window of +-4 tokens (local_attention 8).
+    cfg = ModernBertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                           global_attn_every_n_layers=2, local_attention=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    return ModernBertModel(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def llamas(daemon):
+    ref = llama()
+    model = hf.kernelize(copy.deepcopy(ref), client=daemon[1], backend="kernel-service")
+    return ref, model
+
+
+@pytest.fixture(scope="module")
+def berts(daemon):
+    ref = modernbert()
+    model = hf.kernelize(copy.deepcopy(ref), client=daemon[1], backend="kernel-service")
+    return ref, model
+
+
+def served(model):
+    return sum(model.kernel_service.calls.values())
+
+
+def test_llama_swapped_and_matches(llamas):
+    ref, model = llamas
+    r = model.kernel_service
+    assert r.backend == "kernel-service" and not r.kept, r
+    assert set(r.swapped.values()) == {"rmsnorm", "swiglu", "rope", "attention + kv_attention"}
+    assert type(model.model.layers[0].input_layernorm).forward is modeling_llama.LlamaRMSNorm.forward  # the class is untouched
+    assert model.model.layers[0].input_layernorm.forward.__func__ is hf.RMSNormLayer.forward
+    assert model.config._attn_implementation == hf.ATTN
+    assert modeling_llama.apply_rotary_pos_emb.__wrapped__ is not modeling_llama.apply_rotary_pos_emb  # replaced, the original kept
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    ids = torch.randint(3, VOCAB, (2, 11))
+    before = dict(r.calls)
+    with torch.inference_mode():
+        out = model(ids).logits
+        with own_rotary(modeling_llama):
+            want = ref(ids).logits
+    # 2 layers: 2 norms, rope, attention, MLP each; plus the final norm
+    assert {k: r.calls[k] - before.get(k, 0) for k in r.calls} == {"rmsnorm": 5, "rope": 2, "attention": 2, "swiglu": 2}
+    assert not r.fallbacks
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def test_llama_padded_batch(llamas):
+    ref, model = llamas
+    ids = torch.randint(3, VOCAB, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, 7:] = 0  # right padding
+    n = served(model)
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask).logits
+        with own_rotary(modeling_llama):
+            want = ref(ids, attention_mask=mask).logits
+    assert model.kernel_service.calls["attention"] >= 2 and served(model) - n == 11
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], want[valid], atol=2e-5, rtol=1e-4)
+
+
+def test_llama_generate(llamas):
+    ref, model = llamas
+    ids = torch.randint(3, VOCAB, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # generate pads on the left
+    r = model.kernel_service
+    kv = r.calls["kv_attention"]
+    with torch.inference_mode():
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        with own_rotary(modeling_llama):
+            want = ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+    assert r.calls["kv_attention"] - kv == 2 * 4  # every decode step after the prefill, in both layers
+
+
+def test_modernbert_swapped_and_matches_padded(berts):
+    ref, model = berts
+    r = model.kernel_service
+    assert r.backend == "kernel-service"
+    assert set(r.swapped.values()) == {"layernorm", "rope", "attention"}, r
+    assert all(v == "layernorm" for k, v in r.swapped.items() if "norm" in k)
+    ids = torch.randint(3, VOCAB, (3, 12))  # longer than the sliding layer's window: that layer keeps sdpa
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    mask[2, 5:] = 0
+    before, fb = dict(r.calls), r.fallbacks["attention"]
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask).last_hidden_state
+        with own_rotary(modeling_modernbert):
+            want = ref(ids, attention_mask=mask).last_hidden_state
+    assert r.calls["attention"] - before["attention"] == 2 and r.fallbacks["attention"] - fb == 1
+    assert r.calls["layernorm"] - before["layernorm"] > 0 and r.calls["rope"] - before["rope"] == 3
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], want[valid], atol=2e-5, rtol=1e-4)
+    short = ids[:, :5]  # within the window: the sliding layer is served too
+    with torch.inference_mode():
+        n = r.calls["attention"]
+        out = model(short).last_hidden_state
+        with own_rotary(modeling_modernbert):
+            want = ref(short).last_hidden_state
+    assert r.calls["attention"] - n == 3
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def test_compile_fullgraph_matches(llamas):
+    ref, model = llamas
+    ids = torch.randint(3, VOCAB, (2, 8))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")  # dynamo's graph capture; Inductor's C++ builds are slow on 2 cores
+    with torch.inference_mode():
+        out = compiled(ids, use_cache=False).logits
+        with own_rotary(modeling_llama):
+            want = ref(ids, use_cache=False).logits
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def test_export_shows_kernel_service_ops(berts):
+    _, model = berts
+    ids = torch.randint(3, VOCAB, (2, 6))
+    with torch.no_grad():
+        ep = torch.export.export(model, (), {"input_ids": ids})
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert {"kernel_service.layernorm.default", "kernel_service.rope.default", "kernel_service.attention.default"} <= ops, sorted(ops)
+    with torch.no_grad(), own_rotary(modeling_modernbert):
+        torch.testing.assert_close(ep.module()(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state, atol=2e-5, rtol=1e-4)
+
+
+def test_training_falls_back_to_own_forward(llamas):
+    _, model = llamas
+    r = model.kernel_service
+    n = served(model)
+    model.train()
+    try:
+        loss = model(torch.randint(3, VOCAB, (1, 5)), labels=torch.randint(3, VOCAB, (1, 5))).loss
+        loss.backward()
+    finally:
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    assert served(model) == n and r.fallbacks["rmsnorm"] >= 5
+    with pytest.warns(RuntimeWarning, match="training mode.*using 'eager'"):
+        trained = hf.kernelize(llama().train(), backend="kernel-service", warmup=False)
+    assert trained.kernel_service.backend == "eager"
+
+
+def test_backend_policy(daemon, monkeypatch):
+    _, c = daemon
+    m = hf.kernelize(llama(), client=c)  # auto on the CPU: eager, no warning
+    assert m.kernel_service.backend == "eager" and "CUDA" in m.kernel_service.reason and not m.kernel_service.swapped
+    assert hf.kernelize(llama(), backend="eager").kernel_service.backend == "eager"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        hf.kernelize(llama(), backend="fast")
+    # bfloat16 is not served on target "c": every module keeps its forward, and the backend falls back
+    with pytest.warns(RuntimeWarning, match="'kernel-service' is unavailable.*using 'eager'"):
+        bf = hf.kernelize(llama().to(torch.bfloat16), client=c, backend="kernel-service", warmup=False)
+    assert bf.kernel_service.backend == "eager" and "bfloat16" in bf.kernel_service.reason
+    with pytest.raises(RuntimeError, match=r"strict=True.*model\.layers\.0\..*float32"):
+        hf.kernelize(llama().to(torch.bfloat16), client=c, backend="kernel-service", strict=True)
+    # no daemon on the socket
+    import client
+
+    gone = client.connect(daemon[0].socket.parent / "nobody.sock")
+    with pytest.warns(RuntimeWarning, match="'kernel-service' is unavailable.*ServiceUnavailable.*using 'eager'"):
+        assert hf.kernelize(llama(), client=gone, backend="kernel-service").kernel_service.backend == "eager"
+    with pytest.raises(RuntimeError, match="strict=True.*unavailable"):
+        hf.kernelize(llama(), client=gone, backend="kernel-service", strict=True)
+
+
+def test_strict_names_a_kept_module(daemon):
+    # A GELU MLP is not what swiglu serves: kept by default, an error under strict
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = hf.kernelize(llama(hidden_act="gelu"), client=daemon[1], backend="kernel-service", warmup=False)
+    assert m.kernel_service.kept["model.layers.0.mlp"].startswith("activation 'gelu'")
+    assert "model.layers.0.mlp" not in m.kernel_service.swapped
+    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp.*gelu"):
+        hf.kernelize(llama(hidden_act="gelu"), client=daemon[1], backend="kernel-service", strict=True)
+
+
+def test_no_hugging_face_kernels_distribution():
+    """The integration applies the HF `kernels` layer contract itself: no `kernels` distribution is
+    installed (it would share `site-packages/kernels/` with this project's package), and transformers,
+    deciding by package metadata, does not take this project's `kernels` for Hugging Face's."""
+    import importlib.metadata
+    import sys
+
+    import kernels
+    from transformers.integrations import hub_kernels
+    from transformers.utils import import_utils
+
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.distribution("kernels")
+    assert hasattr(kernels, "kinds") and not hasattr(kernels, "kernelize")  # `kernels` is the project's
+    assert not import_utils.is_kernels_available() and not hub_kernels._kernels_enabled
+    assert "kernels.layer" not in sys.modules and "client.integrations.hf" in sys.modules
+    for layer in (hf.RMSNormLayer, hf.SwiGLUMLPLayer, hf.LayerNormLayer, hf.RotaryLayer):  # the layer contract
+        assert layer.can_torch_compile and not layer.has_backward and "__init__" not in vars(layer)
