@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmark" / "compile_speed.py"
-MODES = ("baseline", "tilelang", "service", "from_serve", "stampede_tilelang", "stampede_service", "warm_tilelang", "warm_service", "service_under_load")
+MODES = ("baseline", "tilelang", "service", "from_serve", "layer", "layer_from_serve", "stampede_tilelang", "stampede_service", "warm_tilelang", "warm_service", "service_under_load")
 
 sys.path.insert(0, str(ROOT / "benchmark"))
 import zoo  # noqa: E402
