@@ -890,6 +890,25 @@ def main(argv=None) -> int:
     run = Run(args, specs)
     print(f"compile_speed: {len(specs)} kernels, target {run.target}, modes {', '.join(modes)}; work dir {run.work}", file=sys.stderr)
     results, failed = {}, []
+
+    def so_far() -> dict:
+        out = {
+            "target": run.target,
+            "scale": args.scale,
+            "salt": args.salt,
+            "quick": args.quick,
+            "kernels": len(specs),
+            "processes": args.processes,
+            "backends": backends,
+            "cpu_quota": usable_cpus(),
+            "cpu_count": os.cpu_count(),
+            "host": platform.node(),
+            "python": platform.python_version(),
+            "modes": results,
+        }
+        out["goals"] = goals(results, [f":{b}" for b in backends] if len(backends) > 1 else [""])
+        return out
+
     try:
         for mode in sorted(modes, key=MODES.index):  # cold modes first: warm modes reuse their caches
             for backend in backends if mode in SERVICE_MODES else [None]:
@@ -905,27 +924,13 @@ def main(argv=None) -> int:
                     print(f"mode {name} failed: {exc}", file=sys.stderr)
                     failed.append(name)
                     results[name] = {"error": str(exc)[-2000:]}
+                if args.json:  # after every mode: a run cut short keeps what it measured
+                    Path(args.json).write_text(json.dumps(so_far(), indent=2))
     finally:
         if not (args.keep or args.work_dir):
             shutil.rmtree(run.work, ignore_errors=True)
-    report = {
-        "target": run.target,
-        "scale": args.scale,
-        "salt": args.salt,
-        "quick": args.quick,
-        "kernels": len(specs),
-        "processes": args.processes,
-        "backends": backends,
-        "cpu_quota": usable_cpus(),
-        "cpu_count": os.cpu_count(),
-        "host": platform.node(),
-        "python": platform.python_version(),
-        "modes": results,
-    }
-    report["goals"] = goals(results, [f":{b}" for b in backends] if len(backends) > 1 else [""])
+    report = so_far()
     print(table(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
     if args.plot:
         plot(report, args.plot)
     if failed:
