@@ -123,14 +123,21 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         self.default_target = info["default_target"]
         self.zero_stats = zero_stats or metrics.zero
         self._info_fields = info
+        self._info: pb.ServiceInfo | None = None
+        self._info_lock = threading.Lock()
         self._valid: dict[bytes, kernels.CanonicalSpec] = {}
 
-    @functools.cached_property
+    @property
     def info(self) -> pb.ServiceInfo:
-        # Built on first use, not at start: the kinds' source digests take a moment to read.
-        device = self.scheduler.device.id
-        fingerprint = json.dumps(keys.fingerprint(device), sort_keys=True)
-        return pb.ServiceInfo(**self._info_fields, version=__version__, toolchain=describe_toolchain(device), cuda_compiler=device, key_fingerprint_json=fingerprint)
+        """Built once, after SERVING (the daemon's housekeeping asks first): the kinds' source
+        digests and the toolchain take a moment, seconds on a busy machine. A caller that comes
+        while it is being built waits for that build instead of making a second one."""
+        with self._info_lock:
+            if self._info is None:
+                device = self.scheduler.device.id
+                fingerprint = json.dumps(keys.fingerprint(device), sort_keys=True)
+                self._info = pb.ServiceInfo(**self._info_fields, version=__version__, toolchain=describe_toolchain(device), cuda_compiler=device, key_fingerprint_json=fingerprint)
+            return self._info
 
     def _validate(self, spec: pb.KernelSpec) -> kernels.CanonicalSpec:
         # Hits repeat the same few specs: remember the valid ones by their encoding. Unknown
