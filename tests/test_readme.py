@@ -7,7 +7,9 @@ snippet valid, every `make` target real, and every relative link, anchors includ
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import inspect
 import io
 import os
 import re
@@ -39,7 +41,7 @@ def _blocks(path: Path) -> list[tuple[str, str]]:
 
 
 def _blocks_of(text: str) -> list[tuple[str, str]]:
-    found = re.findall(r"^( *)```(\w*)\n(.*?)^\1```$", text, re.S | re.M)
+    found = re.findall(r"^( *)```(\w*)\n(.*?)^\1```$", text, re.DOTALL | re.MULTILINE)
     return [(lang, textwrap.dedent(body)) for _, lang, body in found]
 
 
@@ -48,7 +50,7 @@ def _shell_blocks(path: Path) -> list[str]:
 
 
 def _prose(path: Path) -> str:
-    return re.sub(r"^( *)```.*?^\1```$", "", path.read_text(), flags=re.S | re.M)
+    return re.sub(r"^( *)```.*?^\1```$", "", path.read_text(), flags=re.DOTALL | re.MULTILINE)
 
 
 def _commands(block: str) -> list[list[str]]:
@@ -150,7 +152,7 @@ def test_the_readme_is_short_and_starts_with_its_title_then_the_two_commands():
 
 def _make_targets() -> dict[str, list[str]]:
     """Makefile targets and their prerequisites."""
-    found = re.findall(r"^([\w.$()/-]+):([^=\n]*)$", (ROOT / "Makefile").read_text(), re.M)
+    found = re.findall(r"^([\w.$()/-]+):([^=\n]*)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
     return {target: prereqs.split() for target, prereqs in found}
 
 
@@ -213,6 +215,30 @@ def test_every_python_snippet_in_the_readme_and_docs_is_valid_python():
                 compile(body, f"{page.relative_to(ROOT)} python block {i}", "exec")
 
 
+def test_the_readmes_connect_signature_is_the_real_one():
+    """The README's `client.connect(...)` line: the parameters, defaults and keyword-only
+    marker of Client (which connect's options are), and of connect itself once it spells them
+    out; each option its table describes is one of them."""
+    import client
+
+    text = README.read_text()
+    documented = re.search(r"`client\.connect\((socket=None, \*,[^`]*)\)`", text, re.DOTALL).group(1)
+    fn = ast.parse(f"def connect({' '.join(documented.split())}): pass").body[0]
+    names = [a.arg for a in fn.args.args] + ["*"] + [a.arg for a in fn.args.kwonlyargs]
+    defaults = [ast.literal_eval(d) for d in fn.args.defaults + fn.args.kw_defaults]
+    real = [p for p in inspect.signature(client.Client.__init__).parameters.values() if p.name != "self"]
+    signatures = [real]
+    if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(client.connect).parameters.values()):
+        signatures.append(list(inspect.signature(client.connect).parameters.values()))
+    for params in signatures:
+        positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        assert names == positional + ["*"] + [p.name for p in params if p.kind is p.KEYWORD_ONLY], f"README: connect({documented})"
+        assert defaults == [p.default for p in params], f"README's defaults: {defaults}"
+    table = text[text.index(documented) :].split("\n\n", 2)[1]
+    options = re.findall(r"^\| `(\w+)` \|", table, re.MULTILINE)
+    assert options == [p.name for p in real], f"the README's option table: {options}"
+
+
 def _readme_quickstart() -> str:
     text = README.read_text()
     section = text[text.index("## Quickstart") :]
@@ -238,15 +264,17 @@ def test_the_quickstart_runs_as_written_with_the_readmes_cpu_snippets_and_comman
             extra += [".venv/bin/python - <<'PY'", body.rstrip("\n"), "PY"]
     deploy = README.read_text().split("## Deploy", 1)[1]
     extra += [body.rstrip("\n") for lang, body in _blocks_of(deploy.split("\n## ", 1)[0]) if lang == "sh"]
-    script = "\n".join(["set -euo pipefail", *lines[1:-1], *extra, lines[-1], "wait"]).replace(".venv/bin/", f"{BIN}/")
+    # A step that fails must not leave the daemon behind (nor this test waiting on its output).
+    cleanup = "trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT"
+    script = "\n".join(["set -euo pipefail", cleanup, *lines[1:-1], *extra, lines[-1], "wait"]).replace(".venv/bin/", f"{BIN}/")
     assert (BIN / "kernel-service").exists(), f"no kernel-service script beside {sys.executable}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KERNEL_SERVICE_")}
-    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, f"the Quickstart failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     out = done.stdout
     assert "torch.Size([8, 4096]) compiled" in out, out
-    assert re.search(r"^hit$", out, re.M), f"a later process finds the kernel in the cache:\n{out}"
-    assert re.search(r"^\s*compiles: 1$", out, re.M) and re.search(r"^\s*hits: 0$", out, re.M), f"stats as the README explains it:\n{out}"
+    assert re.search(r"^hit$", out, re.MULTILINE), f"a later process finds the kernel in the cache:\n{out}"
+    assert re.search(r"^\s*compiles: 1$", out, re.MULTILINE) and re.search(r"^\s*hits: 0$", out, re.MULTILINE), f"stats as the README explains it:\n{out}"
     assert not (tmp_path / "run" / "ks.sock").exists(), "the daemon stopped"
 
 
@@ -262,10 +290,10 @@ def test_a_plugin_module_is_served_with_pythonpath_as_the_kernels_page_says(tmp_
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("KERNEL_SERVICE_")}
     env["KERNEL_SERVICE_SOCKET"] = str(tmp_path / "none" / "ks.sock")  # no daemon: the kinds installed here
-    listed = subprocess.run(["bash", "-c", line.replace(".venv/bin/", f"{BIN}/")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    listed = subprocess.run(["bash", "-c", line.replace(".venv/bin/", f"{BIN}/")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert listed.returncode == 0, listed.stderr
-    assert re.search(r"^routed_scale\b", listed.stdout, re.M), listed.stdout
-    bare = subprocess.run([str(BIN / "kernel-service"), "kinds", "--kernel-module", "tests.routed_kind"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert re.search(r"^routed_scale\b", listed.stdout, re.MULTILINE), listed.stdout
+    bare = subprocess.run([str(BIN / "kernel-service"), "kinds", "--kernel-module", "tests.routed_kind"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert bare.returncode != 0 and "no module named 'tests'" in (bare.stdout + bare.stderr).lower(), bare.stdout + bare.stderr
 
 
@@ -274,7 +302,7 @@ def test_a_plugin_module_is_served_with_pythonpath_as_the_kernels_page_says(tmp_
 
 def _anchors(path: Path) -> set[str]:
     """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to dashes."""
-    headings = re.findall(r"^#{1,6} (.+)$", _prose(path), re.M)
+    headings = re.findall(r"^#{1,6} (.+)$", _prose(path), re.MULTILINE)
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
