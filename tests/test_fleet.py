@@ -1,5 +1,5 @@
 """The fleet tier against a real redis-server: several daemons on this machine, each with its
-own cache and socket, stand in for hosts. Redis runs on a loopback port with the README's ACL
+own cache and socket, stand in for hosts. Redis runs on a loopback port with docs/fleet.md's ACL
 lines applied: writer hosts connect as `fleet-writer`, read-only ones as `fleet-reader`, so
 the documented permissions are the ones every test runs under."""
 
@@ -39,8 +39,8 @@ PASSWORDS = {"READER_PASSWORD": "reader-test-pw", "WRITER_PASSWORD": "writer-tes
 
 
 def documented_acl() -> list[str]:
-    """The README's ACL lines for the fleet's two users, with test passwords."""
-    lines = [line.strip() for line in (ROOT / "README.md").read_text().splitlines() if line.strip().startswith("user fleet-")]
+    """The ACL lines of docs/fleet.md for the fleet's two users, with test passwords."""
+    lines = [line.strip() for line in (ROOT / "docs" / "fleet.md").read_text().splitlines() if line.strip().startswith("user fleet-")]
     assert sorted(line.split()[1] for line in lines) == ["fleet-reader", "fleet-writer"], lines
     for placeholder, password in PASSWORDS.items():
         lines = [line.replace(placeholder, password) for line in lines]
