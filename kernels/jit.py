@@ -30,7 +30,8 @@ not parameters of the kind: they are the kernel's inputs):
 - otherwise (no default, no annotation): any int, float, bool or str, passed as given.
 
 Outputs: the decorator's `out_idx`, or the PrimFunc's `T.empty` tensors (eager style), else
-the last parameter. They are caller-allocated: the compiler builds `T.empty` outputs as
+the last parameter; an eager function with no `T.empty` has none, as in TileLang (it returns
+nothing, every tensor is an input, all taken as updated in place: `writes`). They are caller-allocated: the compiler builds `T.empty` outputs as
 parameters the loader allocates (compiler._build_options). In-place and zero-output kernels
 say so with `@kernels.jit.serve(...)` above the decorator (or a `kernel_service` attribute
 holding the same dict): `outputs=()` and `writes=("X",)` for a kernel that only updates its
@@ -123,6 +124,16 @@ def _param(p: inspect.Parameter) -> Param:
     return Param(p.name, kind, default=default, doc=f"required {kind.__name__}" if default is REQUIRED else f"{kind.__name__}, default {default!r}")
 
 
+def _calls_empty(function) -> bool:
+    """Whether the function's body calls `T.empty` (an eager-style output), read off its source;
+    True when the source cannot be read (then the PrimFunc's record of them decides)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "empty" for n in ast.walk(tree))
+
+
 def _const_names(function) -> list[str]:
     """The names `T.const("M, N")` declares in the function's body, in order (read off its source)."""
     try:
@@ -183,8 +194,15 @@ class JitKind(KernelKind):
         out_idx = options.get("outputs")
         if out_idx is None:
             out_idx = getattr(jit, "out_idx", None)
+        # An eager kernel with no T.empty returns nothing in TileLang: every tensor is an input it
+        # may update (TileLang's splitK GEMM example accumulates into its C), so all are `writes`
+        # unless serve(writes=) names them.
+        written = ()
+        if out_idx is None and tensors and not _calls_empty(self._function):
+            out_idx = ()
+            written = tuple(p for p in signature.parameters if p in tensors)
         self.outputs = (-1,) if out_idx is None else tuple([out_idx] if isinstance(out_idx, int) else out_idx)
-        self._inplace, self._writes, self._scratch = options.get("inplace") or {}, tuple(options.get("writes") or ()), tuple(options.get("scratch") or ())
+        self._inplace, self._writes, self._scratch = options.get("inplace") or {}, tuple(options.get("writes") or written), tuple(options.get("scratch") or ())
         self._target = getattr(jit, "target", None)
         self.compile_options = {k: v for k in ("pass_configs", "compile_flags") if (v := getattr(jit, k, None))}
 

@@ -213,3 +213,26 @@ def test_startup_small_times_every_variant_and_served_outputs_match_eager(tmp_pa
 def test_startup_refuses_an_unknown_variant():
     out = subprocess.run([sys.executable, str(STARTUP), "--small", "--variants", "served_cold,nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "nope" in out.stderr
+
+
+def test_user_kernels_case_table_covers_issue_30s_styles(tmp_path):
+    """benchmark/user_kernels.py (GPU only): its case table and the daemons it would start."""
+    import user_kernels
+
+    table = user_kernels.case_table()
+    assert len(table) >= 8 and len({c["name"] for c in table}) == len(table)
+    styles = " ".join(s for c in table for s in c["styles"])
+    for style in ("plain", "eager", "autotuned", "in-place", "several per module", "TL_ENABLE_FAST_MATH", "TL_DISABLE_WARP_SPECIALIZED"):
+        assert style in styles, style
+    assert all(c["module"] in user_kernels.EXAMPLES for c in table)
+    cases = user_kernels._cases()
+    groups = user_kernels.daemon_groups(cases)
+    assert sorted(m for g in groups for m in g) == sorted({c.module for c in cases})
+    for group in groups:  # no kind name served by two modules of one daemon
+        names = [{c.kind for c in cases if c.module == m} for m in group]
+        assert all(not (a & b) for i, a in enumerate(names) for b in names[i + 1 :])
+    script = ROOT / "benchmark" / "user_kernels.py"
+    listed = subprocess.run([sys.executable, str(script), "--list"], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert listed.returncode == 0 and all(c["name"] in listed.stdout for c in table)
+    missing = subprocess.run([sys.executable, str(script), "--examples", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert missing.returncode == 2 and "example_gemm.py" in missing.stderr

@@ -88,6 +88,18 @@ def test_autotuned_and_in_place_kernels(user_daemon):
     torch.testing.assert_close(x, want)
 
 
+def test_an_eager_kernel_without_t_empty_updates_its_tensors_as_tilelang_does(user_daemon):
+    """No out_idx, no T.empty: TileLang's kernel takes every tensor and returns nothing (its splitK
+    GEMM example accumulates into C). Served, it must too, not allocate C and drop the caller's."""
+    c = user_daemon.client()
+    acc = c.get_kernel("eager_accumulate", M=3, N=4, K=5, target="c")
+    assert acc.input_names == ["A", "B", "C"] and acc.output_names == [] and acc.writes == ["A", "B", "C"]
+    a, b, out = torch.randn(3, 5), torch.randn(5, 4), torch.randn(3, 4)
+    want = out + a @ b
+    assert acc(a, b, out) == ()
+    torch.testing.assert_close(out, want)
+
+
 def test_decorator_pass_configs_reach_the_build_and_the_key(tmp_path):
     (tmp_path / "pc_kinds.py").write_text(textwrap.dedent('''
         import tilelang

@@ -97,6 +97,19 @@ def scale_rows_(N, scale: float, dtype="float32"):
     return main
 
 
+@tilelang.jit
+def eager_accumulate(A, B, C, dtype=T.float32):
+    """C += A @ B, eager style with no T.empty (TileLang's splitK GEMM example): no output, C updated."""
+    M, N, K = T.const("M, N, K")
+    A: T.Tensor((M, K), dtype)
+    B: T.Tensor((K, N), dtype)
+    C: T.Tensor((M, N), dtype)
+    with T.Kernel(M) as bx:
+        for j in T.serial(N):
+            for k in T.serial(K):
+                C[bx, j] = C[bx, j] + A[bx, k] * B[k, j]
+
+
 @tilelang.jit(target="cuda")
 def cuda_only(N, dtype="float16"):
     """Declared for CUDA only by its decorator."""
