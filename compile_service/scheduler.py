@@ -41,6 +41,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import enum
 import itertools
 import json
 import logging
@@ -50,6 +51,7 @@ import queue
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,15 +98,146 @@ class WorkerCrashed(Exception):
     it may have been killed from outside, or run out of memory."""
 
 
+# ----- the scheduler's records (their fields change under Scheduler._lock only)
+class _Stage(enum.Enum):
+    """Where a flight's own build is."""
+
+    QUEUED = "queued"  # waiting for a driver: release() may still drop it
+    STARTED = "started"  # a driver took it (claiming, building, publishing)
+    PARKED = "parked"  # asking the store for a claim, or another host is building it: the store wakes it
+    CANCELLED = "cancelled"  # dropped before it started: drivers skip it
+
+
+class _Future(cf.Future):
+    """A flight's future. It names its key: release() finds the flight by it."""
+
+    def __init__(self, key: str):
+        super().__init__()
+        self.key = key
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One key being made, from the request that missed it until its future settles."""
+
+    key: str
+    spec: CanonicalSpec
+    background: bool  # asked for by Prefetch (BACKGROUND): counted against background_limit
+    stage: _Stage | None  # of its own build; None: made from other builds (a shared build, a router)
+    waiters: int = 1  # requests (and copies) waiting on it; at none, a queued build may be dropped
+    bases: list[cf.Future] = field(default_factory=list)  # the builds it is made from, released with it
+    future: _Future = field(init=False)
+
+    def __post_init__(self):
+        self.future = _Future(self.key)
+
+    @property
+    def derived(self) -> bool:
+        """Made from other builds' entries, not compiled (counted apart from compiles)."""
+        return self.stage is None
+
+
+class _Flights:
+    """The single-flight table: one _Flight per key being made, and how many are background work."""
+
+    def __init__(self):
+        self._by_key: dict[str, _Flight] = {}
+        self.background = 0
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def get(self, key: str) -> _Flight | None:
+        return self._by_key.get(key)
+
+    def of(self, future: cf.Future) -> _Flight | None:
+        """The flight `future` is the future of, while it is in the table."""
+        flight = self._by_key.get(getattr(future, "key", None))
+        return flight if flight is not None and flight.future is future else None
+
+    def add(self, flight: _Flight) -> None:
+        self._by_key[flight.key] = flight
+        self.background += flight.background
+
+    def remove(self, flight: _Flight) -> None:
+        if self._by_key.get(flight.key) is flight:
+            del self._by_key[flight.key]
+            self.background -= flight.background
+
+
+@dataclass(frozen=True)
+class _Remembered:
+    error: compiler.CompileFailed
+    when: float  # time.monotonic() at the failure
+    expiry: float
+
+
+class _Failures:
+    """Compile failures remembered for a while: a key that failed answers with its failure until
+    it expires, instead of compiling again for every caller."""
+
+    def __init__(self):
+        self._by_key: dict[str, _Remembered] = {}
+
+    def remember(self, key: str, error: compiler.CompileFailed, ttl: float) -> None:
+        now = time.monotonic()
+        self._by_key = {k: r for k, r in self._by_key.items() if r.expiry > now}  # the expired ones go
+        self._by_key[key] = _Remembered(error, now, now + ttl)
+
+    def recall(self, key: str) -> compiler.CompileFailed | None:
+        """The failure remembered for `key`, saying how old it is and when it is retried; None
+        when none is (or it expired)."""
+        remembered, now = self._by_key.get(key), time.monotonic()
+        if remembered is None or remembered.expiry <= now:
+            return None
+        note = f"\n(remembered failure from {now - remembered.when:.0f}s ago; the compile is retried in {remembered.expiry - now:.0f}s)"
+        return compiler.CompileFailed(f"{remembered.error}{note}")
+
+
+@dataclass(frozen=True)
+class _Built:
+    """What a build hands its publisher: the library and metadata it left in `staging`, or the
+    error that stopped it (then `staging`, if it was made, is only discarded)."""
+
+    staging: Path | None
+    library: str = ""
+    meta: dict = field(default_factory=dict)
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a missing key is made: by its own compile (no bases), or by `make(entries, staging)`
+    from the entries of the builds `bases`."""
+
+    bases: list[CanonicalSpec] = field(default_factory=list)
+    make: Callable[[list[Entry], Path], tuple[str, dict]] | None = None
+
+
+_OWN_BUILD = _Plan()
+
+
+def _plan(spec: CanonicalSpec) -> _Plan:
+    kind = get_kind(spec.kind)
+    shared = kind.shared_build(spec)  # the build that serves this spec, if not its own
+    if shared is not None:  # a copy of the build that leaves its host-side dims to run time
+        build, fixed = shared
+        return _Plan([build], lambda entries, staging: _derive(entries[0], spec, fixed, staging))
+    routes = kind.routes(spec)
+    if routes is not None:  # a router over the builds of each range of its dim
+        dim, ranges = routes
+        uppers = [upper for upper, _ in ranges]
+        return _Plan([build for _, build in ranges], lambda entries, staging: _route(entries, spec, dim, uppers, staging))
+    return _OWN_BUILD
+
+
 @dataclass(order=True)
 class _Job:
+    """An item of the drivers' queue: a flight's build, or (no flight) a warm-up step or a stop."""
+
     priority: int
     seq: int
-    key: str = field(compare=False)
-    spec: CanonicalSpec = field(compare=False)
-    future: cf.Future = field(compare=False)
-    started: bool = field(default=False, compare=False)  # a driver took it (under Scheduler._lock)
-    cancelled: bool = field(default=False, compare=False)  # given back before it started: drivers skip it
+    flight: _Flight | None = field(default=None, compare=False)
 
 
 def process_pool(workers: int, initargs: tuple) -> cf.Executor:
@@ -154,18 +287,11 @@ class Scheduler:
         self.warm_target = warm_target
         self.metrics = metrics or metrics_.Metrics()
         self._pool_factory = pool
-        self._lock = threading.Lock()  # guards _inflight, _failed, _closing and the pool handle
-        self._inflight: dict[str, cf.Future] = {}
-        self._parked: dict[str, _Job] = {}  # jobs asking the store for a claim, or waiting on another host
-        # Who waits on each in-flight future, so that one no caller waits on any more can be
-        # dropped (release): its request count, its queued job, or the build it is a copy of.
-        self._waiters: dict[cf.Future, int] = {}
-        self._jobs: dict[cf.Future, _Job] = {}
-        self._bases: dict[cf.Future, list[cf.Future]] = {}
-        self._background: set[cf.Future] = set()  # in flight for Prefetch (BACKGROUND) requests
+        self._lock = threading.Lock()  # guards the flights, the failures, _closing and the pool handle
+        self._flights = _Flights()
+        self._failures = _Failures()
         self.background_limit = max(1, queue_limit // 2)
         self.call_share = max(1, queue_limit // 4)  # compiles one Prefetch call may queue (the servicer enforces it)
-        self._failed: dict[str, tuple[float, float, compiler.CompileFailed]] = {}  # key -> (expiry, when, error)
         self._keys: dict[str, tuple[str, dict]] = {}  # canonical spec JSON -> (key, spec)
         self._queue: queue.PriorityQueue[_Job] = queue.PriorityQueue()
         self._seq = itertools.count()
@@ -198,7 +324,7 @@ class Scheduler:
             pool.submit(os.getpid)  # each submit to a pool without an idle worker spawns one
         # Warm-up steps circulate below every request, leaving one worker free for a request.
         for _ in range(max(1, self.workers - 1)):
-            self._queue.put(_Job(_WARM, next(self._seq), "", None, None))
+            self._queue.put(_Job(_WARM, next(self._seq)))
 
     def _new_pool(self) -> cf.Executor:
         initargs = (self.plugins, str(self.store.root), self.device.name, self.warm_target, logging.getLogger().getEffectiveLevel())
@@ -208,7 +334,7 @@ class Scheduler:
     @property
     def in_flight(self) -> int:
         with self._lock:
-            return len(self._inflight)
+            return len(self._flights)
 
     @property
     def running(self) -> int:
@@ -220,7 +346,7 @@ class Scheduler:
     def queued(self) -> int:
         """Builds waiting for a worker."""
         with self._lock:
-            return max(0, len(self._inflight) - self._running)
+            return max(0, len(self._flights) - self._running)
 
     @property
     def workers_ready(self) -> int:
@@ -241,76 +367,83 @@ class Scheduler:
             raise ShuttingDown("the kernel service is shutting down")
         key, expect = self._key_of(spec)
         entry = self.store.lookup(key, expect)
-        if entry is not None:
+        if entry is not None:  # a hit: no lock, nothing more
             tally(hits=1)
             return _done(entry), Outcome.HIT
-        kind = get_kind(spec.kind)
-        shared = kind.shared_build(spec)  # the build that serves this spec, if not its own
-        routes = kind.routes(spec) if shared is None else None  # or the builds a router picks from
-        bases = [shared[0]] if shared else [build for _, build in routes[1]] if routes else []
-        if not (compile and self.compiles) and (not bases or any(self.store.lookup(*self._key_of(b)) is None for b in bases)):
-            tally(not_ready=1)
-            why = "this daemon compiles nothing (serve --no-compile)" if not self.compiles else "the request asked for no compile (a strict client)"
-            raise NotReady(spec, key, why)
+        return self._miss(spec, key, expect, priority, counted, compile, tally)
+
+    def _miss(self, spec: CanonicalSpec, key: str, expect: dict, priority: int, counted: bool, compile: bool, tally) -> tuple[cf.Future, Outcome]:
+        """`request` past a missed lookup: refused, joined to the key's flight, answered with its
+        remembered failure, or a new flight, its build queued or made from other builds."""
+        plan = _plan(spec)
+        if not (compile and self.compiles):
+            self._refuse_unless_copyable(spec, key, plan, tally)
         with self._lock:
             if self._closing:
                 raise ShuttingDown("the kernel service is shutting down")
-            future = self._inflight.get(key)
-            if future is not None:
-                tally(misses=1, joined=1)
-                self._waiters[future] = self._waiters.get(future, 0) + 1
-                return future, Outcome.JOINED
-            failed = self._failed.get(key)
-            if failed is not None and failed[0] > time.monotonic():
+            flight = self._flights.get(key)
+            if flight is not None:
+                return self._join(flight, tally), Outcome.JOINED
+            failure = self._failures.recall(key)
+            if failure is not None:
                 tally(failures_cached=1)
-                expiry, when, exc = failed
-                note = f"\n(remembered failure from {time.monotonic() - when:.0f}s ago; the compile is retried in {expiry - time.monotonic():.0f}s)"
-                return _failed(compiler.CompileFailed(f"{exc}{note}")), Outcome.COMPILED
+                return _failed(failure), Outcome.COMPILED
             # A compile may have published between our lookup and the lock.
             entry = self.store.lookup(key, expect)
             if entry is not None:
                 tally(hits=1)
                 return _done(entry), Outcome.HIT
-            if len(self._inflight) >= self.queue_limit:
-                raise QueueFull(f"{len(self._inflight)} compiles are already queued (limit {self.queue_limit}); retry later")
-            if priority == BACKGROUND and counted and len(self._background) >= self.background_limit:
-                raise QueueFull(
-                    f"{len(self._background)} prefetched compiles are already queued (prefetches may take half of the queue, {self.background_limit}); retry later"
-                )
-            future = cf.Future()
-            self._inflight[key] = future
-            self._waiters[future] = 1
-            if priority == BACKGROUND:
-                self._background.add(future)
-            if not bases:
-                job = self._jobs[future] = _Job(priority, next(self._seq), key, spec, future)
-                self._queue.put(job)
+            flight = self._enqueue(key, spec, priority, counted, plan)
         tally(misses=1)
-        if shared is not None:  # a copy of the build that leaves its host-side dims to run time
-            build_spec, fixed = shared
-            self._serve_from_builds(key, spec, bases, lambda entries, staging: _derive(entries[0], spec, fixed, staging), priority, future, compile)
-        elif routes is not None:  # a router over the builds of each range of its dim
-            dim, ranges = routes
-            uppers = [upper for upper, _ in ranges]
-            self._serve_from_builds(key, spec, bases, lambda entries, staging: _route(entries, spec, dim, uppers, staging), priority, future, compile)
-        return future, Outcome.COMPILED
+        if plan.bases:
+            self._serve_from_builds(flight, plan, priority, compile)
+        return flight.future, Outcome.COMPILED
 
-    def _serve_from_builds(self, key: str, spec: CanonicalSpec, builds: list[CanonicalSpec], make, priority: int, future: cf.Future, compile: bool) -> None:
-        """`spec` is published as `make(entries, staging)` of other builds, once they are all built
-        (or found): no lowering, no device compile of its own."""
+    def _refuse_unless_copyable(self, spec: CanonicalSpec, key: str, plan: _Plan, tally) -> None:
+        """A miss that may not compile raises NotReady, unless it is made from builds all in the
+        cache: copying them compiles nothing."""
+        if plan.bases and all(self.store.lookup(*self._key_of(build)) is not None for build in plan.bases):
+            return
+        tally(not_ready=1)
+        why = "this daemon compiles nothing (serve --no-compile)" if not self.compiles else "the request asked for no compile (a strict client)"
+        raise NotReady(spec, key, why)
+
+    def _join(self, flight: _Flight, tally) -> cf.Future:
+        """One more waiter on a key already in flight (caller holds _lock)."""
+        tally(misses=1, joined=1)
+        flight.waiters += 1
+        return flight.future
+
+    def _enqueue(self, key: str, spec: CanonicalSpec, priority: int, counted: bool, plan: _Plan) -> _Flight:
+        """A new flight for `key`, its build queued unless it is made from other builds (caller
+        holds _lock). Raises QueueFull past the queue's limit, or background work's half of it."""
+        if len(self._flights) >= self.queue_limit:
+            raise QueueFull(f"{len(self._flights)} compiles are already queued (limit {self.queue_limit}); retry later")
+        if priority == BACKGROUND and counted and self._flights.background >= self.background_limit:
+            raise QueueFull(
+                f"{self._flights.background} prefetched compiles are already queued (prefetches may take half of the queue, {self.background_limit}); retry later"
+            )
+        flight = _Flight(key, spec, background=priority == BACKGROUND, stage=None if plan.bases else _Stage.QUEUED)
+        self._flights.add(flight)
+        if not plan.bases:
+            self._queue.put(_Job(priority, next(self._seq), flight))
+        return flight
+
+    def _serve_from_builds(self, flight: _Flight, plan: _Plan, priority: int, compile: bool) -> None:
+        """`flight` is published as `plan.make(entries, staging)` of other builds, once they are
+        all built (or found): no lowering, no device compile of its own."""
         bases: list[cf.Future] = []
         try:
-            for build in builds:
+            for build in plan.bases:
                 bases.append(self.request(build, priority, counted=False, compile=compile)[0])
         except (ShuttingDown, QueueFull, NotReady) as exc:  # refused like the request itself; joiners learn why
             self.release(bases)
             with self._lock:
-                self._inflight.pop(key, None)
-                self._forget(future)
-            future.set_exception(exc)
+                self._flights.remove(flight)
+            flight.future.set_exception(exc)
             raise
         with self._lock:
-            self._bases[future] = [b for b in bases if not b.done()]  # releasing this releases the builds it waits on
+            flight.bases = [b for b in bases if not b.done()]  # releasing this releases the builds it waits on
             left = [len(bases)]
 
         def one_done(_):
@@ -319,22 +452,22 @@ class Scheduler:
                 if left[0]:
                     return
             # Published by a publisher thread once every build is done (at once when they are).
-            self._publish(self._publish_derived, key, spec, future, bases, make)
+            self._publish(self._publish_derived, flight, bases, plan.make)
 
         for base in bases:
             base.add_done_callback(one_done)
 
-    def _publish_derived(self, key: str, spec: CanonicalSpec, future: cf.Future, bases: list[cf.Future], make) -> None:
-        staging, built = None, None
+    def _publish_derived(self, flight: _Flight, bases: list[cf.Future], make) -> None:
+        staging = None
         try:
             if self._closing:
                 raise ShuttingDown("the kernel service shut down before this kernel was compiled")
             entries = [base.result() for base in bases]
-            staging = self.store.new_staging(key)
-            built = make(entries, staging)
+            staging = self.store.new_staging(flight.key)
+            built = _Built(staging, *make(entries, staging))
         except BaseException as exc:  # noqa: BLE001 - settled below
-            built = exc
-        self._settle(key, spec, future, staging, built, derived=True)
+            built = _Built(staging, error=exc)
+        self._settle(flight, built)
 
     def key_of(self, spec: CanonicalSpec) -> str:
         return self._key_of(spec)[0]
@@ -355,35 +488,27 @@ class Scheduler:
         cancelled or refused). A compile that then has no waiter left and has not started is
         dropped: out of the queue and the in-flight table, its future failed with Cancelled.
         Returns how many were dropped."""
-        dropped: list[cf.Future] = []
+        dropped: list[_Flight] = []
         with self._lock:
             pending = list(futures)
             while pending:
-                future = pending.pop()
-                if future not in self._waiters:
+                flight = self._flights.of(pending.pop())
+                if flight is None:
                     continue  # settled meanwhile, or never in flight
-                self._waiters[future] -= 1
-                if self._waiters[future] > 0:
+                flight.waiters -= 1
+                if flight.waiters > 0:
                     continue
-                job = self._jobs.get(future)
-                if job is not None and not job.started:
-                    job.cancelled = True
-                    self._inflight.pop(job.key, None)
-                    self._forget(future)
-                    dropped.append(future)
-                elif future in self._bases:  # a copy or a router: its builds may now have no waiter
-                    pending.extend(self._bases[future])
-        for future in dropped:
-            future.set_exception(Cancelled("everyone who asked for this kernel went away before its compile started"))
+                if flight.stage is _Stage.QUEUED:
+                    flight.stage = _Stage.CANCELLED
+                    self._flights.remove(flight)
+                    dropped.append(flight)
+                else:  # a copy or a router: its builds may now have no waiter (a started build has none listed)
+                    pending.extend(flight.bases)
+        for flight in dropped:
+            flight.future.set_exception(Cancelled("everyone who asked for this kernel went away before its compile started"))
         if dropped:
             log.info("dropped %d queued compiles their callers gave up on", len(dropped))
         return len(dropped)
-
-    def _forget(self, future: cf.Future) -> None:
-        """Drops the bookkeeping of a future that left the in-flight table (caller holds _lock)."""
-        for table in (self._waiters, self._jobs, self._bases):
-            table.pop(future, None)
-        self._background.discard(future)
 
     # ----- the drivers
     def _drive(self) -> None:
@@ -397,9 +522,9 @@ class Scheduler:
                     self._warm_step()
                 continue
             with self._lock:
-                if job.cancelled:
+                if job.flight.stage is _Stage.CANCELLED:
                     continue
-                job.started = True
+                job.flight.stage = _Stage.STARTED
             self._run(job)
 
     def _warm_step(self) -> None:
@@ -415,70 +540,78 @@ class Scheduler:
             if warm:
                 self._warm.add(pid)
             if len(self._warm) < self.workers and not self._closing:
-                self._queue.put(_Job(_WARM, next(self._seq), "", None, None))
+                self._queue.put(_Job(_WARM, next(self._seq)))
 
     def _run(self, job: _Job) -> None:
         """Asks the store for a claim on the key; builds the job in a worker when it is this
         host's to build, then hands the result to a publisher thread."""
+        flight = job.flight
         claim = self._claim(job)
         if claim.waiting:
             return  # another host is building it; the store wakes the job when that is over
         if claim.entry is not None:
-            self._finish(job.key, job.future, claim.entry)
+            self._finish(flight, claim.entry)
             return
         if claim.failure is not None:
             self.metrics.add(failures_cached=1)
-            self._finish(job.key, job.future, compiler.CompileFailed(claim.failure), remember=claim.failure_ttl)
+            self._finish(flight, compiler.CompileFailed(claim.failure), remember=claim.failure_ttl)
             return
-        staging, built = None, None
+        self._publish(self._settle, flight, self._build(flight))
+
+    def _build(self, flight: _Flight) -> _Built:
+        """The flight's kernel, built in a worker into a new staging directory."""
+        staging = None
         with self._lock:
             self._running += 1
         try:
             if self._closing:
                 raise ShuttingDown("the kernel service shut down before this kernel was compiled")
-            staging = self.store.new_staging(job.key)
-            result = self._build_in_worker(job, staging)
-            built = (result["library"], result["meta"])
-        except BaseException as exc:  # settled (and logged) by _settle
-            built = exc
+            staging = self.store.new_staging(flight.key)
+            result = self._build_in_worker(flight, staging)
+            return _Built(staging, result["library"], result["meta"])
+        except BaseException as exc:  # noqa: BLE001 - settled (and logged) by _settle
+            return _Built(staging, error=exc)
         finally:
             with self._lock:
                 self._running -= 1
-        self._publish(self._settle, job.key, job.spec, job.future, staging, built)
 
     def _claim(self, job: _Job) -> Claim:
         """The store's claim on the key before building it: parked first, since a store that
         answers "waiting" may wake the job before it has answered."""
+        flight = job.flight
         with self._lock:
-            self._parked[job.key] = job
+            flight.stage = _Stage.PARKED
         try:
-            claim = self.store.claim(job.key, self._key_of(job.spec)[1], lambda: self._resume(job))
-        except Exception:  # noqa: BLE001 - a store's trouble with other hosts never fails a request
-            log.exception("claiming %s failed; building it here", job.key[:16])
+            claim = self.store.claim(flight.key, self._key_of(flight.spec)[1], lambda: self._resume(job))
+        except Exception:  # a store's trouble with other hosts never fails a request
+            log.exception("claiming %s failed; building it here", flight.key[:16])
             claim = BUILD
         if not claim.waiting:
             with self._lock:
-                self._parked.pop(job.key, None)
+                if flight.stage is _Stage.PARKED:
+                    flight.stage = _Stage.STARTED
         return claim
 
     def _resume(self, job: _Job) -> None:
         """Called by the store once another host's build of the job's key is over: ask again
         (queued as before, so a caller that has gone away meanwhile may still drop it)."""
+        flight = job.flight
         with self._lock:
-            if self._parked.pop(job.key, None) is None:
+            if flight.stage is not _Stage.PARKED:
                 return
             if not self._closing:
-                job.started = False
+                flight.stage = _Stage.QUEUED
                 self._queue.put(job)
                 return
-        self._finish(job.key, job.future, ShuttingDown("the kernel service shut down while another host was building this kernel"))
+            flight.stage = _Stage.STARTED  # woken once only
+        self._finish(flight, ShuttingDown("the kernel service shut down while another host was building this kernel"))
 
-    def _build_in_worker(self, job: _Job, staging: Path) -> dict:
+    def _build_in_worker(self, flight: _Flight, staging: Path) -> dict:
         for attempt in (1, 2):
             with self._lock:
                 pool = self._pool
             try:
-                return pool.submit(compiler.build, job.spec.to_json(), str(staging)).result()
+                return pool.submit(compiler.build, flight.spec.to_json(), str(staging)).result()
             except BrokenProcessPool:
                 # The process died under us (a crash, an OOM kill, a signal): not the kernel's
                 # fault as far as we know. Retry once on a fresh pool, then say what happened.
@@ -487,7 +620,7 @@ class Scheduler:
                 self._replace_pool(pool)
                 if attempt == 2:
                     raise WorkerCrashed("the compiler worker crashed (its process died) twice while building this kernel; it is not remembered as a compile failure") from None
-                log.warning("the compiler worker crashed while building %s; retrying once on a fresh worker", job.key[:16])
+                log.warning("the compiler worker crashed while building %s; retrying once on a fresh worker", flight.key[:16])
                 _empty(staging)
             except OSError as exc:  # the worker could not write the staging dir (disk full)
                 raise StoreError(exc.errno, f"cannot write the built kernel into {staging}: {exc.strerror or exc}") from exc
@@ -504,60 +637,62 @@ class Scheduler:
         except RuntimeError:  # the publishers are shutting down: publish on this thread
             fn(*args)
 
-    def _settle(self, key: str, spec: CanonicalSpec, future: cf.Future, staging: Path | None, built, derived: bool = False) -> None:
-        """Publishes `built` = (library, meta) from `staging` as `key`, or takes `built` as the
-        error it is, and settles `future` with the entry or the error; never leaves a waiter
-        hanging. `derived`: `built` is a copy of a shared build (counted apart from compiles)."""
+    def _settle(self, flight: _Flight, built: _Built) -> None:
+        """Publishes `built` as the flight's key, or takes its error, and settles the flight with
+        the entry or the error; never leaves a waiter hanging."""
+        key, spec = flight.key, flight.spec
         try:
-            if isinstance(built, BaseException):
-                raise built
-            library, meta = built
-            outcome: Entry | BaseException = self.store.put(key, staging, library, meta)
-            if derived:
-                self.metrics.add(derived=1)
-                log.info("published %s as a copy of the shared build %s", spec.to_json(), meta["shared_build"]["key"][:16])
-            else:
-                self.metrics.add(compiles=1, compile_seconds=meta["compile_seconds"], device_compile_seconds=meta["phases"]["device"])
-                self.metrics.observe_compile(spec.kind, meta["compile_seconds"], meta["phases"])
-                phases = " ".join(f"{name} {seconds:.2f}" for name, seconds in meta["phases"].items())
-                log.info("compiled %s in %.2f s (%s)", spec.to_json(), meta["compile_seconds"], phases)
-            self.enforce_budget(protect=key)
+            if built.error is not None:
+                raise built.error
+            outcome: Entry | BaseException = self._put(flight, built)
         except (compiler.CompileFailed, StoreError, ShuttingDown, WorkerCrashed, Cancelled) as exc:
             outcome = exc
         except BaseException as exc:  # never leave waiters hanging
             log.exception("unexpected error compiling %s", key[:16])
             outcome = exc
         finally:
-            if staging is not None:
-                self.store.discard_staging(staging)
+            if built.staging is not None:
+                self.store.discard_staging(built.staging)
         if isinstance(outcome, BaseException) and not isinstance(outcome, (ShuttingDown, Cancelled)):
-            if not derived:
+            if not flight.derived:
                 self.metrics.add(failures=1)
             log.warning("compile of %s failed: %s", spec.to_json(), str(outcome)[:500])
         if isinstance(outcome, BaseException):
             try:  # the fleet remembers compile failures; a crash or a full disk is this host's
                 self.store.abandon(key, str(outcome) if isinstance(outcome, compiler.CompileFailed) else None, self.failure_ttl)
-            except Exception:  # noqa: BLE001 - the answer below matters more
+            except Exception:  # the answer below matters more
                 log.exception("releasing the claim on %s failed", key[:16])
-        self._finish(key, future, outcome)
+        self._finish(flight, outcome)
 
-    def _finish(self, key: str, future: cf.Future, outcome, remember: float | None = None) -> None:
-        """Answers every waiter of `key` with `outcome` (an Entry or an exception). It leaves the
-        in-flight table first: a later request then finds the entry on disk, or the remembered
-        failure, kept `remember` seconds (default --failure-ttl; a cache write error is not
-        remembered: it may clear)."""
+    def _put(self, flight: _Flight, built: _Built) -> Entry:
+        """Publishes a build's files, counts it (a copy apart from compiles) and keeps the budget."""
+        meta = built.meta
+        entry = self.store.put(flight.key, built.staging, built.library, meta)
+        if flight.derived:
+            self.metrics.add(derived=1)
+            log.info("published %s as a copy of the shared build %s", flight.spec.to_json(), meta["shared_build"]["key"][:16])
+        else:
+            self.metrics.add(compiles=1, compile_seconds=meta["compile_seconds"], device_compile_seconds=meta["phases"]["device"])
+            self.metrics.observe_compile(flight.spec.kind, meta["compile_seconds"], meta["phases"])
+            phases = " ".join(f"{name} {seconds:.2f}" for name, seconds in meta["phases"].items())
+            log.info("compiled %s in %.2f s (%s)", flight.spec.to_json(), meta["compile_seconds"], phases)
+        self.enforce_budget(protect=flight.key)
+        return entry
+
+    def _finish(self, flight: _Flight, outcome: Entry | BaseException, remember: float | None = None) -> None:
+        """Answers every waiter of the flight with `outcome`. It leaves the in-flight table
+        first: a later request then finds the entry on disk, or the remembered failure, kept
+        `remember` seconds (default --failure-ttl; a cache write error is not remembered: it
+        may clear)."""
         ttl = self.failure_ttl if remember is None else remember
         with self._lock:
-            self._inflight.pop(key, None)
-            self._forget(future)
+            self._flights.remove(flight)
             if isinstance(outcome, compiler.CompileFailed) and ttl > 0:
-                now = time.monotonic()
-                self._failed = {k: v for k, v in self._failed.items() if v[0] > now}
-                self._failed[key] = (now + ttl, now, outcome)
+                self._failures.remember(flight.key, outcome, ttl)
         if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
+            flight.future.set_exception(outcome)
         else:
-            future.set_result(outcome)
+            flight.future.set_result(outcome)
 
     def enforce_budget(self, protect: str | None = None) -> None:
         """Evicts down to the budget (after each publish, and once at start-up)."""
@@ -585,7 +720,7 @@ class Scheduler:
             self._closing = True
         self._started.set()  # drivers that never started can stop
         for _ in self._drivers:
-            self._queue.put(_Job(_STOP, next(self._seq), "", None, None))
+            self._queue.put(_Job(_STOP, next(self._seq)))
         deadline = time.monotonic() + grace
         for t in self._drivers:
             t.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,91 @@
+"""The scheduler's bookkeeping, on a real store with workers not started: nothing compiles, so
+what is in flight stays put while the test looks at it (single-flight, the queue's shares,
+release() dropping what no one waits for, a shared build's copy releasing its build, shutdown
+failing what is queued, serving only)."""
+
+import pytest
+
+import kernels
+import tests.shared_kind  # noqa: F401 - registers row_double, a kind with shared builds
+from compile_service.scheduler import BACKGROUND, URGENT, Cancelled, NotReady, QueueFull, Scheduler, ShuttingDown, in_process_pool
+from compile_service.store.local import LocalStore
+from proto.wire import Outcome
+
+
+def rmsnorm(n: int):
+    return kernels.canonicalize("rmsnorm", {"M": None, "N": n, "dtype": "float32"}, "c")
+
+
+def row_double(m):
+    return kernels.canonicalize("row_double", {"M": m, "N": 4}, "c")
+
+
+@pytest.fixture
+def scheduler(tmp_path):
+    made = []
+
+    def make(**options):
+        s = Scheduler(LocalStore(tmp_path / "cache"), workers=1, pool=in_process_pool, start=False, **options)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.shutdown(0)
+
+
+def test_single_flight_the_queue_shares_and_release(scheduler):
+    s = scheduler(queue_limit=4)  # background work may hold 2
+    first, outcome = s.request(rmsnorm(64), BACKGROUND)
+    assert outcome == Outcome.COMPILED
+    assert s.request(rmsnorm(64), BACKGROUND) == (first, Outcome.JOINED)
+    s.request(rmsnorm(65), BACKGROUND)
+    with pytest.raises(QueueFull, match=r"2 prefetched compiles are already queued \(prefetches may take half of the queue, 2\)"):
+        s.request(rmsnorm(66), BACKGROUND)
+    s.request(rmsnorm(66), URGENT)  # a blocked caller still finds room
+    assert (s.in_flight, s.queued, s.running) == (3, 3, 0)
+    counts = s.metrics.counters()
+    assert (counts["misses"], counts["joined"]) == (4, 1)
+
+    assert s.release([first]) == 0  # the joiner still waits on it
+    assert not first.done()
+    assert s.release([first]) == 1
+    assert isinstance(first.exception(0), Cancelled) and s.in_flight == 2
+    assert s.release([first]) == 0  # settled: nothing more to give back
+
+    s.request(rmsnorm(67), BACKGROUND)  # the dropped one's share is back
+    s.request(rmsnorm(68), URGENT)
+    with pytest.raises(QueueFull, match=r"4 compiles are already queued \(limit 4\)"):
+        s.request(rmsnorm(69), URGENT)
+
+
+def test_a_copy_released_releases_the_build_it_waits_on(scheduler):
+    s = scheduler()
+    copy, outcome = s.request(row_double(8), BACKGROUND)
+    assert outcome == Outcome.COMPILED and s.in_flight == 2  # the copy and the runtime-M build
+    assert s.release([copy]) == 1  # the build: no one else waited on it
+    assert isinstance(copy.exception(10), Cancelled)  # the copy learns why from its build
+    assert s.in_flight == 0
+
+    build, _ = s.request(row_double(None), URGENT)  # someone waits on the build itself
+    copy, _ = s.request(row_double(8), BACKGROUND)
+    assert s.release([copy]) == 0
+    assert not build.done() and s.in_flight == 2
+
+
+def test_shutdown_fails_queued_compiles(scheduler):
+    s = scheduler()
+    future, _ = s.request(rmsnorm(64))
+    s.shutdown(10)
+    assert isinstance(future.exception(10), ShuttingDown) and s.in_flight == 0
+    with pytest.raises(ShuttingDown):
+        s.request(rmsnorm(64))
+
+
+def test_serving_only_refuses_a_miss_unless_it_is_a_copy_of_what_is_there(scheduler):
+    s = scheduler(compiles=False)
+    with pytest.raises(NotReady, match=r"this daemon compiles nothing \(serve --no-compile\)"):
+        s.request(rmsnorm(64))
+    with pytest.raises(NotReady):  # its build is not in the cache either
+        s.request(row_double(8))
+    assert s.metrics.counters()["not_ready"] == 2 and s.in_flight == 0
