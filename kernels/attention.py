@@ -66,8 +66,8 @@ class Attention(KernelKind):
             if p["num_stages"] not in (None, 1):
                 raise InvalidSpec("num_stages", f"must be 1 on {target} when causal or seq_len is a runtime size")
             p["num_stages"] = 1
-        # Defaults: the largest tiles that fit, among those the caller left open
-        # (128x128 keys in 2 stages for d=128 on Hopper, measured 1.5x SDPA flash on H200).
+        # Defaults: the largest tiles that fit, among those the caller left open (128x128 keys
+        # in 2 stages for d=128 on Hopper; docs/measured.md, section "Kernel speed on the H200").
         for bm, bn, st in DEFAULT_TILES:
             chosen = (p["block_M"] or bm, p["block_N"] or bn, p["num_stages"] or st)
             if self._smem(*chosen, d) <= smem_limit(target):
@@ -180,8 +180,8 @@ class Attention(KernelKind):
             with T.Kernel(T.ceildiv(seq, bm), p["heads"], batch, threads=p["threads"]) as (bid, h, b):
                 dependent_launch(target)
                 # Causal blocks differ in work (query block i reads i + 1 key blocks): the longest
-                # start first, so the last wave is short ones (b1 h32/8 d128 on the H200: 2048
-                # tokens 102 -> 100 us, 4096 tokens 333 -> 312 us). The block count is read on the
+                # start first, so the last wave is short ones (docs/measured.md, section "Decode-shaped
+                # kernels (issue 18)", *Causal block order*). The block count is read on the
                 # device (gridDim.x), so seq_len stays out of the device code (host_side_dims).
                 bx = grid_x() - 1 - bid if causal else bid
                 Q_s = T.alloc_shared((bm, d), dtype)

@@ -1,99 +1,19 @@
-"""C = act(A @ B + bias), B given as [K, N] or [N, K] when trans_b; fp32 accumulation."""
+"""C = act(A @ B + bias), B given as [K, N] or [N, K] when trans_b; fp32 accumulation.
+The schema, its checks and the TIR of each schedule; which schedule and tiles a spec gets is
+kernels/gemm_tuning.py."""
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
 import math
 
+from .gemm_tuning import SPLITK_TILES, TILES, gemv_tiles, overrides_for, prefill_tiles, ranges
 from .launch import dependent_launch, launch_dependents
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import SMS, cuda_only, pow2, smem_limit
+from .tiling import cuda_only, pow2, smem_limit
 
 ACTS = ("none", "gelu", "silu", "relu")
-
-
 SCHEDULES = ("auto", "tma", "splitk", "gemv")
-# Every tiling knob; a range's overrides name all of them (None where its schedule has no use for one).
-TILES = ("block_M", "block_N", "block_K", "num_stages", "threads", "split_k")
-
-
-def schedule(name, **tiles):
-    """Complete overrides: the schedule and every tile param."""
-    return {"schedule": name, **dict.fromkeys(TILES), **tiles}
-
-
-def prefill_tiles(p, target):
-    if p["dtype"] == "float32" or smem_limit(target) < 200 * 1024:
-        # tf32 (4-byte elements) or a pre-Hopper part: a tile that fits ~100 KiB
-        return {"block_M": 128, "block_N": 128, "block_K": 32, "num_stages": 3 if smem_limit(target) >= 80 * 1024 else 2, "threads": 256}
-    # 128x256x64 in 3 stages: the wgmma-friendly Hopper tile (measured 0.96x cuBLAS on H200)
-    return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256}
-
-
-def ranges(p, target):
-    """The M ranges of a CUDA spec and each one's build: [(upper M inclusive, overrides), ..., (None, overrides)].
-
-    Small M is a weight-streaming problem (decode): each weight is read once, so what counts is
-    a grid that fills the SMs and enough loads in flight on each; the prefill tile leaves most
-    SMs idle there. The tiles are the fastest measured on an H200 under CUDA graphs for
-    N x K in {14336, 4096, 6144} x 4096 and 4096 x 14336 (benchmark/kernel_speed.py, DECODE).
-    """
-    big = schedule("tma", **prefill_tiles(p, target))
-    if p["dtype"] == "float32" or smem_limit(target) < 200 * 1024:
-        return [(None, big)]
-    n, k = p["N"] or 4096, p["K"]  # a runtime N: tuned for a 4096-wide layer
-
-    def narrowest(widths):  # the narrowest column tile whose grid is one wave
-        return next((bn for bn in widths if -(-n // bn) <= SMS), widths[-1])
-
-    def whole_waves(m_tiles):
-        """The widest of the 32-column multiples from 64 to 256 whose grid of m_tiles rows best fills whole waves:
-        a last, part-filled wave leaves SMs idle for a whole tile's time (measured at M = 512 on an
-        H200: 128x192 tiles 1.00x cuBLAS on a 6144-wide weight, where 128x256's 96 blocks gave 0.84x)."""
-        def filled(bn):
-            blocks = -(-n // bn) * m_tiles
-            return blocks / (-(-blocks // SMS) * SMS)
-        return max(range(256, 63, -32), key=lambda bn: (round(filled(bn), 2), bn))
-
-    def deepest(bm, bn, bk, most):  # pipeline stages that fit beside the output tile, at most `most`
-        return min(most, (smem_limit(target) - bm * bn * 2) // ((bm + bn) * bk * 2))
-
-    table = []
-    if p["trans_b"]:  # one row: CUDA cores, 16-byte loads, no tensor-core padding
-        table.append((1, schedule("gemv", block_M=1, block_N=8, block_K=1024, threads=256)))
-    # Up to 64 rows: one M tile, narrow column tiles, a deep TMA pipeline (>= 128 KiB in flight per SM).
-    pipe = {(16, 64): (256, 4), (16, 128): (64, 8), (32, 32): (256, 4), (32, 64): (128, 6), (32, 128): (128, 4), (64, 32): (128, 6), (64, 64): (128, 4), (64, 128): (64, 6)}
-    for bm, widths in ((16, (64, 128)), (32, (32, 64, 128)), (64, (32, 64, 128))):
-        bn = narrowest(widths)
-        bk, stages = pipe[bm, bn]
-        table.append((bm, schedule("splitk", block_M=bm, block_N=bn, block_K=bk, num_stages=stages, threads=128, split_k=1)))
-    # 65-512 rows: tensor-core bound as much as memory bound; bigger tiles, split K where N is narrow and K long.
-    if -(-n // 128) >= 96 or (n > 4224 and k < 8192):
-        bn = narrowest(range(16, 257, 16))  # any wgmma width
-        mid = schedule("tma", block_M=128, block_N=bn, block_K=64, num_stages=deepest(128, bn, 64, 6), threads=256)
-    elif k >= 8192:
-        mid = schedule("splitk", block_M=128, block_N=128, block_K=64, num_stages=5, threads=256, split_k=4)
-    else:
-        mid = schedule("tma", block_M=64, block_N=64, block_K=128, num_stages=4, threads=128)
-    table.append((128, mid))
-    if n >= 12288:
-        table.append((256, big))
-    elif k >= 8192:
-        table.append((256, schedule("splitk", block_M=128, block_N=256, block_K=64, num_stages=3, threads=256, split_k=4)))
-    elif n <= 4224:
-        table.append((256, schedule("tma", block_M=64, block_N=128, block_K=64, num_stages=6, threads=128)))
-    else:
-        table.append((256, schedule("tma", block_M=128, block_N=128, block_K=64, num_stages=5, threads=256)))
-    bn = whole_waves(512 // 128)
-    table.append((512, schedule("tma", block_M=128, block_N=bn, block_K=64, num_stages=deepest(128, bn, 64, 5), threads=256)))
-    table.append((None, big))
-    # Neighbours with one build become one range.
-    return [(upper, o) for (upper, o), (_, after) in zip(table, table[1:] + [(None, None)]) if o != after]
-
-
-def overrides_for(table, m):
-    """The overrides of the range holding M = m."""
-    return next(o for upper, o in table if upper is None or m <= upper)
 
 
 def check_cpu(p):
@@ -147,7 +67,7 @@ def check_tma(p, target):
 
 
 def check_splitk(p, target):
-    fill(p, {"block_M": 64, "block_N": 64, "block_K": 128, "num_stages": 4, "threads": 128, "split_k": 1})
+    fill(p, SPLITK_TILES)
     if not 1 <= p["split_k"] <= 16:
         raise InvalidSpec("split_k", f"must be in [1, 16], got {p['split_k']}")
     if p["split_k"] > -(-p["K"] // p["block_K"]):
@@ -161,7 +81,7 @@ def check_gemv(p, target):
     if not p["trans_b"]:
         raise InvalidSpec("schedule", "'gemv' reads B as [N, K] rows: it needs trans_b=True; use schedule 'splitk'")
     vec = 4 if p["dtype"] == "float32" else 8
-    fill(p, {"block_M": 4, "block_N": 8, "block_K": 32 * vec * 4})
+    fill(p, gemv_tiles(p["dtype"]))
     fill(p, {"threads": 32 * p["block_N"]})
     pow2("block_M", p["block_M"], 1, 16)
     pow2("block_N", p["block_N"], 1, 32)
@@ -367,7 +287,7 @@ class Gemm(KernelKind):
         rn = 256  # columns per block of the split-K reduction
         # On Hopper each warpgroup takes whole rows of the tile, so one wgmma spans its width
         # (m64n256 for 128x256, CUTLASS's cooperative layout) where the default policy splits
-        # it into narrower ones: 0.83x -> 0.95x cuBLAS for 128x128 tiles at M = 512 (H200).
+        # it into narrower ones (docs/measured.md, section "Decode-shaped kernels (issue 18)", *Warpgroup rows*).
         wide = target.compute_capability >= 90 and bm >= 64
         policy = T.GemmWarpPolicy.FullRow if wide else T.GemmWarpPolicy.Square
 
@@ -375,7 +295,8 @@ class Gemm(KernelKind):
         def body(A, B, Bias, R, W, C):
             with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), split, threads=p["threads"]) as (bx, by, bz):
                 # The next kernel may launch once this block's K loop is done, not before: a decode
-                # GEMM's one wave of 96-112 blocks ran 5-10% slower with the trigger at its start (H200).
+                # GEMM's one wave ran slower with the trigger at its start (docs/measured.md, section
+                # "Decode-shaped kernels (issue 18)", *Where a GEMM triggers*).
                 dependent_launch(target, trigger=False)
                 A_s = T.alloc_shared((bm, bk), dtype)
                 B_s = T.alloc_shared(b_tile, dtype)

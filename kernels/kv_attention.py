@@ -1,70 +1,24 @@
 """Attention of new queries against a KV cache: decode (q_len=1) and chunked prefill, contiguous
-or paged (vLLM/FlashInfer NHD pages), GQA, split-KV (flash-decoding) with a log-sum-exp combine."""
+or paged (vLLM/FlashInfer NHD pages), GQA, split-KV (flash-decoding) with a log-sum-exp combine.
+How many splits a call takes is kernels/kv_splits.py."""
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
 import math
 from dataclasses import replace
 
+from .kv_splits import cdiv, default_max_splits, num_splits
 from .launch import dependent_launch, grid_x
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import SM_SMEM, SMS, cuda_only, pow2, smem_limit
+from .tiling import cuda_only, pow2, smem_limit
 
 LOG2E = 1.4426950408889634
 CPU_SCRATCH = 256 * 1024
-# Split-KV on CUDA. A wave is the blocks that run at once: SMS times the blocks whose shared memory
-# fits an SM (the default TMA-path block takes about 137 KiB: one; the page-gather block about
-# 72 KiB: three). A call whose head blocks fit one wave takes the most splits whose blocks fit it,
-# each block streaming one split start to end. H200, contiguous, SDPA / ours: batch 8 with 1k-4k
-# keys 2 splits 1.02-1.10x, where two waves (4 splits) gave 0.89-0.95x; batch 1 with 16k-32k keys
-# 16 splits 1.02-1.04x, 32 splits 0.93x. 16-key pages, side by side: batch 2, 6 and 8 with 4k-32k
-# keys 5-20% faster than aiming at 1056 blocks (1.3-3 waves) as before. A larger call takes, on the
-# TMA path, the splits that fill its last wave (_filling_splits), and gathered, the splits that make
-# at least GATHER_TARGET_BLOCKS (paged batch 64 with 4k keys: 3 splits 0.95x, one split in 1.3
-# waves 0.81x); short TMA splits fill three quarters of a wave (see _num_splits). A gathered split
-# reads at least MIN_SPLIT_KEYS keys and two tiles: below that a block is mostly pipeline prologue
-# (16-key pages, 128 keys a split: batch 8 with 1k keys 0.89x, 256: 1.06x), unless that leaves
-# most SMs idle; a TMA split at least one tile (batch 1 with 1k keys, 8 splits of one tile:
-# 6.5 us, 4 of two: 7.3-7.8 us).
-GATHER_TARGET_BLOCKS = 1056
-MIN_SPLIT_KEYS = 256
 # Page ids a block stages in shared memory before its loop (its split's first pages): the
 # gather then never waits on a block_table load. Paged splits are sized to fit when num_splits allows.
 PAGE_WINDOW = 512
-DEFAULT_MAX_SPLITS = 32
 LOADS = ("auto", "tma", "cp_async")
-
-
-def _cdiv(T, a, b):
-    # a >= 0 over b >= 1, by C division: floordiv by a runtime divisor lowers to sign fix-ups
-    # whose let-bound values TileLang 0.1.15's ThreadSync misreads as thread ranges.
-    return T.truncdiv(a + b - 1, b)
-
-
-def _splits_by_rule(p):
-    """Most splits a build may use: split-KV pays for small batches of few query rows; a chunked
-    prefill (many or runtime q_len) has parallelism enough in its query blocks."""
-    return DEFAULT_MAX_SPLITS if p["q_len"] is not None and p["q_len"] <= 16 else 1
-
-
-def _filling_splits(T, blocks, wave, tiles):
-    """Splits for a TMA-path call of more head blocks than one wave (one block per SM), where one
-    split can leave the last wave nearly empty (batch 17: 136 blocks, a second wave of 4: 0.69x
-    SDPA on the H200). The most splits whose blocks fit 2w + 1 waves, where one split takes w,
-    when that fills the waves at least 5 points better than one split and leaves each split 4
-    tiles; else one. A single candidate, not a search: lowering pays for this host expression's
-    size (a search over 1-4 splits, 315 nodes, took 510 s to lower, this rule 13 s).
-    H200, SDPA / ours, one split -> the count taken, side by side: batch 17 with 4k / 16k keys
-    0.68x / 0.70x -> 0.87x / 1.00x (4), batch 20 with 16k 0.74x -> 1.02x (4), batch 36 with 4k
-    1.07x -> 1.12x (3), batch 56 with 4k / 16k 0.93x / 0.95x -> 0.98x / 1.05x (2); batch 28, 44
-    and 64 keep one (2 or 4 splits measured 4-7% slower there)."""
-    waves = T.ceildiv(blocks, wave)
-    s = T.max(1, T.truncdiv((2 * waves + 1) * wave, blocks))
-    s_waves = T.ceildiv(s * blocks, wave)
-    # s*blocks / (s_waves*wave) >= blocks / (waves*wave) + 1/20, in integers
-    better = 20 * (s * blocks * waves - blocks * s_waves) >= s_waves * waves * wave
-    return T.if_then_else(T.And(better, 4 * s <= tiles), s, 1)
 
 
 @register
@@ -110,7 +64,7 @@ class KVAttention(KernelKind):
         if target.is_cpu and p["load"] != "auto":
             raise InvalidSpec("load", f"applies only to CUDA targets, not {target.describe()}")
         if p["num_splits"] is None:
-            p["num_splits"] = 1 if target.is_cpu else _splits_by_rule(p)
+            p["num_splits"] = 1 if target.is_cpu else default_max_splits(p)
         if p["num_splits"] > 128:
             raise InvalidSpec("num_splits", f"must be at most 128, got {p['num_splits']}")
         if target.is_cpu:
@@ -132,8 +86,8 @@ class KVAttention(KernelKind):
             raise InvalidSpec("head_dim", f"must be a multiple of 16 up to 256 on CUDA, got {d}")
         if p["dtype"] == "float32":
             raise InvalidSpec("dtype", "float32 kv_attention is not supported on CUDA; use float16 or bfloat16")
-        # Defaults measured on H200 (decode, GQA 32/8, d=128): 128-key tiles in 2 stages for a
-        # contiguous cache, 64-key cp.async gathers for a paged one.
+        # Defaults: 128-key tiles in 2 stages for a contiguous cache, 64-key cp.async gathers for a
+        # paged one, the best of the tiles tried at decode (docs/measured.md, section "Decode-shaped kernels (issue 18)").
         p["block_H"] = p["block_H"] or 16
         p["block_N"] = p["block_N"] or (64 if p["paged"] else 128)
         p["threads"] = p["threads"] or 128
@@ -175,8 +129,8 @@ class KVAttention(KernelKind):
     def _gather(p):
         """K/V tiles come by cp.async into two buffers, a page (or the part of one a tile holds) per
         copy. Every paged cache takes it: pages of block_N keys or more could go through the TMA
-        pipeline a page per copy, but that form hung on the H200 (pages of 64 keys, three sequences
-        of 1, 1999 and 2000 keys, 2026-12-01)."""
+        pipeline a page per copy, but that form hung on the H200 (docs/measured.md, section
+        "Decode-shaped kernels (issue 18)", *A page per TMA copy*)."""
         return p["load"] == "cp_async"
 
     def scratch(self, p):
@@ -202,47 +156,12 @@ class KVAttention(KernelKind):
         split = p["num_splits"] > 1
         part = (p["num_splits"], batch, q_len, h, d) if split else (1,)
         lse = (p["num_splits"], batch, q_len, h) if split else (1,)
-        return dict(batch=batch, q_len=q_len, q=(batch, q_len, h, d), kv=kv_shape, table=table, part=part, lse=lse)
+        return {"batch": batch, "q_len": q_len, "q": (batch, q_len, h, d), "kv": kv_shape, "table": table, "part": part, "lse": lse}
 
     def _num_splits(self, T, p, s):
-        """Splits per sequence of a CUDA call, chosen at run time on the host: the split kernel's grid
-        x, which its device code reads back (grid_x); the combine kernel reads it once. The most
-        splits whose blocks fit one wave (three quarters of one for short TMA splits), or for a
-        call too large for one wave _filling_splits (TMA) or GATHER_TARGET_BLOCKS (gathered);
-        each split at least one tile (TMA) or MIN_SPLIT_KEYS keys and two tiles (gathered; two
-        tiles for a small call); at most the build's num_splits."""
-        if p["num_splits"] == 1:
-            return 1
-        bn = p["block_N"]
-        rows = s["q_len"] * (p["heads"] // p["kv_heads"])
-        blocks = s["batch"] * p["kv_heads"] * T.ceildiv(rows, p["block_H"])  # per split
-        wave = SMS * max(1, SM_SMEM // self._smem(p["block_H"], bn, p["num_stages"], p["head_dim"]))
-        span = self._kv_span(s)
-        tiles = T.ceildiv(span, bn)
-        fit = T.truncdiv(wave, blocks)  # the most splits whose blocks fit one wave
-        if self._gather(p):
-            # Splits of MIN_SPLIT_KEYS that would leave over half the SMs idle go down to two tiles
-            # (H200, 16-key pages: batch 1 with 1k / 2k keys 0.91x / 0.95x -> 1.08x / 1.03x, batch
-            # 2 with 1k 0.99x -> 1.13x).
-            few = blocks * T.ceildiv(span, MIN_SPLIT_KEYS) < SMS // 2
-            many = _cdiv(T, GATHER_TARGET_BLOCKS, blocks)
-            fewest_keys = T.if_then_else(few, 2 * bn, max(MIN_SPLIT_KEYS, 2 * bn))
-        else:
-            many, fewest_keys = _filling_splits(T, blocks, wave, tiles), bn
-            # Short splits, four or more of them, aim at three quarters of a wave (H200: batch 1
-            # with 4k-12k keys, 11-12 splits against 16, 3-10% faster over three runs; batch 3 with
-            # 4k, 4 against 5, 4-6%). Not at 8 tiles a split or more, where a wave's worth of splits
-            # streams longer (batch 1 with 16k keys: the same time), nor under 4 splits (batch 8:
-            # 1 against 2, 10-16% slower). As many splits as their whole tiles need: 16 tiles over
-            # 12 splits is 8 splits of 2 (12 left 4 blocks empty: batch 1 with 2k keys 8.8 us, 8
-            # splits 8.1).
-            three_quarters = T.truncdiv(wave * 3 // 4, blocks)
-            short = T.And(three_quarters >= 4, tiles < 8 * fit)
-            fit = T.if_then_else(short, T.ceildiv(tiles, T.ceildiv(tiles, T.max(1, three_quarters))), fit)
-        want = T.if_then_else(blocks <= wave, fit, many)
-        if p["paged"]:
-            want = T.max(want, T.ceildiv(span, PAGE_WINDOW * p["page_size"]))
-        return T.max(1, T.min(p["num_splits"], T.min(want, T.ceildiv(span, fewest_keys))))
+        """Splits per sequence of a CUDA call, chosen at run time on the host (kernels/kv_splits.py)."""
+        block_bytes = self._smem(p["block_H"], p["block_N"], p["num_stages"], p["head_dim"])
+        return num_splits(T, p, s["batch"], s["q_len"], self._kv_span(s), block_bytes, self._gather(p), PAGE_WINDOW)
 
     @staticmethod
     def _kv_span(s):
@@ -491,7 +410,7 @@ class KVAttention(KernelKind):
                 seq_len = seq_lens[b]
                 kend = seq_len - q_len + T.ceildiv(T.min(rows, f0 + bh), group)
                 splits = grid_x() if max_splits > 1 else 1  # nsplit, as the host launched it
-                chunk = T.ceildiv(_cdiv(T, T.max(kend, 0), splits), bn) * bn
+                chunk = T.ceildiv(cdiv(T, T.max(kend, 0), splits), bn) * bn
                 start = sid * chunk
                 stop = T.min(kend, start + chunk)
                 # At least one step, all masked when the split is empty: the pipeline never runs zero times.
@@ -556,14 +475,15 @@ class KVAttention(KernelKind):
         @T.macro
         def combine_body(O_part, LSE, O):
             if max_splits > 1:
-                # One idle block when the split kernel wrote O itself: a full grid of idle blocks
-                # cost up to 2.3 us (batch 64 with 1k keys, one split: 71.1 -> 68.8 us, H200).
+                # One idle block when the split kernel wrote O itself: a full grid of idle blocks was
+                # slower (docs/measured.md, section "Decode-shaped kernels (issue 18)", *Splits past one wave*).
                 combines = T.if_then_else(nsplit > 1, heads, 1)
                 with T.Kernel(combines, q_len, T.if_then_else(nsplit > 1, batch, 1), threads=d) as (hh, i, b):
                     dependent_launch(target)
                     # The splits' log-sum-exps are loaded once, a thread each, and read from shared
                     # memory; the partial outputs are summed over the splits this call made, not the
-                    # build's most (loops over num_splits cost in proportion, measured on the H200).
+                    # build's most: loops over num_splits cost in proportion (docs/measured.md, section
+                    # "Decode-shaped kernels (issue 18)").
                     lse_s = T.alloc_shared((max_splits,), acc_t)
                     splits = T.alloc_local((1,), "int32")  # the rule evaluated once, not at each use
                     mx = T.alloc_local((1,), acc_t)

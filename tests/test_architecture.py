@@ -60,7 +60,14 @@ def test_editing_one_kind_changes_that_kinds_keys_and_no_others(tmp_path):
     assert {k for k in before if before[k] != after[k]} == {"softmax"}
     with open(tmp_path / "kernels" / "tiling.py", "a") as f:  # framework code every zoo kind imports
         f.write("\n# an edit\n")
-    assert {k for k, v in _digests(tmp_path).items() if v != after[k]} == {"gemm", "attention", "kv_attention", "rmsnorm", "softmax", "swiglu", "add_rmsnorm", "layernorm", "rope"}
+    before = _digests(tmp_path)
+    assert {k for k, v in before.items() if v != after[k]} == {"gemm", "attention", "kv_attention", "rmsnorm", "softmax", "swiglu", "add_rmsnorm", "layernorm", "rope"}
+    for policy, kind in (("gemm_tuning.py", "gemm"), ("kv_splits.py", "kv_attention")):  # a kind's tuning policy is its own module
+        with open(tmp_path / "kernels" / policy, "a") as f:
+            f.write("\n# an edit\n")
+        after = _digests(tmp_path)
+        assert {k for k in before if before[k] != after[k]} == {kind}, policy
+        before = after
 
 
 @pytest.fixture(scope="module")
