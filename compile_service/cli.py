@@ -35,6 +35,7 @@ def _resolve(args):
 
 
 def _serve(args) -> int:
+    from kernels.plugins import KernelModuleError
     from proto.trust import UntrustedPath
 
     from .server import Daemon, StartError
@@ -45,6 +46,8 @@ def _serve(args) -> int:
         return _fail(str(exc), 2)
     try:
         Daemon(config).serve_forever(parent=os.getppid() if args.exit_with_parent else None)
+    except KernelModuleError as exc:  # a bad --kernel-module, found when the daemon loads it
+        return _fail(str(exc), 2)
     except UntrustedPath as exc:  # says in one line what is wrong and what to do about it
         return _fail(exc.strerror or str(exc))
     except (StartError, ImportError, LookupError, TypeError, RuntimeError) as exc:  # plugins included
@@ -176,6 +179,22 @@ def _zero_stats(args) -> int:
     return 0
 
 
+def _exited(pid: int) -> bool:
+    """Has process `pid` exited? A zombie has: only its parent's wait is missing."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+
 def _stop(args) -> int:
     import signal
 
@@ -197,7 +216,7 @@ def _stop(args) -> int:
     except PermissionError:
         return _fail(f"the daemon on {socket} (pid {pid}) belongs to another user; stop it as that user")
     deadline = time.monotonic() + args.timeout
-    while running_daemon(socket) is not None:
+    while running_daemon(socket) is not None or not _exited(pid):  # it drains, then it exits
         if time.monotonic() > deadline:
             return _fail(f"the daemon (pid {pid}) is still draining after {args.timeout:.0f} s; wait, or `kill -9 {pid}` to stop it at once")
         time.sleep(0.1)
@@ -255,7 +274,7 @@ def _ls(args) -> int:
         print(json.dumps(entries, indent=2))
         return 0
     for e in entries:
-        params = ",".join(f"{k}={v}" for k, v in e["params"].items() if v is not None and not k.startswith(("block_", "num_", "threads")))
+        params = ",".join(f"{k}={v}" for k, v in e["params"].items() if not k.startswith(("block_", "num_", "threads")))  # M=None shown: a runtime size
         built = f"copy of {e['shared_build'][:12]}" if e["built"] == "copy" else f"compiled in {e['compile_seconds']:.2f}s"
         compiler = f" {e['cuda_compiler']}" if e["cuda_compiler"] and e["target"] != "c" else ""
         print(f"{e['key'][:12]}  {e['kind']:<9} {e['target']:<7} {_human_bytes(e['bytes']):>9}  used {_ago(e['last_used']):<11} {built}{compiler}  {params}")
@@ -311,7 +330,10 @@ def _kinds(args) -> int:
     except ConnectionError as exc:
         if args.socket:  # a daemon was named: say it is not there rather than guess
             return _fail(str(exc))
-        kinds, source = _local_kinds(args), "this installation (no daemon running)"
+        try:
+            kinds, source = _local_kinds(args), "this installation (no daemon running)"
+        except ValueError as exc:  # a bad --kernel-module
+            return _fail(str(exc), 2)
     if args.json:
         print(json.dumps(kinds, indent=2))
         return 0
@@ -319,11 +341,25 @@ def _kinds(args) -> int:
     for kind in kinds:
         print(f"\n{kind['name']}  [{kind['origin']}]\n  {kind['doc']}")
         for p in kind["params"]:
-            default = "required" if p["required"] else f"default {json.dumps(p.get('default'))}"
-            choices = f", one of {', '.join(map(str, p['choices']))}" if p.get("choices") else ""
-            runtime = ", None: runtime size / default" if p["nullable"] else ""
-            print(f"    {p['name']:<12} {p['type']:<5} {default}{choices}{runtime}  {p['doc']}")
+            print(f"    {p['name']:<12} {p['type']:<5} {_param_label(p)}  {p['doc']}")
     return 0
+
+
+def _param_label(p: dict) -> str:
+    """A parameter's default as `kinds` prints it. None means one of two things: for a size
+    (required, or with a default of its own) a runtime size, one kernel for every value; as
+    the default itself (tiles such as threads) the kind's own choice for the target."""
+    if p["required"]:
+        label = "required"
+    elif p.get("default") is None:
+        label = "default None: the kind chooses"
+    else:
+        label = f"default {json.dumps(p['default'])}"
+    if p.get("choices"):
+        label += f", one of {', '.join(map(str, p['choices']))}"
+    if p["nullable"] and (p["required"] or p.get("default") is not None):
+        label += ", None: runtime size"
+    return label
 
 
 def _os_error(exc: OSError) -> str:
