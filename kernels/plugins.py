@@ -59,7 +59,7 @@ def load_module(target: str) -> None:
             f"--kernel-module {target}: no module named {exc.name!r} here; the daemon imports it from its own "
             "Python path: set PYTHONPATH to the directory that holds it, or install it"
         ) from None
-    except Exception as exc:  # its own code failed: say so in one line, not a traceback
+    except Exception as exc:  # noqa: BLE001 - its own code failed, whatever way: one line, not a traceback
         raise KernelModuleError(f"--kernel-module {target}: importing {module_name} failed: {type(exc).__name__}: {exc}") from None
     if attr and not hasattr(module, attr):
         raise KernelModuleError(f"--kernel-module {target}: module {module_name} has no attribute {attr!r}; ATTR names a kind class or a kernel factory in it")
