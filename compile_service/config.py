@@ -271,6 +271,8 @@ class ServiceConfig:
             value, source = given.get(name), s.flag
             if value == "":  # an empty flag is no flag, as an empty variable is no variable
                 value = None
+            elif isinstance(value, str) and s.parse is not str:  # text from a caller, as a flag gives it
+                value = s.parse(value)
             if value is None and s.env and env.get(s.env):
                 value, source = env[s.env], f"${s.env}"
                 try:
