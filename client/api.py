@@ -12,13 +12,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
-from google.protobuf import json_format
 
 import kernels
-from proto import keys, manifest, wire
+from proto import channel, keys, manifest, wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-from proto.paths import default_socket, default_token_file, socket_address
+from proto.paths import default_socket, socket_address
 from proto.trust import peer_uid, problem
 from proto.wire import Outcome, Status
 
@@ -42,19 +41,7 @@ def spec_to_proto(spec: kernels.CanonicalSpec) -> pb.KernelSpec:
 
 
 def _raise_for(err: grpc.RpcError, what: str, address: str = "", waited: float | None = None):
-    code, details = err.code(), err.details() or ""
-    if code == Status.INVALID_SPEC:
-        raise wire.invalid_spec_from_details(details) from None
-    if code == Status.COMPILE_FAILED:
-        raise CompileError(f"{what} failed to compile:\n{details}") from None
-    if code in Status.RETRYABLE:
-        tried = f" (retried for {waited:.1f} s)" if waited else ""
-        raise ServiceUnavailable(f"no kernel service answers at {address}{tried}: {details}; start one with `kernel-service serve`") from None
-    if code == Status.CRASHED:
-        raise ServiceError(f"{what}: the compiler worker crashed: {details}", code.name) from None
-    if code == Status.NOT_READY:
-        raise KernelNotReady(details, wire.not_ready_key(details)) from None
-    raise ServiceError(f"{what}: {code.name}: {details}", code.name) from None
+    raise channel.error_for(err, what, address, waited) from None
 
 
 class _NotListening(Exception):
@@ -172,12 +159,7 @@ class Client:
         if self.socket_path is not None:
             return None
         if self._metadata is None:
-            path = self.token_file or default_token_file()
-            try:
-                token = path.read_text().strip()
-            except OSError as exc:
-                raise ServiceUnavailable(f"kernel service at {self.address}: cannot read the daemon's TCP token from {path} ({exc.strerror}); pass token_file= or set KERNEL_SERVICE_TOKEN_FILE") from None
-            self._metadata = (("authorization", f"Bearer {token}"),)
+            self._metadata = channel.auth_metadata(self.address, self.token_file)
         return self._metadata
 
     def _call(self, method: Callable, request, timeout: float, what: str):
@@ -430,7 +412,7 @@ class Client:
                 else:
                     results[event.index] = Outcome.from_proto(event.kernel.outcome)
                 if progress:
-                    progress(event.done, event.total, json_format.MessageToDict(event, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+                    progress(event.done, event.total, channel.reply_to_dict(event))
         except grpc.RpcError as err:
             _raise_for(err, "prefetch", self.address)
         for i, kernel in enumerate(results):  # a router's builds, loaded as get_kernel loads them (every one is built by now)

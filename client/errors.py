@@ -2,17 +2,8 @@
 
 from kernels.spec import InvalidSpec  # a ValueError whose `field` names the bad parameter
 
-
-class KernelServiceError(Exception):
-    """Base of the service's own errors (besides InvalidSpec)."""
-
-
-class CompileError(KernelServiceError, RuntimeError):
-    """The kernel failed to compile; the message holds the compiler's output."""
-
-
-class ServiceUnavailable(KernelServiceError, ConnectionError):
-    """No daemon answers on the socket (and no fallback was asked for)."""
+# The errors a failed call raises are the contract's (proto/channel.py maps each status to one).
+from proto.channel import CompileError, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable
 
 
 class UntrustedService(ServiceUnavailable):
@@ -21,25 +12,8 @@ class UntrustedService(ServiceUnavailable):
     is asked of it and nothing it names is loaded."""
 
 
-class ServiceError(KernelServiceError, RuntimeError):
-    """The daemon failed for another reason (cache write failed, queue full, deadline passed)."""
-
-    def __init__(self, message: str, code: str = ""):
-        super().__init__(message)
-        self.code = code
-
-
-class KernelNotReady(KernelServiceError, LookupError):
-    """Not in the cache, and nothing may compile it: this client is strict, or the daemon serves
-    only (`serve --no-compile`). The message names the spec, its key (`.key`) and why it missed."""
-
-    def __init__(self, message: str, key: str = ""):
-        super().__init__(message)
-        self.key = key
-
-
 class CorruptArtifact(KernelServiceError, OSError):
     """A cache file failed its checks (digest, size, owner, permissions, symlink); it is not loaded."""
 
 
-__all__ = ["InvalidSpec", "KernelServiceError", "CompileError", "ServiceUnavailable", "UntrustedService", "ServiceError", "KernelNotReady", "CorruptArtifact"]
+__all__ = ["CompileError", "CorruptArtifact", "InvalidSpec", "KernelNotReady", "KernelServiceError", "ServiceError", "ServiceUnavailable", "UntrustedService"]

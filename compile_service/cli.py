@@ -29,38 +29,13 @@ def _fail(message: str, status: int = 1) -> int:
 
 def _resolve(args):
     """The configuration `serve` with these flags resolves to (ValueError: a bad flag)."""
-    from .config import ServiceConfig, parse_size
+    from .config import SETTINGS, ServiceConfig
 
-    return ServiceConfig.resolve(
-        socket=args.socket,
-        cache_dir=args.cache_dir,
-        workers=args.workers,
-        target=args.target,
-        grace=args.grace,
-        queue_limit=args.queue_limit,
-        kernel_modules=tuple(args.kernel_module),
-        entry_points=not args.no_entry_points,
-        plugins=tuple(args.plugin) if args.plugin else None,
-        failure_ttl=args.failure_ttl,
-        max_bytes=parse_size(args.max_size) if args.max_size is not None else None,
-        max_entries=args.max_entries,
-        evict_min_age=args.evict_min_age,
-        mode=int(args.mode, 8) if args.mode is not None else None,
-        tcp=args.tcp,
-        allow_remote=args.allow_remote,
-        cuda_compiler=args.cuda_compiler,
-        metrics_address=args.metrics_address,
-        no_compile=args.no_compile,
-        cuda_compiler_id=args.cuda_compiler_id,
-        remote=args.remote,
-        remote_read_only=args.remote_read_only,
-        remote_lease_seconds=args.remote_lease_seconds,
-        remote_timeout=args.remote_timeout,
-        remote_ttl=args.remote_ttl,
-    )
+    return ServiceConfig.resolve(**{name: getattr(args, name) for name in SETTINGS})
 
 
 def _serve(args) -> int:
+    from kernels.plugins import KernelModuleError
     from proto.trust import UntrustedPath
 
     from .server import Daemon, StartError
@@ -71,6 +46,8 @@ def _serve(args) -> int:
         return _fail(str(exc), 2)
     try:
         Daemon(config).serve_forever(parent=os.getppid() if args.exit_with_parent else None)
+    except KernelModuleError as exc:  # a bad --kernel-module, found when the daemon loads it
+        return _fail(str(exc), 2)
     except UntrustedPath as exc:  # says in one line what is wrong and what to do about it
         return _fail(exc.strerror or str(exc))
     except (StartError, ImportError, LookupError, TypeError, RuntimeError) as exc:  # plugins included
@@ -110,46 +87,31 @@ class NoDaemon(ConnectionError):
     """No daemon answers on the socket."""
 
 
-def _auth(address: str):
-    """Call metadata for the daemon at `address`: over TCP it wants its token ($KERNEL_SERVICE_TOKEN_FILE)."""
-    from proto.paths import default_token_file
-
-    if address.startswith("unix:"):
-        return None
-    try:
-        return (("authorization", f"Bearer {default_token_file().read_text().strip()}"),)
-    except OSError:
-        return None  # then the daemon answers UNAUTHENTICATED, and that is what we say
-
-
 def _ask(socket: str | None, rpc: str, request, timeout: float = 10):
     """One call to the daemon at `socket` (default: the default socket) through the contract's
-    stubs. Raises NoDaemon at once when none answers, ValueError when it refuses the request as
-    invalid, ConnectionError on any other failure."""
+    stubs. Raises NoDaemon at once when none answers, InvalidSpec (a ValueError) when it refuses
+    the request as invalid, ConnectionError on any other failure (its message from proto/channel.py)."""
     import grpc
 
-    from proto import wire
+    from proto import channel
     from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-    from proto.paths import default_socket, socket_address
 
-    address = socket_address(socket or default_socket())
+    address = channel.target(socket)
     where = address.removeprefix("unix:")
-    if address.startswith("unix:") and not os.path.exists(where):
+    path = channel.socket_path(address)
+    if path is not None and not path.exists():
         raise NoDaemon(f"no kernel-service daemon at {where}; start one with `kernel-service serve`")
-    with grpc.insecure_channel(address, options=wire.channel_options()) as channel:
+    with channel.open_channel(address) as ch:
         try:
-            return getattr(pb_grpc.KernelServiceStub(channel), rpc)(request, timeout=timeout, metadata=_auth(address))
+            return getattr(pb_grpc.KernelServiceStub(ch), rpc)(request, timeout=timeout, metadata=channel.auth_metadata(address))
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                gone = " (its socket file is there, left by a daemon that was killed)" if address.startswith("unix:") else ""
-                raise NoDaemon(f"no kernel-service daemon answers at {where}{gone}; start one with `kernel-service serve`") from None
-            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(err.details()) from None
-            raise ConnectionError(f"the daemon at {where} failed: {err.code().name}: {err.details()}") from None
-
-
-def _stats_dict(reply) -> dict:
-    return {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}  # native ints, unlike MessageToDict
+            exc = channel.error_for(err, f"the daemon at {where}", where)
+    if isinstance(exc, channel.ServiceUnavailable):
+        gone = " (its socket file is there, left by a daemon that was killed)" if path is not None else ""
+        raise NoDaemon(f"no kernel-service daemon answers at {where}{gone}; start one with `kernel-service serve`")
+    if isinstance(exc, ValueError):
+        raise exc
+    raise ConnectionError(str(exc))  # one line for the caller to print, whatever the status
 
 
 def _ago(when: float) -> str:
@@ -161,10 +123,11 @@ def _ago(when: float) -> str:
 
 
 def _stats(args) -> int:
+    from proto.channel import fields_of
     from proto.kernelservice.v1 import kernel_service_pb2 as pb
 
     try:
-        stats = _stats_dict(_ask(args.socket, "GetStats", pb.GetStatsRequest()))
+        stats = fields_of(_ask(args.socket, "GetStats", pb.GetStatsRequest()))
     except ConnectionError as exc:
         return _fail(str(exc))
     if args.json:
@@ -194,13 +157,14 @@ def _stats(args) -> int:
 
 
 def _zero_stats(args) -> int:
+    from proto.channel import fields_of
     from proto.kernelservice.v1 import kernel_service_pb2 as pb
     from proto.paths import default_cache_dir
 
     from .metrics import STATS_FILE, Metrics
 
     try:
-        before = _stats_dict(_ask(args.socket, "ZeroStats", pb.ZeroStatsRequest()))
+        before = fields_of(_ask(args.socket, "ZeroStats", pb.ZeroStatsRequest()))
         print(f"counters of the daemon at {before['address']} set to zero (it had {before['compiles']} compiles, {before['hits']} hits, {before['misses']} misses)")
         return 0
     except NoDaemon:
@@ -213,6 +177,22 @@ def _zero_stats(args) -> int:
     Metrics().save(cache_dir / STATS_FILE)
     print(f"no daemon running; the counters kept in {cache_dir / STATS_FILE} set to zero")
     return 0
+
+
+def _exited(pid: int) -> bool:
+    """Has process `pid` exited? A zombie has: only its parent's wait is missing."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
 
 
 def _stop(args) -> int:
@@ -236,7 +216,7 @@ def _stop(args) -> int:
     except PermissionError:
         return _fail(f"the daemon on {socket} (pid {pid}) belongs to another user; stop it as that user")
     deadline = time.monotonic() + args.timeout
-    while running_daemon(socket) is not None:
+    while running_daemon(socket) is not None or not _exited(pid):  # it drains, then it exits
         if time.monotonic() > deadline:
             return _fail(f"the daemon (pid {pid}) is still draining after {args.timeout:.0f} s; wait, or `kill -9 {pid}` to stop it at once")
         time.sleep(0.1)
@@ -246,6 +226,8 @@ def _stop(args) -> int:
 
 def _info(args) -> int:
     from proto.kernelservice.v1 import kernel_service_pb2 as pb
+
+    from .config import SETTINGS
 
     try:
         config = _resolve(args)
@@ -262,8 +244,11 @@ def _info(args) -> int:
         print(json.dumps({"from": origin, "settings": settings}, indent=2, sort_keys=True))
         return 0
     print(f"configuration of {origin}:")
-    for name, item in settings.items():
-        print(f"  {name:<16} {json.dumps(item['value']):<40} {item['source']}")
+    order = list(SETTINGS)  # as `serve --help` lists them; fields that are no setting last
+    width = max(map(len, settings), default=0)
+    for name in sorted(settings, key=lambda n: order.index(n) if n in order else len(order)):
+        item = settings[name]
+        print(f"  {name:<{width}}  {json.dumps(item['value']):<40} {item['source']}")
     return 0
 
 
@@ -289,7 +274,7 @@ def _ls(args) -> int:
         print(json.dumps(entries, indent=2))
         return 0
     for e in entries:
-        params = ",".join(f"{k}={v}" for k, v in e["params"].items() if v is not None and not k.startswith(("block_", "num_", "threads")))
+        params = ",".join(f"{k}={v}" for k, v in e["params"].items() if not k.startswith(("block_", "num_", "threads")))  # M=None shown: a runtime size
         built = f"copy of {e['shared_build'][:12]}" if e["built"] == "copy" else f"compiled in {e['compile_seconds']:.2f}s"
         compiler = f" {e['cuda_compiler']}" if e["cuda_compiler"] and e["target"] != "c" else ""
         print(f"{e['key'][:12]}  {e['kind']:<9} {e['target']:<7} {_human_bytes(e['bytes']):>9}  used {_ago(e['last_used']):<11} {built}{compiler}  {params}")
@@ -345,7 +330,10 @@ def _kinds(args) -> int:
     except ConnectionError as exc:
         if args.socket:  # a daemon was named: say it is not there rather than guess
             return _fail(str(exc))
-        kinds, source = _local_kinds(args), "this installation (no daemon running)"
+        try:
+            kinds, source = _local_kinds(args), "this installation (no daemon running)"
+        except ValueError as exc:  # a bad --kernel-module
+            return _fail(str(exc), 2)
     if args.json:
         print(json.dumps(kinds, indent=2))
         return 0
@@ -353,11 +341,25 @@ def _kinds(args) -> int:
     for kind in kinds:
         print(f"\n{kind['name']}  [{kind['origin']}]\n  {kind['doc']}")
         for p in kind["params"]:
-            default = "required" if p["required"] else f"default {json.dumps(p.get('default'))}"
-            choices = f", one of {', '.join(map(str, p['choices']))}" if p.get("choices") else ""
-            runtime = ", None: runtime size / default" if p["nullable"] else ""
-            print(f"    {p['name']:<12} {p['type']:<5} {default}{choices}{runtime}  {p['doc']}")
+            print(f"    {p['name']:<12} {p['type']:<5} {_param_label(p)}  {p['doc']}")
     return 0
+
+
+def _param_label(p: dict) -> str:
+    """A parameter's default as `kinds` prints it. None means one of two things: for a size
+    (required, or with a default of its own) a runtime size, one kernel for every value; as
+    the default itself (tiles such as threads) the kind's own choice for the target."""
+    if p["required"]:
+        label = "required"
+    elif p.get("default") is None:
+        label = "default None: the kind chooses"
+    else:
+        label = f"default {json.dumps(p['default'])}"
+    if p.get("choices"):
+        label += f", one of {', '.join(map(str, p['choices']))}"
+    if p["nullable"] and (p["required"] or p.get("default") is not None):
+        label += ", None: runtime size"
+    return label
 
 
 def _os_error(exc: OSError) -> str:
@@ -418,17 +420,16 @@ def _label(spec: dict) -> str:
 def _prewarm(args) -> int:
     import grpc
 
-    from proto import wire
+    from proto import channel, wire
     from proto.kernelservice.v1 import kernel_service_pb2 as pb
     from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
     from proto.manifest import ManifestError
-    from proto.paths import default_socket, socket_address
 
     try:
         specs = _load_manifests(args.manifests)
     except ManifestError as exc:
         return _fail(str(exc), 2)
-    address = socket_address(args.socket or default_socket())
+    address = channel.target(args.socket)
     try:  # one Prefetch may queue a quarter of the daemon's --queue-limit compiles: batches that fit
         config = json.loads(_ask(args.socket, "GetServiceInfo", pb.GetServiceInfoRequest()).config_json or "{}")
     except ConnectionError as exc:
@@ -437,13 +438,14 @@ def _prewarm(args) -> int:
     built, present, failed = [], [], []  # failed: (spec, reason)
     bar = _progress(len(specs))
     todo = list(range(len(specs)))
-    with grpc.insecure_channel(address, options=wire.channel_options()) as channel:
-        stub = pb_grpc.KernelServiceStub(channel)
+    metadata = channel.auth_metadata(address)  # readable: GetServiceInfo above carried it
+    with channel.open_channel(address) as ch:
+        stub = pb_grpc.KernelServiceStub(ch)
         while todo:
             batch = todo[:batch_size]
             request = pb.PrefetchRequest(specs=[wire.spec_to_proto(specs[i]["kind"], _params(specs[i]), specs[i]["target"]) for i in batch])
             try:
-                for event in stub.Prefetch(request, timeout=args.timeout, metadata=_auth(address)):
+                for event in stub.Prefetch(request, timeout=args.timeout, metadata=metadata):
                     spec = specs[batch[event.index]]
                     if event.error_code:
                         failed.append((spec, f"{event.error_code}: {event.error_message}"))
@@ -615,53 +617,139 @@ def _demo(args) -> int:
     return run_demo(args.cache_dir, args.socket)
 
 
-def _config_flags(p: argparse.ArgumentParser) -> None:
-    """The flags that configure a daemon: `serve` takes them, `info` shows what they resolve to."""
-    p.add_argument("--socket", help="Unix socket path (default $KERNEL_SERVICE_SOCKET, then $XDG_RUNTIME_DIR/kernel-service/kernel-service.sock)")
-    p.add_argument("--cache-dir", help="cache root (default $KERNEL_SERVICE_CACHE_DIR, then $XDG_CACHE_HOME/kernel-service)")
-    p.add_argument("--workers", type=int, help="compile processes (default: CPUs allowed by affinity and cgroup quota)")
-    p.add_argument("--target", help="target for requests that name none: auto, c, sm_90a, ... (default auto)")
-    p.add_argument("--grace", type=float, help="seconds SIGTERM (or `kernel-service stop`) waits for running compiles (default 30)")
-    p.add_argument("--queue-limit", type=int, help="compiles queued before RESOURCE_EXHAUSTED (default 4096)")
-    p.add_argument(
-        "--kernel-module",
-        action="append",
-        default=[],
-        metavar="MODULE[:ATTR]",
-        help="import MODULE to register extra kernel kinds, or serve MODULE's kind class or @tilelang.jit factory ATTR (repeatable)",
-    )
-    p.add_argument("--plugin", action="append", metavar="NAME", help="load only these installed kinds (entry-point group kernel_service.kinds; repeatable; default all)")
-    p.add_argument("--no-entry-points", action="store_true", help="load no installed kinds, only the zoo and --kernel-module")
-    p.add_argument("--failure-ttl", type=float, help="seconds a failed compile is answered from memory before it is retried (default 60; 0: never remembered)")
-    p.add_argument("--max-size", metavar="BYTES", help="cache budget: evict least recently used entries above this size (e.g. 10G; default unbounded)")
-    p.add_argument("--max-entries", type=int, help="cache budget in entries (default unbounded)")
-    p.add_argument("--evict-min-age", type=float, metavar="SECONDS", help="never evict an entry used this recently (default 300)")
-    p.add_argument("--mode", choices=("0700", "0750"), help="cache and socket directory mode: 0700 owner only (default), 0750 group may read and connect, never write (agents of other users then pass daemon_uid)")
-    p.add_argument("--tcp", metavar="HOST:PORT", help="also listen on TCP (host defaults to 127.0.0.1; loopback only unless --allow-remote); clients must present the token the daemon writes to <cache dir>/tcp-token")
-    p.add_argument("--metrics-address", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics (host defaults to 127.0.0.1; loopback only unless --allow-remote; default off)")
-    p.add_argument("--allow-remote", action="store_true", help="allow --tcp and --metrics-address on a non-loopback address (nothing is encrypted: trusted networks only)")
-    p.add_argument(
-        "--cuda-compiler",
-        choices=("auto", "nvrtc", "nvcc"),
-        help="how CUDA device code is compiled: nvrtc in process (fast), nvcc as a subprocess; auto (default, or $KERNEL_SERVICE_CUDA_COMPILER) takes NVRTC where it can run",
-    )
-    p.add_argument("--exit-with-parent", action="store_true", help="stop (draining, as on SIGTERM) within a second of the process that started this one exiting: for launchers such as tests and benchmarks, never under a supervisor")
-    p.add_argument("--no-compile", action="store_true", help="serve only what the cache holds (fed by `bundle import` or another daemon): a miss answers NOT_FOUND with why; no compile workers start")
-    p.add_argument(
-        "--cuda-compiler-id",
-        metavar="ID",
-        help="with --no-compile: key CUDA kernels as if built by this compiler, e.g. nvrtc-13.0 (the builder's, as its bundle records it; default $KERNEL_SERVICE_CUDA_COMPILER_ID); no compiler is looked for",
-    )
-    fleet = p.add_argument_group("fleet tier", "a Redis shared by every host: each kernel compiled once per fleet (README: a fleet)")
-    fleet.add_argument(
-        "--remote",
-        metavar="URL",
-        help="the fleet tier: redis://[user:password@]host:port/db, rediss:// for TLS, or unix:///path (default $KERNEL_SERVICE_REMOTE; none: this host alone)",
-    )
-    fleet.add_argument("--remote-read-only", action="store_true", help="read kernels from the tier and wait on other hosts' builds, never write (pair with a read-only ACL user)")
-    fleet.add_argument("--remote-lease-seconds", type=float, metavar="S", help="a build lease lasts this long unless its holder renews it; a dead holder's build is taken over after it (default 30)")
-    fleet.add_argument("--remote-timeout", type=float, metavar="S", help="seconds any one Redis call may take before the host goes on alone (default 1)")
-    fleet.add_argument("--remote-ttl", type=float, metavar="S", help="seconds an entry stays in the tier after it was last written (default 604800, 7 days)")
+def _shown_default(name: str, setting) -> str:
+    from .config import _DEFAULTS
+
+    if setting.default_text:
+        return setting.default_text
+    value = _DEFAULTS[name]
+    return "none" if value in (None, ()) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _flag_type(parse):
+    """An argparse type from a setting's parse: its ValueError's message is what argparse says."""
+    if parse in (str, int, float):
+        return None if parse is str else parse
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def _setting_help(name: str, setting) -> str:
+    if setting.form == "switch":
+        return setting.help
+    default = _shown_default(name, setting)
+    more = "repeatable; " if setting.form == "repeat" else ""
+    return f"{setting.help} ({more}default: ${setting.env}, else {default})" if setting.env else f"{setting.help} ({more}default {default})"
+
+
+def add_setting_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that configure a daemon, one per setting of ServiceConfig (config.py): `serve`
+    takes them, `info` shows what they resolve to. A flag not given is None: the setting's
+    variable or default applies (ServiceConfig.resolve)."""
+    from .config import _DEFAULTS, SETTINGS
+
+    groups = {}
+    for name, s in SETTINGS.items():
+        into = p if s.group is None else groups.setdefault(s.group, p.add_argument_group(s.group))
+        how = {"dest": name, "default": None, "help": _setting_help(name, s).replace("%", "%%")}
+        if s.form == "switch":
+            how.update(action="store_const", const=not _DEFAULTS[name])
+        else:
+            how.update(metavar=s.metavar, type=_flag_type(s.parse), choices=s.choices, action="append" if s.form == "repeat" else "store")
+        into.add_argument(s.flag, **how).setting = True  # marked for cli_markdown, which lists settings apart
+
+
+def _cell(text: str) -> str:
+    """Text in a markdown table's cell."""
+    return text.replace("|", "\\|")
+
+
+def settings_markdown() -> str:
+    """The daemon settings as a markdown table: setting, flag, variable, default, meaning."""
+    from .config import SETTINGS
+
+    rows = ["| setting | flag | variable | default | meaning |", "|---|---|---|---|---|"]
+    for name, s in SETTINGS.items():
+        flag = f"{s.flag} {s.metavar}" if s.metavar else s.flag
+        flag += " (repeatable)" if s.form == "repeat" else ""
+        default = "off" if s.form == "switch" else _shown_default(name, s)
+        env = f"`{s.env}`" if s.env else ""
+        rows.append(f"| `{name}` | `{_cell(flag)}` | {env} | {_cell(default)} | {_cell(s.help)} |")
+    return "\n".join(rows) + "\n"
+
+
+def _flag_line(action: argparse.Action) -> str:
+    flag = " ".join(action.option_strings) or action.metavar or action.dest
+    if action.option_strings and action.nargs != 0:
+        flag += f" {action.metavar or action.dest.upper()}"
+    return f"| `{_cell(flag)}` | {_cell((action.help or '') % {'default': action.default})} |"
+
+
+def cli_markdown(parser: argparse.ArgumentParser | None = None) -> str:
+    """docs/cli.md: every command and its flags, and the daemon's settings, from the parser itself."""
+    parser = parser or build_parser()
+    out = [
+        "# `kernel-service`: commands, flags and settings",
+        "",
+        "<!-- Generated: `python -m compile_service.cli flags-markdown > docs/cli.md`. tests/test_cli.py fails when it and the command line disagree. -->",
+        "",
+        "Every failure is one line on stderr, naming the problem and the fix, and a non-zero exit (2: a bad flag).",
+        "",
+        "## Commands",
+        "",
+        "| command | what it does |",
+        "|---|---|",
+    ]
+    commands = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                sub = action.choices[choice.dest]
+                nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
+                if nested:
+                    for inner in nested[0]._choices_actions:
+                        commands.append((f"{choice.dest} {inner.dest}", inner.help, nested[0].choices[inner.dest]))
+                else:
+                    commands.append((choice.dest, choice.help, sub))
+    for name, help, _ in commands:
+        out.append(f"| `{name}` | {help} |")
+    out += [
+        "",
+        "## Daemon settings",
+        "",
+        "`serve` takes these flags; `info` takes them too and shows what they resolve to and where each value came from.",
+        "Each setting takes its flag, else its environment variable, else its default.",
+        "",
+        settings_markdown().rstrip("\n"),
+        "",
+        "## Flags of each command",
+    ]
+    for name, _, sub in commands:
+        own = [a for a in sub._actions if not isinstance(a, argparse._HelpAction) and not getattr(a, "setting", False)]
+        out += ["", f"### `kernel-service {name}`", ""]
+        if any(getattr(a, "setting", False) for a in sub._actions):
+            out += ["Every daemon setting's flag (above), and:" if own else "Every daemon setting's flag (above).", ""]
+        out += ["| flag or argument | meaning |", "|---|---|", *(_flag_line(a) for a in own)] if own else ["No flags."]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _flags_markdown(args) -> int:
+    sys.stdout.write(cli_markdown())
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line too, naming the command's --help."""
+
+    def error(self, message: str):
+        self.exit(2, f"kernel-service: {message} (see `{self.prog} --help`)\n")
 
 
 def _log_level(text: str) -> str:
@@ -670,10 +758,10 @@ def _log_level(text: str) -> str:
     return text.upper()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="kernel-service", description="TileLang kernel-compilation daemon")
+    parser = _Parser(prog="kernel-service", description="TileLang kernel-compilation daemon")
     parser.add_argument("--version", action="version", version=f"kernel-service {__version__}")
     parser.add_argument("--log-level", default="INFO", type=_log_level, help=f"logging level: {', '.join(LOG_LEVELS)} (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -681,7 +769,8 @@ def main(argv: list[str] | None = None) -> int:
     socket_help = "Unix socket path of the daemon (default $KERNEL_SERVICE_SOCKET, then the XDG path)"
 
     serve = sub.add_parser("serve", help="run the daemon until SIGTERM or `kernel-service stop`")
-    _config_flags(serve)
+    add_setting_flags(serve)
+    serve.add_argument("--exit-with-parent", action="store_true", help="stop (draining, as on SIGTERM) within a second of the process that started this one exiting: for launchers such as tests and benchmarks, never under a supervisor")
     serve.set_defaults(run=_serve)
 
     stop = sub.add_parser("stop", help="stop the daemon gracefully: it refuses new requests and lets running compiles finish (its --grace)")
@@ -690,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.set_defaults(run=_stop)
 
     info = sub.add_parser("info", help="the resolved configuration and where each value came from: the running daemon's, else what `serve` with these flags would use")
-    _config_flags(info)
+    add_setting_flags(info)
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(run=_info)
 
@@ -770,7 +859,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--cache-dir", help="cache root (default: the daemon's default)")
     demo.set_defaults(run=_demo)
 
-    args = parser.parse_args(argv)
+    flags = sub.add_parser("flags-markdown", help="print docs/cli.md: these commands, their flags and the daemon's settings, as markdown")
+    flags.set_defaults(run=_flags_markdown)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)

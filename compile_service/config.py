@@ -1,133 +1,28 @@
-"""The daemon's settings, resolved once from flags and environment; nothing reads them later."""
+"""The daemon's settings, resolved once from flags and environment; nothing reads them later.
+
+Each setting is declared once, as a field of ServiceConfig whose metadata holds its flag, its
+environment variable (if any) and its help: the command line (`cli.add_setting_flags`), the
+environment lookup (`ServiceConfig.resolve`), `kernel-service info` and docs/cli.md are made
+from those fields.
+"""
 
 from __future__ import annotations
 
 import ipaddress
 import os
 import re
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from proto.paths import default_cache_dir, default_socket
+from proto.paths import CACHE_DIR_ENV, SOCKET_ENV, default_cache_dir, default_socket
 
 from .build import devices
 from .cpus import usable_cpus
 
-
-@dataclass(frozen=True)
-class ServiceConfig:
-    socket: Path  # Unix socket path the daemon listens on
-    cache_dir: Path  # root of the kernel cache
-    workers: int  # size of the compile pool
-    target: str = "auto"  # target for specs that name none
-    grace: float = 30.0  # seconds SIGTERM waits for running compiles
-    queue_limit: int = 4096  # compiles queued or running before RESOURCE_EXHAUSTED
-    warm_up: bool = True  # start every compile worker at launch
-    kernel_modules: tuple[str, ...] = ()  # extra modules (MODULE or MODULE:ATTR) that register kernel kinds
-    entry_points: bool = True  # load installed kinds (entry-point group kernel_service.kinds)
-    plugins: tuple[str, ...] | None = None  # only these installed kinds (None: all)
-    failure_ttl: float = 60.0  # seconds a failed compile is answered from memory before a retry
-    max_bytes: int | None = None  # cache budget in bytes (None: unbounded)
-    max_entries: int | None = None  # cache budget in entries (None: unbounded)
-    evict_min_age: float = 300.0  # never evict an entry handed out this many seconds ago or less
-    mode: int = 0o700  # cache and socket directories: 0o700 owner only, 0o750 group may read
-    tcp: str | None = None  # "host:port" to listen on besides the Unix socket (None: no TCP); token-authenticated
-    cuda_compiler: str = devices.NVCC  # "nvrtc" or "nvcc": how CUDA device code is compiled (resolved from "auto")
-    metrics_address: str | None = None  # "host:port" of the Prometheus endpoint (None: none)
-    no_compile: bool = False  # serve only: a miss answers NOT_FOUND, no compile workers run
-    cuda_compiler_id: str | None = None  # with no_compile: CUDA keys as if built by this compiler ("nvrtc-13.0")
-    remote: str | None = None  # the fleet tier's Redis URL (None: this host alone)
-    remote_read_only: bool = False  # read the tier, never write it
-    remote_lease_seconds: float = 30.0  # a build lease lasts this long unless its holder renews it
-    remote_timeout: float = 1.0  # seconds any one Redis call may take
-    remote_ttl: float = 7 * 86400.0  # seconds an entry stays in the tier after it was last written
-    sources: dict = field(default_factory=dict, compare=False)  # field -> where its value came from (describe)
-
-    @property
-    def plugin_args(self) -> dict:
-        """What the daemon and each compile worker load beyond the zoo (kernels.plugins.load)."""
-        return {"modules": self.kernel_modules, "entry_points": self.entry_points, "allow": self.plugins}
-
-    @property
-    def device(self) -> devices.DeviceCompiler:
-        """The device compiler CUDA keys name: the named one on a serve-only host, else the one that runs."""
-        return devices.named(self.cuda_compiler_id) if self.cuda_compiler_id else devices.get(self.cuda_compiler)
-
-    def describe(self) -> dict:
-        """Every setting with where it came from: {"name": {"value": ..., "source": ...}} (`kernel-service info`)."""
-        out = {}
-        for f in fields(self):
-            if f.name == "sources":
-                continue
-            value = getattr(self, f.name)
-            value = f"{value:04o}" if f.name == "mode" else str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
-            if f.name == "remote" and value:
-                value = without_password(value)
-            out[f.name] = {"value": value, "source": self.sources.get(f.name, "default")}
-        return out
-
-    @classmethod
-    def resolve(
-        cls,
-        socket: str | None = None,
-        cache_dir: str | None = None,
-        workers: int | None = None,
-        env=os.environ,
-        **rest,
-    ) -> ServiceConfig:
-        """Flags win, then KERNEL_SERVICE_* variables, then the XDG defaults. Raises ValueError
-        naming the flag and what to give instead."""
-        defaults = {f.name: f.default for f in fields(cls)}
-        sources = {name: f"--{name.replace('_', '-')}" for name, value in rest.items() if value is not None and name in defaults and value != defaults[name]}
-        if workers is not None and workers < 1:
-            raise ValueError(f"--workers must be at least 1, got {workers}")
-        if rest.get("mode") not in (None, 0o700, 0o750):
-            raise ValueError(f"--mode must be 0700 (owner only) or 0750 (group may read, never write), got {rest['mode']:04o}")
-        for name in ("failure_ttl", "evict_min_age", "max_bytes", "max_entries"):
-            if rest.get(name) is not None and rest[name] < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {rest[name]}")
-        allow_remote = rest.pop("allow_remote", False)
-        if rest.get("tcp") is not None:
-            rest["tcp"] = tcp_address(rest["tcp"], allow_remote)
-        if rest.get("metrics_address") is not None:
-            rest["metrics_address"] = tcp_address(rest["metrics_address"], allow_remote, flag="--metrics-address")
-        if rest.get("target") not in (None, "auto"):
-            check_target(rest["target"])
-        if not rest.get("remote") and env.get("KERNEL_SERVICE_REMOTE"):
-            rest["remote"] = env["KERNEL_SERVICE_REMOTE"]
-            sources["remote"] = "$KERNEL_SERVICE_REMOTE"
-        rest["remote"] = remote_url(rest.get("remote") or None)
-        if rest.get("remote_read_only") and not rest["remote"]:
-            raise ValueError("--remote-read-only needs a tier to read: pass --remote URL (or set KERNEL_SERVICE_REMOTE)")
-        for name in ("remote_lease_seconds", "remote_timeout", "remote_ttl"):
-            if rest.get(name) is not None and rest[name] <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {rest[name]}")
-        requested = rest.get("cuda_compiler") or env.get(devices.ENV) or "auto"
-        rest["cuda_compiler_id"] = rest.get("cuda_compiler_id") or env.get(devices.ID_ENV) or None
-        if rest["cuda_compiler_id"]:
-            if not rest.get("no_compile"):
-                raise ValueError("--cuda-compiler-id needs --no-compile: a daemon that compiles keys its entries by the compiler it runs")
-            sources.setdefault("cuda_compiler_id", f"${devices.ID_ENV}")
-            rest["cuda_compiler"] = devices.named(rest["cuda_compiler_id"]).name  # named, never looked for: nothing compiles
-            sources["cuda_compiler"] = "--cuda-compiler-id"
-        else:
-            rest["cuda_compiler"] = devices.choose(rest.get("cuda_compiler"), env).name
-            sources.setdefault("cuda_compiler", f"${devices.ENV}" if env.get(devices.ENV) else "default")
-            if requested == "auto":
-                sources["cuda_compiler"] += " (auto: NVRTC where it can run)"
-        sources["socket"] = "--socket" if socket else "$KERNEL_SERVICE_SOCKET" if env.get("KERNEL_SERVICE_SOCKET") else "default"
-        sources["cache_dir"] = "--cache-dir" if cache_dir else "$KERNEL_SERVICE_CACHE_DIR" if env.get("KERNEL_SERVICE_CACHE_DIR") else "default"
-        sources["workers"] = "--workers" if workers else "CPUs usable here (affinity and cgroup quota)"
-        config = cls(
-            socket=Path(socket) if socket else default_socket(env),
-            cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(env),
-            workers=workers or usable_cpus(),
-            sources=sources,
-            **{k: v for k, v in rest.items() if v is not None},
-        )
-        check_socket_path(config.socket)
-        return config
+REMOTE_ENV = "KERNEL_SERVICE_REMOTE"
 
 
 def remote_url(text: str | None) -> str | None:
@@ -202,3 +97,218 @@ def tcp_address(text: str, allow_remote: bool = False, flag: str = "--tcp") -> s
     if not loopback and not allow_remote:
         raise ValueError(f"{flag} {text!r}: {host} is not a loopback address; nothing on it is encrypted, pass --allow-remote to expose it on a trusted network anyway")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def octal_mode(text: str) -> int:
+    """A directory mode from its octal text: "0750" -> 0o750."""
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as an octal mode; use 0700 or 0750") from None
+
+
+# ----- checks a value must pass, whether a flag, a variable or a caller gave it (value, flag -> ValueError)
+
+
+def _at_least_one(value, flag: str) -> None:
+    if value < 1:
+        raise ValueError(f"{flag} must be at least 1, got {value}")
+
+
+def _not_negative(value, flag: str) -> None:
+    if value < 0:
+        raise ValueError(f"{flag} must not be negative, got {value}")
+
+
+def _positive(value, flag: str) -> None:
+    if value <= 0:
+        raise ValueError(f"{flag} must be positive, got {value}")
+
+
+def _mode(value: int, flag: str) -> None:
+    if value not in (0o700, 0o750):
+        raise ValueError(f"{flag} must be 0700 (owner only) or 0750 (group may read, never write), got {value:04o}")
+
+
+def _target(value: str, flag: str) -> None:
+    if value != "auto":
+        check_target(value)
+
+
+def _remote(value: str, flag: str) -> None:
+    remote_url(value)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one ServiceConfig field is set: a flag, else an environment variable, else its default."""
+
+    flag: str  # "--max-size"
+    help: str  # what it does; the default and the variable are added where it is shown
+    env: str | None = None  # "KERNEL_SERVICE_REMOTE": read when the flag is not given
+    metavar: str | None = None
+    parse: Callable[[str], Any] = str  # the flag's (or the variable's) text -> the value
+    check: Callable[[Any, str], None] | None = None  # (value, flag): raises ValueError naming the flag
+    choices: tuple[str, ...] | None = None
+    form: str = "value"  # "value"; "switch": no argument, sets the opposite of the default; "repeat": one item per flag
+    computed: Callable[[Any], Any] | None = None  # env -> the default, when it depends on the host (socket, workers)
+    default_text: str | None = None  # how a computed default is named (in `info`, --help and docs/cli.md)
+    group: str | None = None  # a heading in --help ("fleet tier")
+
+
+def setting(default: Any = MISSING, **how) -> Any:
+    """A ServiceConfig field that is a setting: its default (none when computed) and its Setting."""
+    return field(default=default, metadata={"setting": Setting(**how)})
+
+
+FLEET = "fleet tier"
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    socket: Path = setting(  # noqa: RUF009 - setting() returns a dataclasses.field
+        flag="--socket", env=SOCKET_ENV, metavar="PATH", parse=Path, computed=default_socket,
+        default_text="$XDG_RUNTIME_DIR/kernel-service/kernel-service.sock, else /tmp/kernel-service-<uid>/kernel-service.sock",
+        help="Unix socket path the daemon listens on",
+    )  # fmt: skip
+    cache_dir: Path = setting(  # noqa: RUF009
+        flag="--cache-dir", env=CACHE_DIR_ENV, metavar="DIR", parse=Path, computed=default_cache_dir,
+        default_text="$XDG_CACHE_HOME/kernel-service, else ~/.cache/kernel-service", help="root of the kernel cache",
+    )  # fmt: skip
+    workers: int = setting(
+        flag="--workers", metavar="N", parse=int, check=_at_least_one, computed=lambda env: usable_cpus(),
+        default_text="CPUs usable here (affinity and cgroup quota)", help="compile processes",
+    )  # fmt: skip
+    target: str = setting("auto", flag="--target", check=_target, help="target for requests that name none: auto, c, sm_90a, ...")
+    grace: float = setting(30.0, flag="--grace", metavar="SECONDS", parse=float, help="seconds SIGTERM (or `kernel-service stop`) waits for running compiles")
+    queue_limit: int = setting(4096, flag="--queue-limit", metavar="N", parse=int, help="compiles queued or running before RESOURCE_EXHAUSTED")
+    warm_up: bool = True  # start every compile worker at launch (not a flag: tests turn it off)
+    kernel_modules: tuple[str, ...] = setting(
+        (), flag="--kernel-module", metavar="MODULE[:ATTR]", form="repeat",
+        help="import MODULE to register extra kernel kinds, or serve MODULE's kind class or @tilelang.jit factory ATTR (the kind is named ATTR); "
+        "the daemon must be able to import it: set PYTHONPATH or install it",
+    )  # fmt: skip
+    entry_points: bool = setting(True, flag="--no-entry-points", form="switch", help="load no installed kinds (entry-point group kernel_service.kinds), only the zoo and --kernel-module")
+    plugins: tuple[str, ...] | None = setting(
+        None, flag="--plugin", metavar="NAME", form="repeat", default_text="all",
+        help="load only these installed kinds (entry-point group kernel_service.kinds)",
+    )  # fmt: skip
+    failure_ttl: float = setting(60.0, flag="--failure-ttl", metavar="SECONDS", parse=float, check=_not_negative, help="seconds a failed compile is answered from memory before it is retried (0: never remembered)")
+    max_bytes: int | None = setting(
+        None, flag="--max-size", metavar="BYTES", parse=parse_size, check=_not_negative, default_text="unbounded",
+        help="cache budget: evict least recently used entries above this size (bytes, or 512M, 10G)",
+    )  # fmt: skip
+    max_entries: int | None = setting(None, flag="--max-entries", metavar="N", parse=int, check=_not_negative, default_text="unbounded", help="cache budget in entries")
+    evict_min_age: float = setting(300.0, flag="--evict-min-age", metavar="SECONDS", parse=float, check=_not_negative, help="never evict an entry used this recently")
+    mode: int = setting(
+        0o700, flag="--mode", metavar="0700|0750", parse=octal_mode, check=_mode, default_text="0700",
+        help="cache and socket directory mode: 0700 owner only, 0750 group may read and connect, never write (agents of other users then pass daemon_uid)",
+    )  # fmt: skip
+    allow_remote: bool = setting(False, flag="--allow-remote", form="switch", help="allow --tcp and --metrics-address on a non-loopback address (nothing is encrypted: trusted networks only)")
+    tcp: str | None = setting(
+        None, flag="--tcp", metavar="HOST:PORT", default_text="off",
+        help="also listen on TCP (host defaults to 127.0.0.1; loopback only unless --allow-remote); clients must present the token the daemon writes to <cache dir>/tcp-token",
+    )  # fmt: skip
+    cuda_compiler: str = setting(
+        "auto", flag="--cuda-compiler", env=devices.ENV, choices=("auto", devices.NVRTC, devices.NVCC),
+        help="how CUDA device code is compiled: nvrtc in process (fast), nvcc as a subprocess; auto takes NVRTC where it can run",
+    )  # fmt: skip
+    metrics_address: str | None = setting(
+        None, flag="--metrics-address", metavar="HOST:PORT", default_text="off",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (host defaults to 127.0.0.1; loopback only unless --allow-remote)",
+    )  # fmt: skip
+    no_compile: bool = setting(False, flag="--no-compile", form="switch", help="serve only what the cache holds (fed by `bundle import` or another daemon): a miss answers NOT_FOUND with why; no compile workers start")
+    cuda_compiler_id: str | None = setting(
+        None, flag="--cuda-compiler-id", env=devices.ID_ENV, metavar="ID", default_text="none",
+        help="with --no-compile: key CUDA kernels as if built by this compiler, e.g. nvrtc-13.0 (the builder's, as its bundle records it); no compiler is looked for",
+    )  # fmt: skip
+    remote: str | None = setting(
+        None, flag="--remote", env=REMOTE_ENV, metavar="URL", check=_remote, group=FLEET, default_text="none: this host alone",
+        help="the fleet tier, a Redis shared by every host (each kernel compiled once per fleet): redis://[user:password@]host:port/db, rediss:// for TLS, or unix:///path",
+    )  # fmt: skip
+    remote_read_only: bool = setting(False, flag="--remote-read-only", form="switch", group=FLEET, help="read kernels from the tier and wait on other hosts' builds, never write (pair with a read-only ACL user)")
+    remote_lease_seconds: float = setting(
+        30.0, flag="--remote-lease-seconds", metavar="S", parse=float, check=_positive, group=FLEET,
+        help="a build lease lasts this long unless its holder renews it; a dead holder's build is taken over after it",
+    )  # fmt: skip
+    remote_timeout: float = setting(1.0, flag="--remote-timeout", metavar="S", parse=float, check=_positive, group=FLEET, help="seconds any one Redis call may take before the host goes on alone")
+    remote_ttl: float = setting(7 * 86400.0, flag="--remote-ttl", metavar="S", parse=float, check=_positive, group=FLEET, default_text="604800 (7 days)", help="seconds an entry stays in the tier after it was last written")
+    sources: dict = field(default_factory=dict, compare=False)  # field -> where its value came from (describe)
+
+    @property
+    def plugin_args(self) -> dict:
+        """What the daemon and each compile worker load beyond the zoo (kernels.plugins.load)."""
+        return {"modules": self.kernel_modules, "entry_points": self.entry_points, "allow": self.plugins}
+
+    @property
+    def device(self) -> devices.DeviceCompiler:
+        """The device compiler CUDA keys name: the named one on a serve-only host, else the one that runs."""
+        return devices.named(self.cuda_compiler_id) if self.cuda_compiler_id else devices.get(self.cuda_compiler)
+
+    def describe(self) -> dict:
+        """Every setting with where it came from: {"name": {"value": ..., "source": ...}} (`kernel-service info`)."""
+        out = {}
+        for f in fields(self):
+            if f.name == "sources":
+                continue
+            value = getattr(self, f.name)
+            value = f"{value:04o}" if f.name == "mode" else str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
+            if f.name == "remote" and value:
+                value = without_password(value)
+            out[f.name] = {"value": value, "source": self.sources.get(f.name, "default")}
+        return out
+
+    @classmethod
+    def resolve(cls, env=os.environ, **given) -> ServiceConfig:
+        """The configuration these settings resolve to. `given`: setting name -> the value a flag
+        gave (None: not given). Each setting takes its flag, else its environment variable, else its
+        default. Raises ValueError naming the flag and what to give instead."""
+        unknown = sorted(set(given) - set(SETTINGS))
+        if unknown:
+            raise TypeError(f"not settings: {', '.join(unknown)}")
+        values, sources = {}, {}
+        for name, s in SETTINGS.items():
+            value, source = given.get(name), s.flag
+            if value == "":  # an empty flag is no flag, as an empty variable is no variable
+                value = None
+            elif isinstance(value, str) and s.parse is not str:  # text from a caller, as a flag gives it
+                value = s.parse(value)
+            if value is None and s.env and env.get(s.env):
+                value, source = env[s.env], f"${s.env}"
+                try:
+                    value = s.parse(value)
+                except ValueError as exc:
+                    raise ValueError(f"${s.env}: {exc}") from None
+            if value is None:
+                default = _DEFAULTS[name]
+                value, source = (s.computed(env), s.default_text) if s.computed else (default, "default")
+            elif s.form == "repeat":
+                value = tuple(value) or _DEFAULTS[name]  # no item given: the default (all plugins)
+            if value is not None and s.check and source != "default":
+                s.check(value, s.flag)
+            values[name] = value
+            if source != "default":
+                sources[name] = source
+        # Rules that join settings.
+        if values["tcp"] is not None:
+            values["tcp"] = tcp_address(values["tcp"], values["allow_remote"])
+        if values["metrics_address"] is not None:
+            values["metrics_address"] = tcp_address(values["metrics_address"], values["allow_remote"], flag="--metrics-address")
+        if values["remote_read_only"] and not values["remote"]:
+            raise ValueError(f"--remote-read-only needs a tier to read: pass --remote URL (or set {REMOTE_ENV})")
+        if values["cuda_compiler_id"]:
+            if not values["no_compile"]:
+                raise ValueError("--cuda-compiler-id needs --no-compile: a daemon that compiles keys its entries by the compiler it runs")
+            values["cuda_compiler"] = devices.named(values["cuda_compiler_id"]).name  # named, never looked for: nothing compiles
+            sources["cuda_compiler"] = "--cuda-compiler-id"
+        else:
+            requested = values["cuda_compiler"]
+            values["cuda_compiler"] = devices.choose(requested, env).name
+            if requested == "auto":
+                sources["cuda_compiler"] = f"{sources.get('cuda_compiler', 'default')} (auto: NVRTC where it can run)"
+        check_socket_path(values["socket"])
+        return cls(**values, sources=sources)
+
+
+SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in fields(ServiceConfig) if "setting" in f.metadata}
+_DEFAULTS = {f.name: None if f.default is MISSING else f.default for f in fields(ServiceConfig)}

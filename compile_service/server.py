@@ -33,6 +33,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import stat
 import threading
 import time
@@ -69,6 +70,19 @@ SERVICE_NAME = "kernelservice.v1.KernelService"
 
 class StartError(RuntimeError):
     """The daemon cannot start; the message names the problem and the fix."""
+
+
+def _check_can_listen(address: str) -> None:
+    """Raises StartError when `address` (HOST:PORT or [V6]:PORT, as config checked it) cannot be
+    listened on: asked before any work and before gRPC, which would log its own error for it."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listener: a port in TIME_WAIT is free
+            probe.bind((host, int(port)))
+    except OSError as exc:
+        raise StartError(f"cannot listen on tcp {address} ({exc.strerror or exc}); choose another --tcp address") from None
 
 
 class AlreadyRunning(StartError):
@@ -266,6 +280,8 @@ class Daemon:
             raise
 
     def _start(self, cfg: ServiceConfig) -> None:
+        if cfg.tcp:
+            _check_can_listen(cfg.tcp)
         plugins.load(**cfg.plugin_args)
         device = cfg.device
         if cfg.no_compile:
@@ -359,7 +375,8 @@ class Daemon:
         os.chmod(cfg.socket, 0o660 if cfg.mode & 0o070 else 0o600)  # connecting needs write permission
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("kernel-service listening on %s, cache %s, %d workers starting", listening, cfg.cache_dir, cfg.workers)
+        pool = "no compile workers (--no-compile)" if cfg.no_compile else f"{cfg.workers} workers starting"
+        log.info("kernel-service listening on %s, cache %s, %s", listening, cfg.cache_dir, pool)
         self._serving.set()
         threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True).start()
 
@@ -419,8 +436,8 @@ class Daemon:
             self.server.stop(None)
         if self.exporter is not None:
             self.exporter.shutdown()
-        if self.scheduler is not None:
-            self.scheduler.shutdown(0)
+        if self.scheduler is not None:  # it never ran a compile (workers start once SERVING): it stops at once
+            self.scheduler.shutdown(5.0)
         if len(self._locks) == 2:  # only with both instance locks were the socket and token ours
             self._remove_own_files()
         self._release()

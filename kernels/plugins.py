@@ -44,11 +44,25 @@ def _register(obj, name: str, origin: str) -> None:
         raise TypeError(f"{origin}: {obj!r} is not a module, a KernelKind or a kernel factory")
 
 
+class KernelModuleError(ValueError):
+    """A --kernel-module that cannot be loaded: the message names it, what failed and the fix."""
+
+
 def load_module(target: str) -> None:
     """`MODULE` (its kinds and @tilelang.jit objects) or `MODULE:ATTR` (a kind class, or a
-    factory served under ATTR's name)."""
+    factory served under ATTR's name). Raises KernelModuleError."""
     module_name, _, attr = target.partition(":")
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:  # the module, or one it imports
+        raise KernelModuleError(
+            f"--kernel-module {target}: no module named {exc.name!r} here; the daemon imports it from its own "
+            "Python path: set PYTHONPATH to the directory that holds it, or install it"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - its own code failed, whatever way: one line, not a traceback
+        raise KernelModuleError(f"--kernel-module {target}: importing {module_name} failed: {type(exc).__name__}: {exc}") from None
+    if attr and not hasattr(module, attr):
+        raise KernelModuleError(f"--kernel-module {target}: module {module_name} has no attribute {attr!r}; ATTR names a kind class or a kernel factory in it")
     _register(getattr(module, attr) if attr else module, attr, f"module {target}")
 
 

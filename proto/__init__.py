@@ -4,6 +4,7 @@
     wire.py             specs <-> proto, request limits, outcomes, status codes
     abi.py              the call ABI and the entry metadata a published kernel carries
     paths.py            where the daemon listens and keeps its cache by default
+    channel.py          how callers reach the daemon: target, TCP token, replies as dicts, status -> exception
     trust.py            which paths and peers are trusted: real directories of the daemon's uid, SO_PEERCRED
 
 Light to import: no TileLang, no torch.

@@ -12,6 +12,9 @@ APP = "kernel-service"
 # Under the cache root: the secret TCP clients present (`authorization: Bearer <token>`),
 # written owner-only at every start of a daemon with --tcp.
 TOKEN_FILE = "tcp-token"
+SOCKET_ENV = "KERNEL_SERVICE_SOCKET"
+CACHE_DIR_ENV = "KERNEL_SERVICE_CACHE_DIR"
+TOKEN_FILE_ENV = "KERNEL_SERVICE_TOKEN_FILE"
 
 
 def _absolute_env(name: str, env) -> Path | None:
@@ -22,8 +25,8 @@ def _absolute_env(name: str, env) -> Path | None:
 def default_socket(env=os.environ) -> Path:
     """$KERNEL_SERVICE_SOCKET, else $XDG_RUNTIME_DIR/kernel-service/kernel-service.sock,
     else /tmp/kernel-service-<uid>/kernel-service.sock."""
-    if env.get("KERNEL_SERVICE_SOCKET"):
-        return Path(env["KERNEL_SERVICE_SOCKET"])
+    if env.get(SOCKET_ENV):
+        return Path(env[SOCKET_ENV])
     runtime = _absolute_env("XDG_RUNTIME_DIR", env)
     base = runtime / APP if runtime else Path("/tmp") / f"{APP}-{os.getuid()}"
     return base / f"{APP}.sock"
@@ -36,15 +39,15 @@ def xdg_cache_home(env=os.environ) -> Path:
 
 def default_cache_dir(env=os.environ) -> Path:
     """$KERNEL_SERVICE_CACHE_DIR, else $XDG_CACHE_HOME/kernel-service or ~/.cache/kernel-service."""
-    if env.get("KERNEL_SERVICE_CACHE_DIR"):
-        return Path(env["KERNEL_SERVICE_CACHE_DIR"])
+    if env.get(CACHE_DIR_ENV):
+        return Path(env[CACHE_DIR_ENV])
     return xdg_cache_home(env) / APP
 
 
 def default_token_file(env=os.environ) -> Path:
     """$KERNEL_SERVICE_TOKEN_FILE, else the tcp-token file under the default cache root."""
-    if env.get("KERNEL_SERVICE_TOKEN_FILE"):
-        return Path(env["KERNEL_SERVICE_TOKEN_FILE"])
+    if env.get(TOKEN_FILE_ENV):
+        return Path(env[TOKEN_FILE_ENV])
     return default_cache_dir(env) / TOKEN_FILE
 
 

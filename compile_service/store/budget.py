@@ -149,6 +149,7 @@ def evict(store, budget: Budget, protect: str | None = None) -> int:
                 count, total, removed = count - 1, total - freed, removed + 1
         if removed:
             store.blobs.collect()
+            count, total = usage(store)  # measured: blobs that removed entries shared are freed only by collect
             if store.metrics is not None:
                 store.metrics.add(evictions=removed)
             log.info("evicted %d least recently used entries; cache now %d entries, %d bytes", removed, count, total)

@@ -1,0 +1,123 @@
+"""How a caller talks to the daemon, defined once for the client, the CLI and the dev tools:
+the gRPC target of an address, the call metadata (the TCP token), replies as dicts, and the
+exception each failure status is raised as.
+
+Part of the contract: imports nothing from kernels/, compile_service/ or client/. The client
+re-exports the exceptions (client.CompileError is CompileError here).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format
+
+from . import wire
+from .paths import TOKEN_FILE_ENV, default_socket, default_token_file, socket_address
+from .wire import Status
+
+# ----- where and how
+
+
+def target(where: str | Path | None = None) -> str:
+    """The gRPC target for a Unix socket path or a TCP "host:port" (None: the default socket)."""
+    return socket_address(where or default_socket())
+
+
+def socket_path(address: str) -> Path | None:
+    """The socket file of a Unix-socket target (None over TCP): its absence means "no daemon" at once."""
+    return Path(address.removeprefix("unix:")) if address.startswith("unix:") else None
+
+
+def open_channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=wire.channel_options())
+
+
+def auth_metadata(address: str, token_file: str | Path | None = None) -> tuple | None:
+    """The metadata every call carries: over TCP the daemon's token, read from `token_file`
+    (default $KERNEL_SERVICE_TOKEN_FILE, else tcp-token under the default cache root); none on
+    a Unix socket (the daemon checks the peer's uid there). Raises ServiceUnavailable when the
+    token cannot be read."""
+    if socket_path(address) is not None:
+        return None
+    path = Path(token_file) if token_file else default_token_file()
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ServiceUnavailable(
+            f"kernel service at {address}: cannot read the daemon's TCP token from {path} ({exc.strerror}); "
+            f"pass its path (client.connect(token_file=...), or set {TOKEN_FILE_ENV})"
+        ) from None
+    return (("authorization", f"Bearer {token}"),)
+
+
+# ----- replies
+
+
+def reply_to_dict(message) -> dict:
+    """A reply as JSON-like data: proto field names, every field present (64-bit ints as strings)."""
+    return json_format.MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def fields_of(message) -> dict:
+    """A flat reply's fields as Python values (native ints, unlike reply_to_dict): Stats."""
+    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+
+
+# ----- failures: what each status is raised as (InvalidSpec aside, all KernelServiceError)
+
+
+class KernelServiceError(Exception):
+    """Base of the service's own errors (besides InvalidSpec)."""
+
+
+class CompileError(KernelServiceError, RuntimeError):
+    """The kernel failed to compile; the message holds the compiler's output."""
+
+
+class ServiceUnavailable(KernelServiceError, ConnectionError):
+    """No daemon answers on the socket (and no fallback was asked for)."""
+
+
+class ServiceError(KernelServiceError, RuntimeError):
+    """The daemon failed for another reason (cache write failed, queue full, deadline passed)."""
+
+    def __init__(self, message: str, code: str = ""):
+        super().__init__(message)
+        self.code = code
+
+
+class KernelNotReady(KernelServiceError, LookupError):
+    """Not in the cache, and nothing may compile it: this client is strict, or the daemon serves
+    only (`serve --no-compile`). The message names the spec, its key (`.key`) and why it missed."""
+
+    def __init__(self, message: str, key: str = ""):
+        super().__init__(message)
+        self.key = key
+
+
+def _unavailable(code, details: str, what: str, address: str, waited: float | None) -> Exception:
+    tried = f" (retried for {waited:.1f} s)" if waited else ""
+    return ServiceUnavailable(f"no kernel service answers at {address}{tried}: {details}; start one with `kernel-service serve`")
+
+
+# status -> (code, details, what, address, waited) -> the exception; any other status: ServiceError
+STATUS_ERRORS = {
+    Status.INVALID_SPEC: lambda code, details, *_: wire.invalid_spec_from_details(details),
+    Status.COMPILE_FAILED: lambda code, details, what, *_: CompileError(f"{what} failed to compile:\n{details}"),
+    **dict.fromkeys(Status.RETRYABLE, _unavailable),
+    Status.CRASHED: lambda code, details, what, *_: ServiceError(f"{what}: the compiler worker crashed: {details}", code.name),
+    Status.NOT_READY: lambda code, details, *_: KernelNotReady(details, wire.not_ready_key(details)),
+}
+
+
+def _other(code, details: str, what: str, *_) -> Exception:
+    return ServiceError(f"{what}: {code.name}: {details}", code.name)
+
+
+def error_for(err: grpc.RpcError, what: str, address: str = "", waited: float | None = None) -> Exception:
+    """The exception a failed call raises: `what` names the call (a spec, "prefetch"), `address`
+    the daemon, `waited` how long retries took."""
+    code, details = err.code(), err.details() or ""
+    return STATUS_ERRORS.get(code, _other)(code, details, what, address, waited)
