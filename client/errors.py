@@ -1,6 +1,6 @@
 """What `get_kernel` raises. Each is also a familiar builtin type."""
 
-from kernels.spec import InvalidSpec  # a ValueError whose `field` names the bad parameter
+from proto.errors import EntryRefused, InvalidSpec  # InvalidSpec: a ValueError whose `field` names the bad parameter
 
 
 class KernelServiceError(Exception):
@@ -38,8 +38,9 @@ class KernelNotReady(KernelServiceError, LookupError):
         self.key = key
 
 
-class CorruptArtifact(KernelServiceError, OSError):
-    """A cache file failed its checks (digest, size, owner, permissions, symlink); it is not loaded."""
+class CorruptArtifact(KernelServiceError, EntryRefused):
+    """A cache file failed its checks (digest, size, owner, permissions, symlink); it is not loaded.
+    An OSError, and the client's form of the contract's EntryRefused (proto.entry's rules)."""
 
 
 __all__ = ["InvalidSpec", "KernelServiceError", "CompileError", "ServiceUnavailable", "UntrustedService", "ServiceError", "KernelNotReady", "CorruptArtifact"]
