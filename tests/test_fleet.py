@@ -391,6 +391,8 @@ PLANTED = {  # what a compromised or buggy writer might leave under an index
     "a garbage abi": lambda index: index["meta"].update(abi={"loader": "c", "params": "all"}),
     "sizes past the limit": lambda index: index["files"]["kernel.so"].update(size=1 << 40),
     "another schema": lambda index: index.update(schema=99),
+    "a name no entry may hold": lambda index: index["files"].update({"_kernel.so": index["files"]["kernel.so"]}),
+    "its own entry.json listed": lambda index: index["files"].update({"entry.json": index["files"]["kernel.c"]}),
 }
 
 

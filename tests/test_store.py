@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from client.errors import CorruptArtifact
-from client.loader import entry_directory
+from client.loader import entry_directory, find_published
 from compile_service.config import parse_size, tcp_address
 from compile_service.metrics import Metrics
 from compile_service.store import Budget, LocalStore, StoreError
 from compile_service.store.check import verify
-from proto.entry import EntryRefused, signature
+from proto.entry import EntryRefused, check_files, signature
 from proto.trust import UntrustedPath, read_verified
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,6 +184,27 @@ def test_loader_refuses_symlinks_foreign_owners_and_writable_files(tmp_path):
     with pytest.raises(EntryRefused, match="symlinks are refused"):
         read_verified(lib, *args, owner=me)
     assert store.lookup(entry.key) is None and counted(store, 'corrupt') == 1  # the daemon refuses it too
+
+
+# Names no reader accepts for a file of an entry: one rule (proto.entry.is_file_name) for the
+# store, verify, the loader, the fleet tier and bundles (the tier once let a leading "_" through).
+NOT_FILE_NAMES = ["_hidden", ".hidden", "-option", "..", "../kernel.so", "a/b", "manifest.json", "x" * 65, "", "kernel.so\n"]
+
+
+@pytest.mark.parametrize("name", NOT_FILE_NAMES)
+def test_an_entry_naming_a_file_it_cannot_hold_is_refused_by_every_reader(tmp_path, name):
+    store = Store(tmp_path / "cache")
+    key = put(store, 1)
+    spec = store.lookup(key).meta["spec"]
+    manifest_path = store.entry_path(key) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    with pytest.raises(EntryRefused, match="not a plain file name"):
+        check_files({**manifest["files"], name: manifest["files"]["kernel.so"]}, "kernel.so")
+    manifest["files"][name] = manifest["files"]["kernel.so"]
+    manifest_path.write_text(json.dumps(manifest))
+    assert find_published(store.root, key, spec, os.geteuid()) is None  # the client's own look
+    assert "not a plain file name" in verify(store).damage[0].why  # verify, without the index
+    assert store.lookup(key) is None and counted(store, "corrupt") == 1  # the daemon's, then removed
 
 
 def test_nothing_read_back_is_unpickled():
