@@ -71,7 +71,8 @@ def test_invalid_spec_is_one_class_under_every_name():
 
 def _digests(kernels_parent: Path) -> dict:
     code = "import json, kernels; print(json.dumps({k: kernels.source_digest(k) for k in kernels.kinds()}))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=kernels_parent, env={**os.environ, "PYTHONPATH": str(kernels_parent)}, capture_output=True, text=True, timeout=120)
+    path = f"{kernels_parent}{os.pathsep}{ROOT}"  # the copied kernels first; the contract they build on (proto) from the tree
+    out = subprocess.run([sys.executable, "-c", code], cwd=kernels_parent, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
