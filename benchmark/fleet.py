@@ -160,7 +160,7 @@ def mode_fetch(bench: Bench, redis_proc) -> dict:
     from compile_service.metrics import Metrics
     from compile_service.store import LocalStore
     from compile_service.store.remote import RedisTier
-    from compile_service.store.tiered import TieredStore
+    from compile_service.store.tiered import with_fleet_tier
 
     with redis_proc.admin() as r:
         r.flushall()
@@ -184,7 +184,7 @@ def mode_fetch(bench: Bench, redis_proc) -> dict:
     rounds = max(1, -(-bench.args.fetches // len(keys)))
     for i in range(rounds):
         metrics = Metrics()
-        store = TieredStore(LocalStore(bench.work / f"fetch-{i}", metrics=metrics), RedisTier(redis_proc.url(), metrics=metrics), metrics)
+        store = with_fleet_tier(LocalStore(bench.work / f"fetch-{i}", metrics=metrics), RedisTier(redis_proc.url(), metrics=metrics), metrics)
         try:
             for key, spec in keys.items():
                 start = time.perf_counter()

@@ -1,6 +1,6 @@
 """What `get_kernel` raises. Each is also a familiar builtin type."""
 
-from kernels.spec import InvalidSpec  # a ValueError whose `field` names the bad parameter
+from proto.errors import EntryRefused, InvalidSpec  # InvalidSpec: a ValueError whose `field` names the bad parameter
 
 # The errors a failed call raises are the contract's (proto/channel.py maps each status to one).
 from proto.channel import CompileError, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable
@@ -12,8 +12,9 @@ class UntrustedService(ServiceUnavailable):
     is asked of it and nothing it names is loaded."""
 
 
-class CorruptArtifact(KernelServiceError, OSError):
-    """A cache file failed its checks (digest, size, owner, permissions, symlink); it is not loaded."""
+class CorruptArtifact(KernelServiceError, EntryRefused):
+    """A cache file failed its checks (digest, size, owner, permissions, symlink); it is not loaded.
+    An OSError, and the client's form of the contract's EntryRefused (proto.entry's rules)."""
 
 
 __all__ = ["CompileError", "CorruptArtifact", "InvalidSpec", "KernelNotReady", "KernelServiceError", "ServiceError", "ServiceUnavailable", "UntrustedService"]

@@ -1,7 +1,8 @@
 """Loads a published cache entry into a callable, without TileLang.
 
-Only what the daemon's uid wrote under the cache root the daemon reported is
-loaded: the entry directory must be <root>/entries/<key[:2]>/<key>, each of
+The entry's rules are the contract's (proto.entry), and so are the safe reads
+(proto.trust); a refusal they raise reaches the caller as CorruptArtifact. Only
+what the daemon's uid wrote under the cache root the daemon reported is loaded: the entry directory must be <root>/entries/<key[:2]>/<key>, each of
 those directories a real one (lstat: no symlink) owned by the daemon's uid and
 not writable by group or others. entry.json there must record the spec asked
 for and the ABI the daemon sent (so a server that lies cannot make a client
@@ -26,24 +27,23 @@ Two loaders, chosen by the entry's ABI:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import functools
-import hashlib
 import importlib.util
 import inspect
 import itertools
 import json
 import os
 import shutil
-import stat
 import tempfile
 import threading
 from pathlib import Path
-from typing import NamedTuple
 
 from proto import abi as abi_schema
+from proto.entry import ENTRY_META, MANIFEST, Entry, EntryRefused, check_location, is_file_name, read_manifest, read_meta, signature
 from proto.paths import entry_dir
-from proto.trust import problem
+from proto.trust import read_owned, read_verified  # noqa: F401  (importable from here, as before)
 
 from .errors import CorruptArtifact
 
@@ -74,56 +74,26 @@ def _plain_types() -> frozenset:
     return frozenset((torch.Tensor, torch.nn.Parameter))
 
 
-def read_owned(path: Path, owner: int, size: int | None = None, limit: int = 1 << 20) -> bytes:
-    """A file's bytes, read through one descriptor opened without following a link, after
-    checking on that descriptor that it is a regular file of `owner` that no one else may
-    write (and has `size` bytes, when given, else at most `limit`); raises CorruptArtifact."""
+@contextlib.contextmanager
+def _as_corrupt():
+    """The contract's refusals (proto.entry, proto.trust), and a file gone meanwhile, raised as
+    the client's CorruptArtifact: the caller reports the entry and asks again."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise CorruptArtifact(f"cannot open {path}: {exc.strerror} (symlinks are refused)") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptArtifact(f"{path} is not a regular file")
-        if st.st_uid != owner:
-            raise CorruptArtifact(f"{path} is owned by uid {st.st_uid}, not by the daemon's uid {owner}")
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise CorruptArtifact(f"{path} is writable by group or others (mode {stat.filemode(st.st_mode)})")
-        if size is not None and st.st_size != size:
-            raise CorruptArtifact(f"{path} has {st.st_size} bytes, expected {size}")
-        if size is None and st.st_size > limit:
-            raise CorruptArtifact(f"{path} has {st.st_size} bytes, more than {limit}")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(size if size is not None else limit + 1)
-    finally:
-        os.close(fd)
-
-
-def read_verified(path: Path, sha256: str, size: int, *, owner: int) -> bytes:
-    """The file's bytes, read through one descriptor after every check passed (owned by
-    `owner`, the daemon's uid); raises CorruptArtifact."""
-    data = read_owned(path, owner, size)
-    if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
-        raise CorruptArtifact(f"{path} does not match its published sha256")
-    return data
+        yield
+    except CorruptArtifact:
+        raise
+    except EntryRefused as exc:
+        raise CorruptArtifact(str(exc)) from None
+    except FileNotFoundError as exc:
+        raise CorruptArtifact(f"cannot open {exc.filename}: {exc.strerror}") from None
 
 
 def entry_directory(root: Path, entry_dir: Path, key: str, owner: int) -> Path:
     """`entry_dir` if it is where the cache at `root` keeps entry `key`, and it and every
-    directory from `root` down are real directories of `owner` that no one else may write;
-    raises CorruptArtifact."""
-    root, entry_dir = Path(root), Path(entry_dir)
-    if len(key) != 64 or key.strip("0123456789abcdef") or entry_dir != root / "entries" / key[:2] / key or not root.is_absolute():
-        raise CorruptArtifact(f"{entry_dir} is not where the daemon's cache {root} keeps entry {key[:16]!r}; not loading from it")
-    for path in (root, root / "entries", root / "entries" / key[:2], entry_dir):
-        try:
-            why = problem(os.lstat(path), owner)
-        except OSError as exc:
-            raise CorruptArtifact(f"cannot check {path}: {exc.strerror}") from None
-        if why:
-            raise CorruptArtifact(f"{path} {why}; not loading from it")
-    return entry_dir
+    directory from `root` down are real directories of `owner` that no one else may write
+    (proto.entry.check_location); raises CorruptArtifact."""
+    with _as_corrupt():
+        return check_location(root, entry_dir, key, owner)
 
 
 @functools.cache
@@ -474,22 +444,19 @@ def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec:
     `root`: the cache root the daemon reported; `owner`: the daemon's uid. `abi` and `spec`
     (the spec asked for) must be what the entry's entry.json records.
     """
-    entry_dir = entry_directory(root, entry_dir, key, owner)
-    if "/" in library or library in ("", ".", ".."):
-        raise CorruptArtifact(f"{library!r} is not a file name of entry {key[:16]}")
-    path = entry_dir / library
-    try:
-        abi_schema.check(abi)
-    except abi_schema.AbiError as exc:
-        raise CorruptArtifact(f"{path}: {exc}") from None
-    try:
-        meta = json.loads(read_owned(entry_dir / abi_schema.ENTRY_META, owner))
-        recorded = (meta["spec"], meta["abi"])
-    except (ValueError, KeyError, TypeError):
-        raise CorruptArtifact(f"{entry_dir / abi_schema.ENTRY_META} is not a valid entry.json") from None
-    if recorded != (spec, abi):
-        raise CorruptArtifact(f"{entry_dir} records another kernel or ABI than the daemon's answer (spec {json.dumps(recorded[0], sort_keys=True)[:200]})")
-    data = read_verified(path, sha256, size, owner=owner)
+    with _as_corrupt():
+        entry_dir = check_location(root, entry_dir, key, owner)
+        if not is_file_name(library):
+            raise EntryRefused(f"{library!r} is not a file name of entry {key[:16]}")
+        path = entry_dir / library
+        try:
+            abi_schema.check(abi)
+        except abi_schema.AbiError as exc:
+            raise EntryRefused(f"{path}: {exc}") from None
+        meta = read_meta(read_owned(entry_dir / ENTRY_META, owner))
+        if (meta["spec"], meta["abi"]) != (spec, abi):
+            raise EntryRefused(f"{entry_dir} records another kernel or ABI than the daemon's answer (spec {json.dumps(meta['spec'], sort_keys=True)[:200]})")
+        data = read_verified(path, sha256, size, owner=owner)
     if abi["loader"] == "c":
         lib = _dlopen_bytes(data, key, ctypes.CDLL)
         fn = getattr(lib, abi["symbol"])
@@ -504,35 +471,18 @@ def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec:
     raise CorruptArtifact(f"unknown loader {abi['loader']!r} in {path}")
 
 
-class Published(NamedTuple):
-    """A published entry found on disk, its record checked: what a GetKernel reply would say."""
+Published = Entry  # a published entry found on disk, its record checked: what a GetKernel reply would say
 
-    path: Path
-    library: str
-    library_sha256: str
-    library_size: int
-    meta: dict  # entry.json: spec, abi, compile_seconds, shared_build, ...
+_found: dict[str, tuple[Entry, tuple]] = {}  # key -> (entry, its records' stat signature when checked)
 
 
-_RECORDS = (abi_schema.MANIFEST, abi_schema.ENTRY_META)
-_found: dict[str, tuple[Published, tuple]] = {}  # key -> (entry, its records' stat signature when checked)
-
-
-def _signature(entry: Path) -> tuple:
-    """What changes when an entry's manifest or entry.json is replaced, rewritten or truncated."""
-    out = []
-    for name in _RECORDS:
-        st = os.lstat(entry / name)
-        out.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode, st.st_uid))
-    return tuple(out)
-
-
-def find_published(cache_root: Path, key: str, spec: dict, owner: int) -> Published | None:
+def find_published(cache_root: Path, key: str, spec: dict, owner: int) -> Entry | None:
     """The entry published under `key` in the cache at `cache_root`, with its record checked as the
-    daemon checks it: directories and files owned by `owner` (the daemon's uid), not writable by others, not
-    symlinks; a manifest of this key and schema; an entry.json of the manifest's size and sha256,
-    recording `spec` and a callable ABI. None when there is no such entry or a check fails (the
-    caller then asks the daemon, which rebuilds what is damaged). The library is checked by load().
+    daemon checks it (proto.entry): directories and files owned by `owner` (the daemon's uid), not
+    writable by others, not symlinks; a manifest of this key and schema; an entry.json of the
+    manifest's size and sha256, recording `spec` and a callable ABI. None when there is no such
+    entry or a check fails (the caller then asks the daemon, which rebuilds what is damaged). The
+    library is checked by load().
 
     As the daemon's index does, an entry checked before in this process is checked again only by
     its records' stat signature (a few lstat calls), and read again when that changed."""
@@ -540,32 +490,26 @@ def find_published(cache_root: Path, key: str, spec: dict, owner: int) -> Publis
     try:
         known = _found.get(key)
         if known is not None and known[0].path == entry and known[0].meta["spec"] == spec:
-            return known[0] if _signature(entry) == known[1] else _check_published(cache_root, entry, key, spec, owner)
+            return known[0] if signature(entry, (ENTRY_META,)) == known[1] else _check_published(cache_root, entry, key, spec, owner)
         return _check_published(cache_root, entry, key, spec, owner)
     except OSError:  # gone
         return None
 
 
-def _check_published(cache_root: Path, entry: Path, key: str, spec: dict, owner: int) -> Published | None:
+def _check_published(cache_root: Path, entry: Path, key: str, spec: dict, owner: int) -> Entry | None:
     try:
-        signature = _signature(entry)  # before reading: a change while we read shows next time
-        entry_directory(cache_root, entry, key, owner)  # real directories of the daemon's uid, down from the root
-        manifest = json.loads(read_owned(entry / abi_schema.MANIFEST, owner))
-        files, library = manifest["files"], manifest["library"]
-        if manifest.get("schema") != abi_schema.MANIFEST_SCHEMA or manifest.get("key") != key or "/" in library or library not in files:
-            return None
-        record = files[abi_schema.ENTRY_META]
-        meta = json.loads(read_verified(entry / abi_schema.ENTRY_META, record["sha256"], record["size"], owner=owner))
-        abi_schema.check_entry_meta(meta)
-        if meta["spec"] != spec:
-            return None
-        found = Published(entry, library, files[library]["sha256"], files[library]["size"], meta)
-    except (OSError, ValueError, KeyError, TypeError):  # missing, CorruptArtifact, AbiError, garbage
+        sig = signature(entry, (ENTRY_META,))  # before reading: a change while we read shows next time
+        check_location(cache_root, entry, key, owner)  # real directories of the daemon's uid, down from the root
+        library, files = read_manifest(read_owned(entry / MANIFEST, owner), key)
+        record = files[ENTRY_META]
+        meta = read_meta(read_verified(entry / ENTRY_META, record["sha256"], record["size"], owner=owner), spec)
+        found = Entry.of(key, entry, library, files, meta)
+    except (OSError, ValueError, KeyError, TypeError):  # missing, refused (EntryRefused), garbage
         _found.pop(key, None)
         return None
     if len(_found) >= 4096:
         _found.clear()
-    _found[key] = (found, signature)
+    _found[key] = (found, sig)
     return found
 
 

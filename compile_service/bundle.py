@@ -4,7 +4,8 @@ A bundle is a tar archive (gzip-compressed when its name ends in .gz or .tgz)
 of exactly these regular files:
 
     bundle.json       format, version, the toolchain its keys were made with, and per
-                      entry: key, spec, library, files (name -> size, sha256)
+                      entry: key, spec, library, files (name -> size, sha256): the
+                      entry's own record (proto.entry.bundle_entry)
     blobs/<sha256>    each distinct file's bytes, once (a shared build's copies share
                       one library)
 
@@ -39,7 +40,8 @@ from pathlib import Path
 
 import kernels
 from kernels.spec import CanonicalSpec, InvalidSpec
-from proto.abi import ENTRY_META, MANIFEST, AbiError, check_entry_meta
+from proto.entry import ENTRY_META, HEX64, MANIFEST, EntryRefused, bundle_entry, read_bundle_entry, read_manifest, read_meta
+from proto.trust import read_owned
 
 from . import __version__
 from .fsutil import sha256_file
@@ -55,9 +57,7 @@ MAX_MEMBERS = 200_000
 MAX_INDEX = 64 << 20  # bytes of bundle.json
 HEADER_SLACK = 64 << 20  # tar headers (pax included) read on top of the files' bytes
 
-_BLOB = re.compile(r"blobs/([0-9a-f]{64})")
-_KEY = re.compile(r"[0-9a-f]{64}")
-_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_BLOB = re.compile(rf"blobs/({HEX64})")
 _TYPES = {
     tarfile.SYMTYPE: "a symbolic link",
     tarfile.LNKTYPE: "a hard link",
@@ -93,8 +93,8 @@ def export(store: LocalStore, specs: list[CanonicalSpec], cuda_compiler: str, ou
         if entry is None:
             missing.append(spec.to_json())
             continue
-        files = json.loads((entry.path / MANIFEST).read_text())["files"]
-        entries[key] = {"key": key, "spec": entry.meta["spec"], "library": entry.library, "files": files}
+        _, files = read_manifest(read_owned(entry.path / MANIFEST, store.owner), key)
+        entries[key] = bundle_entry(key, entry.meta["spec"], entry.library, files)
         for name, f in files.items():
             blobs[f["sha256"]] = (entry.path / name, f["size"])
     if missing:
@@ -297,22 +297,20 @@ def _check(index, blobs: dict[str, Path], cuda_compiler: str, name: str) -> list
     used, keys, out = set(), set(), []
     for i, entry in enumerate(entries):
         where = f"{name}: entries[{i}]"
-        if not isinstance(entry, dict) or not _KEY.fullmatch(str(entry.get("key"))) or entry["key"] in keys:
-            raise BundleError(f"{where}: no key, or a key seen twice")
-        keys.add(entry["key"])
-        files, library = entry.get("files"), entry.get("library")
-        if not isinstance(files, dict) or ENTRY_META not in files or library not in files:
-            raise BundleError(f"{where}: its files must include {ENTRY_META} and its library")
+        try:
+            key, _library, files = read_bundle_entry(entry)
+        except EntryRefused as exc:
+            raise BundleError(f"{where}: {exc}") from None
+        if key in keys:
+            raise BundleError(f"{where}: a key seen twice")
+        keys.add(key)
         for file, f in files.items():
-            if not _FILE.fullmatch(file) or file == MANIFEST:
-                raise BundleError(f"{where}: file name {file!r} is not a plain file name of an entry")
-            if not isinstance(f, dict) or f.get("sha256") not in blobs or os.stat(blobs[f["sha256"]]).st_size != f.get("size"):
+            if f["sha256"] not in blobs or os.stat(blobs[f["sha256"]]).st_size != f["size"]:
                 raise BundleError(f"{where}: file {file} names no blob of the bundle with its size and sha256")
             used.add(f["sha256"])
         try:
-            meta = json.loads(blobs[files[ENTRY_META]["sha256"]].read_text())
-            check_entry_meta(meta)
-        except (ValueError, AbiError) as exc:
+            meta = read_meta(blobs[files[ENTRY_META]["sha256"]].read_bytes())
+        except EntryRefused as exc:
             raise BundleError(f"{where}: its {ENTRY_META} is not valid ({exc})") from None
         spec = _spec_here(meta["spec"], where)
         if meta["spec"] != entry.get("spec"):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kernels.spec import CanonicalSpec
 
-from .store import Storage
+from .store import LocalStore
 
 NEAREST = 5
 LABELS = {"cuda_compiler": "cuda"}  # how a toolchain part reads in a difference
@@ -86,7 +86,7 @@ def differences(spec: dict, toolchain: dict, other_spec: dict, other_toolchain: 
     return tuple(out)
 
 
-def explain(store: Storage, spec: CanonicalSpec, key: str, toolchain: dict, records: Iterable[tuple[str, dict]] | None = None) -> Explanation:
+def explain(store: LocalStore, spec: CanonicalSpec, key: str, toolchain: dict, records: Iterable[tuple[str, dict]] | None = None) -> Explanation:
     """Hit or miss for `spec` (whose key is `key`, made with `toolchain`), and for a miss the
     nearest entries. `records`: the store's (key, entry.json) pairs, when the caller already
     read them (one Prefetch explaining many misses)."""

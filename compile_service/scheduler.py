@@ -59,6 +59,7 @@ from pathlib import Path
 from kernels import get_kind
 from kernels.spec import CanonicalSpec
 from proto import abi
+from proto.entry import SOURCES
 from proto.wire import Outcome, not_ready_details
 
 from . import metrics as metrics_
@@ -740,7 +741,7 @@ def _derive(base: Entry, spec: CanonicalSpec, fixed: dict, staging: Path) -> tup
     store keeps their bytes once (store.blobs)."""
     start = time.perf_counter()
     try:
-        for name in (base.library, *abi.SOURCES):
+        for name in (base.library, *SOURCES):
             if (base.path / name).is_file():
                 os.link(base.path / name, staging / name)
     except OSError as exc:  # a full disk, or the shared build evicted under a zero min-age budget

@@ -237,16 +237,18 @@ def _warm_target(cfg: ServiceConfig) -> str | None:
     return cfg.target if cfg.cuda_compiler == devices.NVRTC and cfg.warm_up and not cfg.no_compile else None
 
 
-def _with_fleet_tier(local: LocalStore, cfg: ServiceConfig, metrics: Metrics):
-    """The local store, under the fleet tier when --remote names one (Redis is imported only then)."""
+def _fleet_tier(local: LocalStore, cfg: ServiceConfig, metrics: Metrics):
+    """The fleet tier when --remote names one, made the local store's claims and publish hook
+    (Redis is imported only then); else None."""
     if not cfg.remote:
-        return local
+        return None
     from .store.remote import RedisTier
-    from .store.tiered import TieredStore
+    from .store.tiered import with_fleet_tier
 
     tier = RedisTier(cfg.remote, read_only=cfg.remote_read_only, lease_seconds=cfg.remote_lease_seconds, timeout=cfg.remote_timeout, ttl=cfg.remote_ttl, metrics=metrics)
     log.info("fleet tier %s%s, leases of %.0fs", tier.url, " (read-only)" if tier.read_only else "", cfg.remote_lease_seconds)
-    return TieredStore(local, tier, metrics)
+    with_fleet_tier(local, tier, metrics)
+    return tier
 
 
 class Daemon:
@@ -290,7 +292,8 @@ class Daemon:
         self.metrics.load(cfg.cache_dir / STATS_FILE)  # totals go on from the last daemon's
         # Every directory of the cache is checked before any work: a refusal costs no compile workers.
         self.local = LocalStore(cfg.cache_dir, cfg.mode, metrics=self.metrics, extra_usage=(cfg.cache_dir / DEVICE_BINARIES,))
-        self.store = store = _with_fleet_tier(self.local, cfg, self.metrics)
+        tier = _fleet_tier(self.local, cfg, self.metrics)
+        self.store = store = self.local
         for d in (cfg.cache_dir / DEVICE_BINARIES, device_binary_dir(cfg.cache_dir, device.id)):
             private_dir(d, cfg.mode, "cache directory", CACHE_FIX)
         inductor_dir = inductor.ensure(cfg.cache_dir)
@@ -336,7 +339,6 @@ class Daemon:
             cuda_compiler=lambda: device.id,
             inductor_dir=lambda: str(inductor_dir),
         )
-        tier = getattr(store, "tier", None)
         self.metrics.probes(
             remote=lambda: tier.url if tier else "",
             remote_state=lambda: tier.state if tier else "off",
@@ -412,7 +414,7 @@ class Daemon:
         self.health.enter_graceful_shutdown()
         done = self.server.stop(grace) if self.server else None
         self.scheduler.shutdown(grace)
-        self.store.close()  # the fleet tier: queued uploads (bounded), our leases
+        self.store.close()  # its claims: the fleet tier's queued uploads (bounded), our leases
         if done is not None:
             done.wait(grace + 5)
         if self.exporter is not None:

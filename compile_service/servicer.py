@@ -14,6 +14,7 @@ import grpc
 import kernels
 from kernels.spec import InvalidSpec
 from proto import wire
+from proto.entry import is_key
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 from proto.manifest import check_app
@@ -26,7 +27,6 @@ from .keys import describe_toolchain, toolchain
 from .metrics import Metrics
 from .scheduler import BACKGROUND, URGENT, Cancelled, NotReady, QueueFull, Scheduler, ShuttingDown, WorkerCrashed
 from .store import Entry, StoreError
-from .store.local import KEY
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
             context.abort(*status_of(exc))
 
     def ReportCorrupt(self, request, context):
-        if not KEY.fullmatch(request.key):
+        if not is_key(request.key):
             context.abort(Status.INVALID_SPEC, f"key: expected 64 lowercase hex characters, got {request.key[:80]!r}")
         reason = self.scheduler.store.recheck(request.key)
         return pb.ReportCorruptResponse(removed=reason is not None, reason=wire.clip(reason or ""))

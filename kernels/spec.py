@@ -16,6 +16,8 @@ import subprocess
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+from proto.errors import InvalidSpec  # defined in the contract; importable from here as before
+
 __all__ = ["InvalidSpec", "Target", "parse_target", "Param", "KernelKind", "CanonicalSpec", "REQUIRED"]
 
 # Sizes above this are rejected as absurd: no tensor dimension of a real model
@@ -26,14 +28,6 @@ DTYPES = ("float16", "bfloat16", "float32")
 # Every dtype a tensor of a served kernel may have (what the client's loader allocates): the
 # choices of a factory's dtype-valued parameters (kernels.jit).
 TENSOR_DTYPES = DTYPES + ("float64", "int8", "uint8", "int32", "int64", "bool")
-
-
-class InvalidSpec(ValueError):
-    """A kernel signature that cannot be built; `field` names the culprit."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 # Exact and ASCII-only: matched with fullmatch (a "$" would let a trailing newline through)

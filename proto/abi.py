@@ -1,8 +1,9 @@
-"""The call ABI of a built kernel and the metadata its cache entry carries: defined once here.
+"""The call ABI of a built kernel, defined once here.
 
-The compiler writes them (compile_service.build.compiler), the scheduler adds the
-sizes a shared build's copy fixes, the store refuses entries whose metadata does
-not check, and the client's loader calls the library by them. An ABI, as JSON:
+The compiler writes it (compile_service.build.compiler), the scheduler adds the
+sizes a shared build's copy fixes, every reader of an entry checks it (through
+proto.entry, which owns the entry and its entry.json), and the client's loader
+calls the library by it. An ABI, as JSON:
 
     {"loader":  "c" | "tvm_ffi",     how the library is called (ctypes C function, TVM-FFI module)
      "symbol":  "call",              the function to call in the library
@@ -28,13 +29,6 @@ not check, and the client's loader calls the library by them. An ABI, as JSON:
 """
 
 from __future__ import annotations
-
-LIBRARY = "kernel.so"  # the host shared object (device binary embedded for CUDA)
-ENTRY_META = "entry.json"  # spec, abi, toolchain, compile seconds, how it was built
-MANIFEST = "manifest.json"  # size and sha256 of every file of the entry:
-# {"schema": MANIFEST_SCHEMA, "key": KEY, "library": LIBRARY, "files": {name: {"size": N, "sha256": HEX}}}
-MANIFEST_SCHEMA = 1
-SOURCES = ("kernel.c", "kernel.cu")  # the generated source, CPU or CUDA, kept for humans
 
 LOADERS = {"c": "cpu", "tvm_ffi": "cuda"}  # loader -> the device its tensors live on
 FIELDS = {"loader": str, "symbol": str, "device": str, "params": list, "outputs": list, "dynamic": list}
@@ -152,12 +146,3 @@ def with_routes(abi: dict, dim: str, routes: list[tuple[int | None, dict]]) -> d
     check(out)
     return out
 
-
-def check_entry_meta(meta) -> None:
-    """entry.json must carry what the servicer and the loader read: a spec and a well-formed ABI."""
-    if not isinstance(meta, dict) or not isinstance(meta.get("spec"), dict) or not isinstance(meta.get("abi"), dict):
-        raise AbiError("entry.json lacks its spec or abi")
-    try:
-        check(meta["abi"])
-    except AbiError as exc:
-        raise AbiError(f"entry.json's {exc}") from None

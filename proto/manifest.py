@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from kernels.spec import InvalidSpec
+from .errors import InvalidSpec
 
 FORMAT = "kernel-service-manifest"
 VERSION = 1

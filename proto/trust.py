@@ -9,17 +9,24 @@ link), owned by the daemon's uid and not writable by group or others, and
 every file it opens there is opened with O_NOFOLLOW and checked on its
 descriptor. Part of the contract: the daemon keeps to these rules, and the
 client trusts only what keeps to them. Light to import.
+
+The safe reads are here too: a file of the cache is read through one descriptor
+opened without following a link, checked on that descriptor, and bounded, so the
+bytes checked are the bytes used.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import pwd
 import socket
 import stat
 import struct
 from pathlib import Path
+
+from .errors import EntryRefused
 
 
 class UntrustedPath(OSError):
@@ -104,6 +111,47 @@ def open_private_file(path: Path | str, flags: int, mode: int = 0o600) -> int:
         os.close(fd)
         raise
     return fd
+
+
+MAX_RECORD = 1 << 20  # bytes of a record read whole (manifest.json, entry.json): far above any real one
+
+
+def read_owned(path: Path | str, owner: int, size: int | None = None, limit: int = MAX_RECORD) -> bytes:
+    """A file's bytes, read through one descriptor opened without following a link, after
+    checking on that descriptor that it is a regular file of `owner` that no one else may
+    write, and has `size` bytes when given, else at most `limit`. Raises EntryRefused, or
+    FileNotFoundError when there is no such file (gone: not a refusal)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise EntryRefused(f"cannot open {path}: {exc.strerror} (symlinks are refused)") from None
+    try:
+        st = os.fstat(fd)
+        why = problem(st, owner, stat.S_IFREG)
+        if why:
+            raise EntryRefused(f"{path} {why}")
+        if size is not None and st.st_size != size:
+            raise EntryRefused(f"{path} has {st.st_size} bytes, expected {size}")
+        if size is None and st.st_size > limit:
+            raise EntryRefused(f"{path} has {st.st_size} bytes, more than {limit}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(size if size is not None else limit + 1)
+    finally:
+        os.close(fd)
+    if (len(data) != size) if size is not None else (len(data) > limit):
+        raise EntryRefused(f"{path} changed size while it was read")
+    return data
+
+
+def read_verified(path: Path | str, sha256: str, size: int, *, owner: int) -> bytes:
+    """The file's bytes (read_owned: a regular file of `owner` of `size` bytes), once they
+    match `sha256`; raises EntryRefused (FileNotFoundError when it is gone)."""
+    data = read_owned(path, owner, size)
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise EntryRefused(f"{path} does not match its published sha256")
+    return data
 
 
 def peer_uid(path: Path | str, timeout: float = 5.0) -> int:

@@ -15,8 +15,8 @@ import re
 import grpc
 from google.protobuf import struct_pb2
 
-from kernels.spec import InvalidSpec
-
+from .entry import HEX64
+from .errors import InvalidSpec
 from .kernelservice.v1 import kernel_service_pb2 as pb
 
 # Far above any real signature, far below what could cost memory or time: checked
@@ -119,7 +119,7 @@ def not_ready_details(spec_json: str, key: str, why: str) -> str:
 
 def not_ready_key(details: str) -> str:
     """The key a NOT_FOUND answer names ("" if none)."""
-    match = re.search(r"\(key ([0-9a-f]{64})\)", details)
+    match = re.search(rf"\(key ({HEX64})\)", details)
     return match.group(1) if match else ""
 
 

@@ -11,7 +11,7 @@ import kernels
 from compile_service.keys import toolchain
 from compile_service.store import LocalStore
 from proto import keys
-from proto.abi import LIBRARY
+from proto.entry import LIBRARY
 
 
 def abi(target: str) -> dict:

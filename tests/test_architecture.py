@@ -42,9 +42,37 @@ def test_the_client_imports_only_the_contract_and_the_embedding_api():
         assert daemon <= {"compile_service.embedded"}, f"{path.name} imports daemon internals: {sorted(daemon)}"
 
 
+def test_the_contract_imports_nothing_above_it():
+    """proto/ is the ground floor: the zoo, the daemon and the client build on it, never the reverse."""
+    above = {"kernels", "compile_service", "client"}
+    offenders = {}
+    for path in (ROOT / "proto").rglob("*.py"):
+        found = sorted(m for m in _imports(path) if m.split(".")[0] in above)
+        if found:
+            offenders[str(path.relative_to(ROOT))] = found
+    assert offenders == {}
+
+
+def test_importing_the_manifest_format_loads_no_kernel_module():
+    code = "import sys, proto.manifest, proto.entry, proto.wire; print(sorted(m for m in sys.modules if m.split('.')[0] in ('kernels', 'compile_service', 'client')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_invalid_spec_is_one_class_under_every_name():
+    import kernels
+    import kernels.spec
+    import proto.errors
+
+    assert kernels.InvalidSpec is kernels.spec.InvalidSpec is client.InvalidSpec is proto.errors.InvalidSpec
+    assert issubclass(client.CorruptArtifact, proto.errors.EntryRefused)
+
+
 def _digests(kernels_parent: Path) -> dict:
     code = "import json, kernels; print(json.dumps({k: kernels.source_digest(k) for k in kernels.kinds()}))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=kernels_parent, env={**os.environ, "PYTHONPATH": str(kernels_parent)}, capture_output=True, text=True, timeout=120)
+    path = f"{kernels_parent}{os.pathsep}{ROOT}"  # the copied kernels first; the contract they build on (proto) from the tree
+    out = subprocess.run([sys.executable, "-c", code], cwd=kernels_parent, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

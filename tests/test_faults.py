@@ -20,7 +20,7 @@ import torch
 
 import client
 from compile_service.store import LocalStore as Store
-from proto.abi import MANIFEST
+from proto.entry import MANIFEST
 from kernels.reference import make_inputs, reference, tolerance
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc

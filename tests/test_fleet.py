@@ -26,7 +26,7 @@ import tests.slow_kind  # noqa: F401  (clients validate locally: they share the 
 from compile_service.metrics import Metrics
 from compile_service.store import BUILD, LocalStore
 from compile_service.store.remote import DOWN, RETRY_AFTER, UP, RedisTier, TierUnavailable, blob_key, entry_key
-from compile_service.store.tiered import TieredStore
+from compile_service.store.tiered import with_fleet_tier
 from compile_service.tools import redis_server
 from compile_service.tools.launch import wait_serving
 from proto.paths import socket_address
@@ -313,7 +313,7 @@ def test_a_read_only_hosts_writes_are_refused_by_redis_itself(make_daemon, tier,
 
     # A daemon given reader credentials but not --remote-read-only tries to write: refused, counted, served anyway.
     metrics = Metrics()
-    store = TieredStore(LocalStore(tmp_path / "cache", metrics=metrics), RedisTier(reader_url(tier), metrics=metrics), metrics)
+    store = with_fleet_tier(LocalStore(tmp_path / "cache", metrics=metrics), RedisTier(reader_url(tier), metrics=metrics), metrics)
     try:
         key = "ab" * 32
         assert not store.claim(key, {"kind": "k"}, wake=lambda: None).waiting  # the lease was refused: build here
@@ -347,9 +347,9 @@ def test_a_read_only_hosts_writes_are_refused_by_redis_itself(make_daemon, tier,
 ABI = {"loader": "c", "symbol": "call", "device": "cpu", "params": [{"name": "Y", "dtype": "float32", "shape": [4]}], "outputs": [0], "dynamic": []}
 
 
-def tiered(url: str, root: Path) -> TieredStore:
+def tiered(url: str, root: Path) -> LocalStore:
     metrics = Metrics()
-    return TieredStore(LocalStore(root, metrics=metrics), RedisTier(url, metrics=metrics), metrics)
+    return with_fleet_tier(LocalStore(root, metrics=metrics), RedisTier(url, metrics=metrics), metrics)
 
 
 def share_fake_entry(url: str, root: Path, key: str, spec: dict) -> None:
@@ -391,6 +391,8 @@ PLANTED = {  # what a compromised or buggy writer might leave under an index
     "a garbage abi": lambda index: index["meta"].update(abi={"loader": "c", "params": "all"}),
     "sizes past the limit": lambda index: index["files"]["kernel.so"].update(size=1 << 40),
     "another schema": lambda index: index.update(schema=99),
+    "a name no entry may hold": lambda index: index["files"].update({"_kernel.so": index["files"]["kernel.so"]}),
+    "its own entry.json listed": lambda index: index["files"].update({"entry.json": index["files"]["kernel.c"]}),
 }
 
 
@@ -408,7 +410,7 @@ def test_an_index_that_fails_the_checks_is_refused_counted_and_dropped(tier, tmp
         assert claim.entry is None and not claim.waiting  # refused: built here, under this host's lease
         assert store.metrics.counters()["remote_corrupt"] == 1 and store.keys() == []
         with tier.admin() as r:
-            assert r.get(entry_key(key)) is None and r.get(f"ks:lease:{key}") == store.tier.host.encode()
+            assert r.get(entry_key(key)) is None and r.get(f"ks:lease:{key}") == store.claims.tier.host.encode()
         store.abandon(key)
     finally:
         store.close()
@@ -446,10 +448,10 @@ def test_a_host_started_without_its_redis_says_so_and_finds_it_when_it_comes(tmp
     late = redis_server.RedisProcess(port=redis_server.free_port(), log_path=tmp_path / "late.log")
     store = tiered(late.url(), tmp_path / "cache")
     try:
-        wait_for(lambda: store.tier.state == DOWN, timeout=5, what="the tier reported down without any request")
+        wait_for(lambda: store.claims.tier.state == DOWN, timeout=5, what="the tier reported down without any request")
         assert store.claim("12" * 32, {}, wake=lambda: None) == BUILD  # served locally meanwhile
         late.start()
-        wait_for(lambda: store.tier.state == UP, timeout=RETRY_AFTER + 5, what="the tier up again by itself")
+        wait_for(lambda: store.claims.tier.state == UP, timeout=RETRY_AFTER + 5, what="the tier up again by itself")
     finally:
         store.close()
         late.stop()

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from client.errors import CorruptArtifact
-from client.loader import entry_directory, read_verified
+from client.loader import entry_directory, find_published
 from compile_service.config import parse_size, tcp_address
 from compile_service.metrics import Metrics
 from compile_service.store import Budget, LocalStore, StoreError
 from compile_service.store.check import verify
-from compile_service.store.local import _signature
-from proto.trust import UntrustedPath
+from proto.entry import EntryRefused, check_files, signature
+from proto.trust import UntrustedPath, read_verified
 
 ROOT = Path(__file__).resolve().parent.parent
 ABI = {"loader": "c", "symbol": "call", "device": "cpu", "params": [{"name": "Y", "dtype": "float32", "shape": [4]}], "outputs": [0], "dynamic": []}
@@ -169,21 +169,42 @@ def test_loader_refuses_symlinks_foreign_owners_and_writable_files(tmp_path):
     assert read_verified(lib, *args, owner=me)
 
     os.chmod(lib, 0o620)
-    with pytest.raises(CorruptArtifact, match="writable by group or others"):
+    with pytest.raises(EntryRefused, match="writable by group or others"):
         read_verified(lib, *args, owner=me)
     os.chmod(lib, 0o600)
     if os.geteuid() == 0:
         os.chown(lib, 12345, -1)
-        with pytest.raises(CorruptArtifact, match="owned by uid 12345"):
+        with pytest.raises(EntryRefused, match="owned by uid 12345"):
             read_verified(lib, *args, owner=me)
         os.chown(lib, 0, -1)
     real = tmp_path / "elsewhere.so"
     real.write_bytes(lib.read_bytes())
     lib.unlink()
     lib.symlink_to(real)
-    with pytest.raises(CorruptArtifact, match="symlinks are refused"):
+    with pytest.raises(EntryRefused, match="symlinks are refused"):
         read_verified(lib, *args, owner=me)
     assert store.lookup(entry.key) is None and counted(store, 'corrupt') == 1  # the daemon refuses it too
+
+
+# Names no reader accepts for a file of an entry: one rule (proto.entry.is_file_name) for the
+# store, verify, the loader, the fleet tier and bundles (the tier once let a leading "_" through).
+NOT_FILE_NAMES = ["_hidden", ".hidden", "-option", "..", "../kernel.so", "a/b", "manifest.json", "x" * 65, "", "kernel.so\n"]
+
+
+@pytest.mark.parametrize("name", NOT_FILE_NAMES)
+def test_an_entry_naming_a_file_it_cannot_hold_is_refused_by_every_reader(tmp_path, name):
+    store = Store(tmp_path / "cache")
+    key = put(store, 1)
+    spec = store.lookup(key).meta["spec"]
+    manifest_path = store.entry_path(key) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    with pytest.raises(EntryRefused, match="not a plain file name"):
+        check_files({**manifest["files"], name: manifest["files"]["kernel.so"]}, "kernel.so")
+    manifest["files"][name] = manifest["files"]["kernel.so"]
+    manifest_path.write_text(json.dumps(manifest))
+    assert find_published(store.root, key, spec, os.geteuid()) is None  # the client's own look
+    assert "not a plain file name" in verify(store).damage[0].why  # verify, without the index
+    assert store.lookup(key) is None and counted(store, "corrupt") == 1  # the daemon's, then removed
 
 
 def test_nothing_read_back_is_unpickled():
@@ -251,7 +272,7 @@ def test_corruption_the_stat_signature_cannot_see_is_found_by_a_recheck(tmp_path
     # As if the change had kept every stat field (silent corruption on the disk): the index
     # still vouches for it, and a hit serves it.
     with store._lock:
-        store._index[entry.key] = (entry, store._index[entry.key][1], _signature(entry.path, store._index[entry.key][1]))
+        store._index[entry.key] = (entry, store._index[entry.key][1], signature(entry.path, store._index[entry.key][1]))
     assert store.lookup(entry.key) is entry
     assert "sha256" in store.recheck(entry.key)
     assert store.lookup(entry.key) is None and counted(store, "corrupt") == 1 and not entry.path.exists()

@@ -27,7 +27,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from proto import abi as call_abi_schema
-from proto.abi import LIBRARY, SOURCES
+from proto.entry import LIBRARY, SOURCES
 
 from ..keys import toolchain
 from . import devices, nvrtc

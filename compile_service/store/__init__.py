@@ -1,16 +1,20 @@
-"""Where built kernels live: an interface (base), the local disk store, and its parts by job.
+"""Where built kernels live: the interfaces (base), the local disk store, and its parts by job.
 
-    base     the Storage interface, Entry, Budget, Claim, StoreError
-    local    the local disk store: index, lookup, atomic publish
+    base     the Storage and Claims interfaces, Entry, Budget, Claim, StoreError
+    local    the local disk store: index, lookup, atomic publish, the publish hook
     blobs    the content store: file bytes by sha256, shared by entries through hard links
     budget   usage and least-recently-used eviction (device binaries included)
     check    verify and repair, without the index
-    tiered   the fleet tier: the local store over a shared Redis (read-through, write-behind,
-             fleet-wide single flight); imported only when a daemon is given --remote
+    listing  what the store holds, entry by entry (`kernel-service ls`)
+    tiered   the fleet form of claims: fleet-wide single flight over a shared Redis, read-through,
+             and write-behind as the local store's publish hook; imported only with --remote
     remote   the Redis side of it: key layout, leases, the circuit breaker
+
+The rules of an entry itself (key, file names, manifest, entry.json, the fleet index's and
+bundle.json's records) are the contract's: proto.entry.
 """
 
-from .base import BUILD, Budget, Claim, Entry, Storage, StoreError
+from .base import BUILD, Budget, Claim, Claims, Entry, LocalClaims, Storage, StoreError
 from .local import LocalStore, existing_mode
 
-__all__ = ["BUILD", "Budget", "Claim", "Entry", "LocalStore", "Storage", "StoreError", "existing_mode"]
+__all__ = ["BUILD", "Budget", "Claim", "Claims", "Entry", "LocalClaims", "LocalStore", "Storage", "StoreError", "existing_mode"]

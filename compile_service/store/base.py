@@ -1,49 +1,29 @@
-"""What every store offers the scheduler: the interface, the entry it hands out, its error.
+"""What every store offers the scheduler: storage, claims on builds, the entry, the error.
 
 A store is an action cache (key -> a small metadata record) over a content
-store (file bytes by sha256). The local disk is one implementation
-(store.local); the fleet tier (store.tiered) wraps it under the same interface,
-and adds `claim`: before compiling a key, the scheduler asks whether another
-host has built it, is building it, or saw it fail.
+store (file bytes by sha256): lookup, put, remove, usage (Storage). The local
+disk is its implementation (store.local). Claiming a build is apart (Claims):
+before compiling a key after a local miss, the scheduler asks whether another
+builder has built it, is building it, or saw it fail. A store no one else
+writes answers "build it" (LocalClaims); a fleet answers through Redis
+(store.tiered.FleetClaims), which also shares what this host publishes, through
+the store's publish hook.
 """
 
 from __future__ import annotations
 
 import abc
-import functools
-import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from proto.entry import Entry  # one published kernel: defined with the entry's rules
+
+__all__ = ["BUILD", "Budget", "Claim", "Claims", "Entry", "LocalClaims", "Storage", "StoreError"]
 
 
 class StoreError(OSError):
     """The cache could not be written (disk full, permissions): not a compile failure."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One published kernel: where its files are, the library's digest, its entry.json."""
-
-    key: str
-    path: Path
-    library: str
-    library_sha256: str
-    library_size: int
-    meta: dict  # entry.json: spec, abi, compile_seconds, toolchain, created (proto.abi)
-
-    @property
-    def abi(self) -> dict:
-        return self.meta["abi"]
-
-    # Serialized once per entry (entries are cached and immutable), not once per hit.
-    @functools.cached_property
-    def abi_json(self) -> str:
-        return json.dumps(self.meta["abi"], sort_keys=True)
-
-    @functools.cached_property
-    def spec_json(self) -> str:
-        return json.dumps(self.meta["spec"], sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -59,22 +39,8 @@ class Budget:
         return self.max_bytes is not None or self.max_entries is not None
 
 
-@dataclass(frozen=True)
-class Claim:
-    """The answer to "may I build this key?". All fields empty: build it."""
-
-    entry: Entry | None = None  # built elsewhere and now published here: serve it
-    failure: str | None = None  # failed elsewhere: answer with it, remembered `failure_ttl` more seconds
-    failure_ttl: float = 0.0
-    waiting: bool = False  # another host is building it: `wake` is called once that is over
-
-
-BUILD = Claim()
-
-
 class Storage(abc.ABC):
-    """The store interface: lookup, staged put, removal, budget and usage; and the claim on a
-    key before building it, for stores shared with other builders."""
+    """The store interface: lookup, a staged put, removal and usage."""
 
     root: Path
 
@@ -98,38 +64,42 @@ class Storage(abc.ABC):
     def remove(self, key: str) -> None: ...
 
     @abc.abstractmethod
-    def recheck(self, key: str) -> str | None:
-        """Checks `key`'s entry in full, whatever was verified before (a client found it corrupt),
-        and removes it if it fails; returns what was wrong, or None (whole or absent)."""
-
-    @abc.abstractmethod
-    def keys(self) -> list[str]: ...
-
-    def records(self) -> Iterator[tuple[str, dict]]:
-        """Every entry's key and metadata (entry.json: spec, toolchain), for diagnostics
-        (explain). A store may read them unverified; this default verifies each."""
-        for key in self.keys():
-            entry = self.lookup(key)
-            if entry is not None:
-                yield key, entry.meta
-
-    @abc.abstractmethod
     def usage(self) -> tuple[int, int]:
         """(entries, bytes) now: every byte the store keeps counts, and shared bytes once."""
 
-    @abc.abstractmethod
-    def evict(self, budget: Budget, protect: str | None = None) -> int:
-        """Removes least recently used entries down to `budget`; returns how many."""
 
-    # ----- builds shared with other hosts (a store nobody else writes answers trivially)
+@dataclass(frozen=True)
+class Claim:
+    """The answer to "may I build this key?". All fields empty: build it."""
+
+    entry: Entry | None = None  # built elsewhere and now published here: serve it
+    failure: str | None = None  # failed elsewhere: answer with it, remembered `failure_ttl` more seconds
+    failure_ttl: float = 0.0
+    waiting: bool = False  # another host is building it: `wake` is called once that is over
+
+
+BUILD = Claim()
+
+
+class Claims(abc.ABC):
+    """Claims on builds: asked before building a key, told when a claimed build ended without an entry."""
+
+    @abc.abstractmethod
     def claim(self, key: str, spec: dict, wake: Callable[[], None]) -> Claim:
         """Asked before building `key` (whose entry must record `spec`), after a local miss.
         When the answer is `waiting`, `wake()` is called later, once: ask again then."""
-        return BUILD
 
     def abandon(self, key: str, failure: str | None = None, failure_ttl: float = 0.0) -> None:
         """The build of a claimed key ended without an entry: `failure` (the compiler's message)
         when it failed, to be remembered `failure_ttl` seconds; None when it was cut short."""
 
     def close(self) -> None:
-        """Finishes background work (bounded) and lets go of what the store holds for others."""
+        """Finishes background work (bounded) and lets go of what is held for others."""
+
+
+class LocalClaims(Claims):
+    """The claims of a store no other builder writes: every key is this host's to build
+    (this daemon's own single flight keeps it to one build)."""
+
+    def claim(self, key: str, spec: dict, wake: Callable[[], None]) -> Claim:
+        return BUILD

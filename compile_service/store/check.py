@@ -1,4 +1,8 @@
-"""Checking the local store without its index, and repairing what is damaged (`kernel-service verify`)."""
+"""Checking the local store without its index, and repairing what is damaged (`kernel-service verify`).
+
+Works on the store's public surface: the entry check is the store's own (LocalStore.check_entry,
+proto.entry's rules), removal goes through LocalStore.remove_path.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,10 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proto.entry import is_key
+
 from ..fsutil import real_dir
-from .local import STAGING_NAME, LocalStore, _writer_alive
+from .local import LocalStore, is_staging_name, writer_alive
 
 
 @dataclass
@@ -44,7 +50,7 @@ def verify(store: LocalStore, repair: bool = False) -> VerifyReport:
     for shard in sorted(store.entries_dir.iterdir()):
         paths = sorted(shard.iterdir()) if shard.is_dir() and not shard.is_symlink() else [shard]
         for path in paths:
-            why, ino = _damage(store, shard, path)
+            why, ino = _damage(store, path)
             if why is None:
                 report.entries_ok += ino is not None
                 continue
@@ -53,17 +59,18 @@ def verify(store: LocalStore, repair: bool = False) -> VerifyReport:
             if repair:
                 damage.repaired = _repair(store, path, ino)
     for item in sorted(store.staging_dir.iterdir()):
-        if STAGING_NAME.fullmatch(item.name) and _writer_alive(item.name):
+        if is_staging_name(item.name) and writer_alive(item.name):
             report.staging_in_use += 1
             continue
-        made = STAGING_NAME.fullmatch(item.name) and real_dir(item) and item.lstat().st_uid == store.owner
+        made = is_staging_name(item.name) and real_dir(item) and item.lstat().st_uid == store.owner
         damage = Damage("staging", item, "left by a writer that is gone" if made else "not made by kernel-service")
         report.damage.append(damage)
         if repair:
             damage.repaired = _repair(store, item, None)
     return report
 
-def _damage(store, shard: Path, path: Path) -> tuple[str | None, int | None]:
+
+def _damage(store: LocalStore, path: Path) -> tuple[str | None, int | None]:
     """(what is wrong or None, the entry dir's inode or None when it is no entry dir)."""
     key = path.name
     try:
@@ -74,17 +81,18 @@ def _damage(store, shard: Path, path: Path) -> tuple[str | None, int | None]:
         return "a symbolic link (never followed)", None
     if not stat.S_ISDIR(st.st_mode) or path.parent == store.entries_dir:
         return "not a shard directory", None
-    if len(key) != 64 or not key.startswith(shard.name) or not all(c in "0123456789abcdef" for c in key):
+    if not is_key(key) or path != store.entry_path(key):
         return "not an entry directory named by its key", None
     try:
-        store._check(key, path)
+        store.check_entry(key)
     except FileNotFoundError as exc:
         return (f"incomplete: {Path(exc.filename).name} is missing" if path.exists() else None), st.st_ino
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return (f"corrupt: {exc}" if path.exists() else None), st.st_ino
     return None, st.st_ino
 
-def _repair(store, path: Path, ino: int | None) -> bool:
+
+def _repair(store: LocalStore, path: Path, ino: int | None) -> bool:
     """Removes one damaged thing; an entry dir only if it is still the one checked."""
     try:
         st = path.lstat()
@@ -92,11 +100,5 @@ def _repair(store, path: Path, ino: int | None) -> bool:
         return True
     if ino is not None and st.st_ino != ino:
         return True  # replaced by a fresh publish since it was checked: that one is whole
-    if stat.S_ISDIR(st.st_mode):
-        if ino is not None:
-            store._forget(path.name)
-        store._remove_dir(path)
-    else:
-        path.unlink(missing_ok=True)  # a file or a link: the link itself, never its target
+    store.remove_path(path)
     return not os.path.lexists(path) or (ino is not None and path.lstat().st_ino != ino)
-

@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 
-from proto.abi import ENTRY_META, LIBRARY
+from proto.entry import ENTRY_META, LIBRARY
 
 from .local import LocalStore
 

@@ -19,7 +19,13 @@ the files' stat signatures (a few lstat calls, no reads; the ctime is in them,
 so content rewritten with its mtime put back is seen and re-hashed). Recency for the LRU
 budget (store.budget) is kept in memory and in each entry directory's mtime
 (touched at most once a minute on a hit), so a restarted daemon keeps the
-order. `store.check` verifies and repairs without the index.
+order. `store.check` verifies and repairs without the index, and `store.budget` evicts,
+both through the public methods here.
+
+Claims on builds (store.base.Claims) are the `claims` attribute: LocalClaims unless
+the fleet tier replaced them (store.tiered); what the tier shares it gets from the
+publish hook (`on_publish`). The entry's rules (key, file names, manifest,
+entry.json, stat signature) are proto.entry's; the safe reads are proto.trust's.
 
 Trust: the cache root and every directory in it must be real directories (not
 links) owned by this process's uid and writable by no one else (proto/trust.py),
@@ -40,24 +46,25 @@ import stat
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from proto.abi import ENTRY_META, MANIFEST, MANIFEST_SCHEMA, check_entry_meta
+from proto.entry import ENTRY_META, HEX64, MANIFEST, Entry, EntryRefused, check_dirs, check_files, is_key, manifest_record, read_manifest, read_meta, signature
 from proto.paths import entry_dir
-from proto.trust import UntrustedPath, check_dir, private_dir, problem
+from proto.trust import UntrustedPath, check_dir, private_dir, problem, read_owned
 
 from ..fsutil import fsync_path, pid_alive, real_dir, remove_tree, sha256_file, write_json_atomic
 from . import budget
-from .budget import TOUCH_EVERY  # seconds between mtime touches of a hit entry (the on-disk LRU clock)
-from .base import Budget, Entry, Storage, StoreError
+from .base import Budget, Claims, LocalClaims, Storage, StoreError
 from .blobs import Blobs
 
 log = logging.getLogger(__name__)
 
+TOUCH_EVERY = 60.0  # seconds between this store's mtime touches of an entry it hands out (the on-disk LRU clock)
+
 # What this process puts in staging/: "<pid>.<key>.<random>" build dirs and "<pid>.trash.<name>.<hex>"
 # dirs being deleted. Nothing else there is ever removed by the start-up sweep.
-STAGING_NAME = re.compile(r"([0-9]+)\.(?:[0-9a-f]{64}\.[a-z0-9_]+|import\.[a-z0-9_]+|trash\.[A-Za-z0-9_.-]+\.[0-9a-f]{8})")
-KEY = re.compile(r"[0-9a-f]{64}")
+STAGING_NAME = re.compile(rf"([0-9]+)\.(?:{HEX64}\.[a-z0-9_]+|import\.[a-z0-9_]+|trash\.[A-Za-z0-9_.-]+\.[0-9a-f]{{8}})")
 
 
 class LocalStore(Storage):
@@ -105,6 +112,8 @@ class LocalStore(Storage):
         self._touched: dict[str, float] = {}  # key -> when its dir mtime was last set
         self._lock = threading.Lock()  # guards the dicts above
         self.evict_lock = threading.Lock()  # one eviction pass at a time (store.budget)
+        self.claims: Claims = LocalClaims()  # the fleet tier puts its own here (store.tiered)
+        self.on_publish: list[Callable[[Entry], None]] = []  # called with each entry put() publishes
 
     # ----- paths
     def entry_path(self, key: str) -> Path:
@@ -126,62 +135,50 @@ class LocalStore(Storage):
         # entry or has already renamed it away, which the checks below see as a miss.
         self._mark_used(key, path)
         if cached is not None:
-            entry, names, signature = cached
+            entry, names, sig = cached
             with contextlib.suppress(OSError):
-                if _signature(path, names) == signature and (spec is None or entry.meta["spec"] == spec):
+                if signature(path, names) == sig and (spec is None or entry.meta["spec"] == spec):
                     return entry
         if not os.path.lexists(path):
             return None
         try:
-            entry, names, signature = self._check(key, path, trusted=cached[2] if cached else None)
-            if spec is not None and entry.meta["spec"] != spec:
-                raise ValueError(f"entry.json records spec {entry.meta['spec']!r}, not the one its key was computed from")
+            entry, names, sig = self._check(key, path, trusted=cached[2] if cached else None, spec=spec)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             if not os.path.lexists(path):  # evicted or replaced while we read it: a plain miss
                 return None
             self._discard_corrupt(key, path, str(exc))
             return None
         with self._lock:
-            self._index[key] = (entry, names, signature)
+            self._index[key] = (entry, names, sig)
         return entry
 
-    def _check(self, key: str, path: Path, trusted: tuple | None = None) -> tuple[Entry, tuple, tuple]:
-        """Reads and checks one entry against its manifest; raises OSError/ValueError/KeyError/TypeError.
+    def check_entry(self, key: str) -> Entry:
+        """`key`'s entry checked in full (every file hashed), as if never seen, without the index;
+        raises OSError: EntryRefused for damage, FileNotFoundError for a missing file."""
+        return self._check(key, self.entry_path(key))[0]
+
+    def _check(self, key: str, path: Path, trusted: tuple | None = None, spec: dict | None = None) -> tuple[Entry, tuple, tuple]:
+        """Reads and checks one entry against its manifest (proto.entry's rules); raises OSError.
 
         Files whose stat signature equals `trusted` are not re-hashed.
         """
-        for d in (path.parent, path):  # a shard or entry dir replaced by a link is never followed
-            why = problem(os.lstat(d), self.owner)
-            if why:
-                raise ValueError(f"{d.name} {why}")
-        manifest = json.loads((path / MANIFEST).read_text())
-        if manifest.get("schema") != MANIFEST_SCHEMA or manifest.get("key") != key:
-            raise ValueError("manifest schema or key mismatch")
-        files: dict = manifest["files"]
-        library = manifest["library"]
-        if library not in files or ENTRY_META not in files:
-            raise ValueError("manifest does not list the library and entry.json")
+        check_dirs((path.parent, path), self.owner)  # a shard or entry dir replaced by a link is never followed
+        library, files = read_manifest(read_owned(path / MANIFEST, self.owner), key)
         names = tuple(sorted(files))
         for name in names:
-            if not isinstance(name, str) or "/" in name or name in (".", "..", MANIFEST):
-                raise ValueError(f"manifest names {name!r}, which is not a file of this entry")
-        for name in (MANIFEST, *names):
             st = os.lstat(path / name)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"{name} is not a regular file")
-            if st.st_uid != self.owner or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                raise ValueError(f"{name} is not owned by uid {self.owner} (this process) or is writable by others")
-            if name != MANIFEST and st.st_size != files[name]["size"]:
-                raise ValueError(f"{name} has {st.st_size} bytes, manifest says {files[name]['size']}")
-        signature = _signature(path, names)
-        if signature != trusted:
+            why = problem(st, self.owner, stat.S_IFREG)
+            if why:
+                raise EntryRefused(f"{name} {why}")
+            if st.st_size != files[name]["size"]:
+                raise EntryRefused(f"{name} has {st.st_size} bytes, manifest says {files[name]['size']}")
+        sig = signature(path, names)
+        if sig != trusted:
             for name in names:
                 if sha256_file(path / name) != files[name]["sha256"]:
-                    raise ValueError(f"{name} does not match its sha256 in the manifest")
-        meta = json.loads((path / ENTRY_META).read_text())
-        check_entry_meta(meta)
-        entry = Entry(key, path, library, files[library]["sha256"], files[library]["size"], meta)
-        return entry, names, signature
+                    raise EntryRefused(f"{name} does not match its sha256 in the manifest")
+        meta = read_meta(read_owned(path / ENTRY_META, self.owner, files[ENTRY_META]["size"]), spec)
+        return Entry.of(key, path, library, files, meta), names, sig
 
     def _mark_used(self, key: str, path: Path) -> None:
         now = time.time()
@@ -202,12 +199,19 @@ class LocalStore(Storage):
 
     def _forget(self, key: str) -> None:
         with self._lock:
-            for table in (self._index, self._used, self._touched):
-                table.pop(key, None)
+            self._drop_records(key)
+
+    def _drop_records(self, key: str) -> None:
+        """Forgets `key` (the caller holds self._lock)."""
+        for table in (self._index, self._used, self._touched):
+            table.pop(key, None)
+
+    def _trash(self, name: str) -> Path:
+        return self.staging_dir / f"{os.getpid()}.trash.{name}.{os.urandom(4).hex()}"
 
     def _remove_dir(self, path: Path) -> None:
         # Rename first so the key's path is free at once and no reader sees a half-deleted entry.
-        trash = self.staging_dir / f"{os.getpid()}.trash.{path.name}.{os.urandom(4).hex()}"
+        trash = self._trash(path.name)
         try:
             os.rename(path, trash)
         except FileNotFoundError:
@@ -216,6 +220,18 @@ class LocalStore(Storage):
             trash = path
         remove_tree(trash)
 
+    def remove_path(self, path: Path) -> None:
+        """Removes one thing under the cache that verify found damaged: an entry directory (then
+        forgotten), a staging or stray directory (renamed away first, never followed), or a
+        file or link (the link itself, never its target)."""
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            path.unlink(missing_ok=True)
+            return
+        if is_key(path.name) and path == self.entry_path(path.name):
+            self._forget(path.name)
+        self._remove_dir(path)
+
     def recheck(self, key: str) -> str | None:
         """Checks the entry in full, as if never seen (every file re-hashed), and removes it if
         it fails: a client found it corrupt. Returns what was wrong, or None (whole or absent)."""
@@ -223,14 +239,14 @@ class LocalStore(Storage):
         if not os.path.lexists(path):
             return None
         try:
-            entry, names, signature = self._check(key, path)
+            entry, names, sig = self._check(key, path)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             if not os.path.lexists(path):
                 return None
             self._discard_corrupt(key, path, f"reported by a client; {exc}")
             return str(exc)
         with self._lock:
-            self._index[key] = (entry, names, signature)
+            self._index[key] = (entry, names, sig)
         return None
 
     # ----- writing
@@ -245,13 +261,14 @@ class LocalStore(Storage):
     def discard_staging(self, staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
-    def put(self, key: str, staging: Path, library: str, meta: dict, durable: bool = True) -> Entry:
-        """Seals `staging` (entry.json, manifest, fsync, files linked to their blobs) and
-        renames it into place.
+    def put(self, key: str, staging: Path, library: str, meta: dict, durable: bool = True, hooks: bool = True) -> Entry:
+        """Seals `staging` (entry.json, manifest, fsync, files linked to their blobs), renames
+        it into place, then calls the publish hooks (`on_publish`) with the entry.
 
         `durable=False` skips the fsyncs, for an entry that can be had again cheaply (one read
         through from the fleet tier): a crash may then leave it torn, which the digest check
         after a restart (the index is in memory) turns into a miss, never a wrong kernel.
+        `hooks=False` publishes without calling the hooks (an entry the fleet tier itself fetched).
         Raises StoreError when the disk refuses; the staging directory is removed either way.
         """
         sync = fsync_path if durable else _no_sync
@@ -268,7 +285,11 @@ class LocalStore(Storage):
                     self.blobs.adopt(item, files[item.name]["sha256"], durable)
             if library not in files:
                 raise StoreError(errno.ENOENT, f"the compiler produced no {library}")
-            write_json_atomic(staging / MANIFEST, {"schema": MANIFEST_SCHEMA, "key": key, "library": library, "files": files}, fsync=durable)
+            try:
+                check_files(files, library)  # what lookup would refuse is never published
+            except EntryRefused as exc:
+                raise StoreError(errno.EINVAL, f"cannot publish cache entry {key[:16]}: {exc}") from None
+            write_json_atomic(staging / MANIFEST, manifest_record(key, library, files), fsync=durable)
             os.chmod(staging / MANIFEST, self.file_mode)
             os.chmod(staging, self.mode)
             sync(staging, directory=True)
@@ -293,6 +314,11 @@ class LocalStore(Storage):
         entry = self.lookup(key)
         if entry is None:
             raise StoreError(errno.EIO, f"cache entry {key[:16]} failed verification right after publishing")
+        for hook in self.on_publish if hooks else ():
+            try:
+                hook(entry)
+            except Exception:  # noqa: BLE001 - sharing is an optimisation: the entry is published
+                log.exception("a publish hook failed for %s", key[:16])
         return entry
 
     def remove(self, key: str) -> None:
@@ -300,12 +326,53 @@ class LocalStore(Storage):
         self._remove_dir(self.entry_path(key))
         self.blobs.collect()
 
-    # ----- the budget (store.budget)
+    # ----- the budget (store.budget): recency, and removal of what was not used since
     def evict(self, budget_: Budget, protect: str | None = None) -> int:
         return budget.evict(self, budget_, protect)
 
     def usage(self) -> tuple[int, int]:
         return budget.usage(self)
+
+    def last_used(self, key: str) -> float:
+        """When `key`'s entry was last used, at the latest: handed out by this store, or its
+        directory's mtime (set at publish, touched on hits and by clients that load it
+        themselves); where this store never handed it out (another daemon, `kernel-service
+        prune`), up to TOUCH_EVERY past that mtime, and taken to be. Raises OSError when gone."""
+        with self._lock:
+            return self._last_used(key)
+
+    def _last_used(self, key: str) -> float:
+        mtime = self.entry_path(key).stat().st_mtime
+        used = self._used.get(key)
+        return max(used, mtime) if used is not None else mtime + TOUCH_EVERY
+
+    def take_unused(self, key: str, cutoff: float) -> bool:
+        """Removes `key`'s entry unless it was used after `cutoff`; whether it did. The check and
+        the rename happen under the lock lookups mark use under, so a hit never gets an entry
+        being evicted. Its blobs stay until `blobs.collect()`."""
+        trash = self._trash(key)
+        with self._lock:
+            try:
+                if self._last_used(key) > cutoff:
+                    return False
+                os.rename(self.entry_path(key), trash)
+            except OSError:
+                return False
+            self._drop_records(key)
+        remove_tree(trash)
+        return True
+
+    # ----- claims on builds (self.claims), under the names the scheduler calls them by
+    def claim(self, key: str, spec: dict, wake: Callable[[], None]):
+        return self.claims.claim(key, spec, wake)
+
+    def abandon(self, key: str, failure: str | None = None, failure_ttl: float = 0.0) -> None:
+        self.claims.abandon(key, failure, failure_ttl)
+
+    def close(self) -> None:
+        """Finishes the claims' background work (the fleet tier's uploads, bounded) and lets go
+        of what they hold for others."""
+        self.claims.close()
 
     # ----- housekeeping
     def keys(self) -> list[str]:
@@ -316,7 +383,7 @@ class LocalStore(Storage):
         compares specs and toolchains; serving always goes through lookup)."""
         for key in self.keys():
             try:
-                meta = json.loads((self.entry_path(key) / ENTRY_META).read_text())
+                meta = json.loads(read_owned(self.entry_path(key) / ENTRY_META, self.owner))
             except (OSError, ValueError):
                 continue  # evicted meanwhile, or damaged: lookup deals with it
             if isinstance(meta, dict):
@@ -330,7 +397,7 @@ class LocalStore(Storage):
         """
         removed = 0
         for item in self.staging_dir.iterdir():
-            if not STAGING_NAME.fullmatch(item.name) or _writer_alive(item.name):
+            if not is_staging_name(item.name) or writer_alive(item.name):
                 continue
             try:
                 st = item.lstat()
@@ -356,22 +423,13 @@ def _no_sync(path: Path, directory: bool = False) -> None:
     """fsync_path's stand-in for an entry published without durability (LocalStore.put)."""
 
 
-def _writer_alive(name: str) -> bool:
+def is_staging_name(name: str) -> bool:
+    """Whether `name` is one this code gives what it puts in staging/."""
+    return STAGING_NAME.fullmatch(name) is not None
+
+
+def writer_alive(name: str) -> bool:
+    """Whether the process that made staging/`name` still runs."""
     owner = name.split(".", 1)[0]  # every staging name starts with its writer's pid
     return owner.isdigit() and (int(owner) == os.getpid() or pid_alive(int(owner)))
-
-
-def _signature(path: Path, names: tuple) -> tuple:
-    """What changes when any of the entry's files is replaced, truncated or rewritten (the
-    ctime too: restoring the mtime after a write cannot restore it), or when the entry's
-    directory or its shard is replaced (by a link, say). Linking a file to another entry
-    changes its ctime as well: that costs one re-hash, never a wrong answer."""
-    out = []
-    for p in (path.parent, path):
-        st = os.lstat(p)
-        out.append((st.st_ino, st.st_mode, st.st_uid))
-    for name in (MANIFEST, *names):
-        st = os.lstat(path / name)
-        out.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid))
-    return tuple(out)
 

@@ -3,7 +3,7 @@
 Keys (all under `ks:`, so one ACL pattern covers them):
 
     ks:entry:<key>     the index: JSON {schema, host, library, files: {name: {sha256, size}},
-                       meta (entry.json)}; written after every blob it names
+                       meta (entry.json)} (proto.entry.index_record); written after every blob it names
     ks:blob:<sha256>   one file's bytes, stored once however many entries name them
     ks:lease:<key>     the host building <key> now (SET NX PX, renewed while it builds)
     ks:failed:<key>    JSON {host, error, at}: a compile that failed, for --failure-ttl
@@ -21,6 +21,7 @@ Nothing here touches the local disk.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -37,15 +38,23 @@ from ..config import without_password
 log = logging.getLogger(__name__)
 
 PREFIX = "ks:"
-INDEX_SCHEMA = 1
 RETRY_AFTER = 5.0  # seconds the breaker stays open after a connection error or timeout
 MAX_INDEX = 1 << 20  # bytes of one index: far above any real one (a few KB)
 
 UP, DOWN = "up", "down"
 
-# Atomic lease steps. TAKE answers 2 when the entry or a failure is already there (so a
-# build that finished between our look and our take is never repeated), 1 when the
-# lease is ours, 0 when another host holds it.
+
+class Lease(enum.Enum):
+    """What taking a key's lease found; the values are what the TAKE script answers."""
+
+    HELD = 0  # another host holds it: wait for it
+    TAKEN = 1  # the lease is ours: build, then release it
+    SETTLED = 2  # the entry or a failure is already there: look again (a build that finished
+    # between our look and our take is never repeated)
+    FREE = -1  # no one holds it, and a read-only host takes none: build without it (never from Redis)
+
+
+# Atomic lease steps, answering with Lease's values.
 _TAKE = """
 if redis.call('exists', KEYS[2]) == 1 or redis.call('exists', KEYS[3]) == 1 then return 2 end
 if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
@@ -174,9 +183,9 @@ class RedisTier:
         return [done > 0 or not leased for done, leased in zip(flags[::2], flags[1::2])]
 
     # ----- writing (never on a read-only tier: the caller checks, the ACL enforces)
-    def take_lease(self, key: str) -> int:
-        """1: the lease is ours; 0: another host holds it; 2: the entry or a failure is there."""
-        return int(self._call(lambda r: r.eval(_TAKE, 3, lease_key(key), entry_key(key), failed_key(key), self.host, self.lease_ms)))
+    def take_lease(self, key: str) -> Lease:
+        """Takes `key`'s lease unless another host holds it or its entry or failure is there."""
+        return Lease(int(self._call(lambda r: r.eval(_TAKE, 3, lease_key(key), entry_key(key), failed_key(key), self.host, self.lease_ms))))
 
     def renew(self, keys: list[str]) -> list[str]:
         """Extends our leases on `keys`; returns those no longer ours (expired, or the server lost them)."""
@@ -193,9 +202,10 @@ class RedisTier:
         self._call(lambda r: r.eval(_RELEASE, 1, lease_key(key), self.host))
 
     def put_entry(self, key: str, index: dict, files: dict[str, bytes]) -> None:
-        """Blobs first, then the index that names them: a reader never finds an index whose
-        blobs were not written (though LRU may evict one later: a reader's miss)."""
-        body = json.dumps({**index, "schema": INDEX_SCHEMA, "host": self.host}, sort_keys=True).encode()
+        """Stores `index` (proto.entry.index_record) and the blobs it names by sha256: blobs
+        first, so a reader never finds an index whose blobs were not written (though LRU may
+        evict one later: a reader's miss)."""
+        body = json.dumps(index, sort_keys=True).encode()
 
         def run(r):
             p = r.pipeline(transaction=False)

@@ -1,6 +1,8 @@
-"""The fleet tier: the local store (L1) over a Redis every host shares (L2, store.remote).
+"""The fleet tier: claims on builds shared by every host through one Redis (store.remote).
 
-- lookup, eviction, usage: the local store's. A hit never leaves the host.
+The local store stays the store: lookup, eviction, usage are its own, and a hit
+never leaves the host. The tier is the fleet form of claims (FleetClaims, which
+with_fleet_tier sets as the store's `claims`), and the store's publish hook:
 - claim (after a local miss, before compiling; on a compile driver): one round
   trip to Redis. An entry there is read through: every blob checked against its
   digest, written to a staging directory and published by the local store's own
@@ -9,9 +11,9 @@
   another host holds it, the job waits (one watcher thread polls every waiting
   key in one round trip) until that host's entry or failure appears, or its
   lease expires: then this host takes over.
-- put: published locally, then written behind to Redis by a background thread,
-  so an agent never waits for Redis; the lease is released after the upload, so
-  hosts waiting on it find the entry, not a free lease.
+- the publish hook: what the store publishes is written behind to Redis by a
+  background thread, so an agent never waits for Redis; the lease is released
+  after the upload, so hosts waiting on it find the entry, not a free lease.
 - A failed compile's message goes to Redis for --failure-ttl seconds: the whole
   fleet answers with it instead of compiling again.
 - Redis down, slow, flushed or refusing: every step falls back to the local
@@ -24,21 +26,19 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from proto.abi import ENTRY_META, MANIFEST, check_entry_meta
+from proto.entry import RECORDS, Entry, EntryRefused, index_record, read_index
+from proto.trust import read_owned
 
-from .base import BUILD, Budget, Claim, Entry, Storage, StoreError
+from .base import BUILD, Claim, Claims
 from .local import LocalStore
-from .remote import INDEX_SCHEMA, TierUnavailable, RedisTier
+from .remote import Lease, RedisTier, TierUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +46,24 @@ POLL = 0.1  # seconds between looks at the keys other hosts are building
 UPLOAD_BACKLOG = 4096  # entries waiting to be written behind; past that, dropped (and counted)
 DRAIN = 5.0  # seconds close() gives the uploads still queued
 MAX_ENTRY_BYTES = 256 << 20  # the most one entry read through may hold
-_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
-class TieredStore(Storage):
+def with_fleet_tier(local: LocalStore, tier: RedisTier, metrics) -> LocalStore:
+    """`local`, its builds claimed through the fleet `tier` and what it publishes shared there."""
+    fleet = FleetClaims(local, tier, metrics)
+    local.claims = fleet
+    local.on_publish.append(fleet.share)
+    return local
+
+
+class FleetClaims(Claims):
+    """Claims on builds through the fleet tier (fleet-wide single flight, read-through, failures
+    remembered by the fleet), and `share`, the local store's publish hook (write-behind)."""
+
     def __init__(self, local: LocalStore, tier: RedisTier, metrics):
         self.local = local
         self.tier = tier
         self.metrics = metrics
-        self.root = local.root
         self._lock = threading.Lock()  # guards the three below
         self._waiting: dict[str, Callable[[], None]] = {}  # key another host builds -> wake
         self._waited: set[str] = set()  # keys found leased by another host (taking them is a takeover)
@@ -65,44 +74,18 @@ class TieredStore(Storage):
         for t in self._threads:
             t.start()
 
-    # ----- the local store's jobs
-    def lookup(self, key: str, spec: dict | None = None) -> Entry | None:
-        return self.local.lookup(key, spec)
-
-    def new_staging(self, key: str) -> Path:
-        return self.local.new_staging(key)
-
-    def discard_staging(self, staging: Path) -> None:
-        self.local.discard_staging(staging)
-
-    def remove(self, key: str) -> None:
-        self.local.remove(key)
-
-    def recheck(self, key: str) -> str | None:
-        return self.local.recheck(key)
-
-    def keys(self) -> list[str]:
-        return self.local.keys()
-
-    def records(self):
-        return self.local.records()
-
-    def usage(self) -> tuple[int, int]:
-        return self.local.usage()
-
-    def evict(self, budget: Budget, protect: str | None = None) -> int:
-        return self.local.evict(budget, protect)
-
-    def put(self, key: str, staging: Path, library: str, meta: dict) -> Entry:
-        entry = self.local.put(key, staging, library, meta)
-        if not self.tier.read_only and "shared_build" not in meta:
-            try:
-                self._uploads.put_nowait(key)
-            except queue.Full:
-                self.metrics.add(remote_errors=1)
-                log.warning("fleet tier upload backlog full (%d entries); %s stays local", UPLOAD_BACKLOG, key[:16])
-                self._release(key)
-        return entry
+    # ----- the publish hook: write-behind
+    def share(self, entry: Entry) -> None:
+        """Queues `entry`, just published here, for upload (never a copy of a shared build:
+        each host makes those from the build, itself shared, in a millisecond)."""
+        if self.tier.read_only or "shared_build" in entry.meta:
+            return
+        try:
+            self._uploads.put_nowait(entry.key)
+        except queue.Full:
+            self.metrics.add(remote_errors=1)
+            log.warning("fleet tier upload backlog full (%d entries); %s stays local", UPLOAD_BACKLOG, entry.key[:16])
+            self._release(entry.key)
 
     # ----- the claim
     def claim(self, key: str, spec: dict, wake: Callable[[], None]) -> Claim:
@@ -126,23 +109,23 @@ class TieredStore(Storage):
             note = f"\n(this compile failed on {failure['host']} {time.time() - failure['at']:.0f}s ago; the fleet tries it again in {failure_left:.0f}s)"
             return Claim(failure=failure["error"] + note, failure_ttl=failure_left)
         if self.tier.read_only:
-            taken = 0 if leased else 1  # a reader builds without a lease: it can take none
+            lease = Lease.HELD if leased else Lease.FREE  # a reader takes no lease: it builds without one
         else:
-            taken = self.tier.take_lease(key)
-            if taken == 2 and tries > 1:  # the entry (or a failure) landed since our look
+            lease = self.tier.take_lease(key)
+            if lease is Lease.SETTLED and tries > 1:  # the entry (or a failure) landed since our look
                 return self._claim(key, spec, wake, tries - 1)
         self.metrics.add(remote_misses=1)
         took_over = False
         with self._lock:
-            if taken == 0:
+            if lease is Lease.HELD:
                 self._waiting[key] = wake
                 self._waited.add(key)
             else:
                 took_over = key in self._waited
                 self._waited.discard(key)
-                if taken == 1 and not self.tier.read_only:
+                if lease is Lease.TAKEN:
                     self._held.add(key)
-        if taken == 0:
+        if lease is Lease.HELD:
             self.metrics.add(remote_lease_waits=1)
             return Claim(waiting=True)
         if took_over:
@@ -158,9 +141,10 @@ class TieredStore(Storage):
         """The tier's entry for `key`, checked and published locally; None when it cannot be
         served (then counted, and removed from the tier so that it is built again)."""
         try:
-            library, files, meta = _check_index(raw, spec)
-        except (ValueError, KeyError, TypeError) as exc:
+            library, files, meta, host = read_index(raw, spec, MAX_ENTRY_BYTES)
+        except EntryRefused as exc:
             return self._refuse(key, [], f"its index is unusable: {exc}")
+        meta["fetched_from"] = {"host": host, "at": time.time()}
         digests = sorted({f["sha256"] for f in files.values()})
         found = dict(zip(digests, self.tier.blobs(digests)))
         bad = [d for d in digests if found[d] is not None and hashlib.sha256(found[d]).hexdigest() != d]
@@ -176,8 +160,9 @@ class TieredStore(Storage):
                 fd = os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 with os.fdopen(fd, "wb") as out:
                     out.write(found[f["sha256"]])
-            # The checks of a local build; no fsync: a fetch is cheap to repeat (LocalStore.put).
-            return self.local.put(key, staging, library, meta, durable=False)
+            # The checks of a local build; no fsync: a fetch is cheap to repeat (LocalStore.put);
+            # no publish hook: what came from the tier is not sent back to it.
+            return self.local.put(key, staging, library, meta, durable=False, hooks=False)
         except OSError as exc:
             log.warning("cannot publish %s read from the fleet tier: %s", key[:16], exc)
             return None
@@ -189,7 +174,6 @@ class TieredStore(Storage):
         self.metrics.add(remote_corrupt=1)
         log.warning("fleet tier entry %s refused: %s; building it here", key[:16], why)
         self._drop(key, digests)
-        return None
 
     def _drop(self, key: str, digests: list[str]) -> None:
         if not self.tier.read_only:
@@ -295,13 +279,13 @@ class TieredStore(Storage):
             return
         files, blobs = {}, {}
         for item in sorted(entry.path.iterdir()):
-            if item.name in (ENTRY_META, MANIFEST) or not item.is_file():
+            if item.name in RECORDS or not item.is_file():
                 continue
-            data = item.read_bytes()
+            data = read_owned(item, self.local.owner, limit=MAX_ENTRY_BYTES)
             digest = hashlib.sha256(data).hexdigest()
             files[item.name] = {"sha256": digest, "size": len(data)}
             blobs[digest] = data
-        self.tier.put_entry(key, {"library": entry.library, "files": files, "meta": entry.meta}, blobs)
+        self.tier.put_entry(key, index_record(entry.library, files, entry.meta, self.tier.host), blobs)
 
     def close(self) -> None:
         """Wakes every waiting job, gives queued uploads up to DRAIN seconds, releases our leases."""
@@ -318,27 +302,3 @@ class TieredStore(Storage):
             self._release(key)
         self.tier.close()
 
-
-def _check_index(raw: bytes, spec: dict) -> tuple[str, dict, dict]:
-    """(library, files, meta) of an index, after every check a local entry must pass that
-    can be made before its bytes are read; raises ValueError/KeyError/TypeError."""
-    index = json.loads(raw)
-    if not isinstance(index, dict) or index.get("schema") != INDEX_SCHEMA:
-        raise ValueError("not an index of this schema")
-    library, files, meta = index["library"], index["files"], dict(index["meta"])
-    if not isinstance(files, dict) or library not in files:
-        raise ValueError("its files do not include the library")
-    total = 0
-    for name, f in files.items():
-        if not _FILE_NAME.fullmatch(name) or name in (ENTRY_META, MANIFEST):
-            raise ValueError(f"it names a file {name!r} an entry cannot hold")
-        if not isinstance(f["size"], int) or not isinstance(f["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}", f["sha256"]):
-            raise ValueError(f"{name}'s size or sha256 is malformed")
-        total += f["size"]
-    if total > MAX_ENTRY_BYTES:
-        raise ValueError(f"it holds {total} bytes, over the {MAX_ENTRY_BYTES}-byte limit")
-    check_entry_meta(meta)
-    if meta["spec"] != spec:
-        raise ValueError(f"it records spec {meta['spec']!r}, not the one its key was computed from")
-    meta["fetched_from"] = {"host": index.get("host"), "at": time.time()}
-    return library, files, meta
