@@ -1,4 +1,4 @@
-"""`kernel-service`: serve, stop, info, stats, zero-stats, kinds, ls, prune, clear, verify, demo;
+"""`kernel-service`: serve, stop, info, stats, zero-stats, kinds, ls, prune, clear, verify;
 manifest, prewarm, bundle export|import, explain (no compiling while serving).
 
 Commands that ask a running daemon (stats, zero-stats, kinds, info) speak the
@@ -609,12 +609,6 @@ def _explain(args) -> int:
     return 0 if answer["hit"] else 1
 
 
-def _demo(args) -> int:
-    from .tools.demo import run_demo
-
-    return run_demo(args.cache_dir, args.socket)
-
-
 def _config_flags(p: argparse.ArgumentParser) -> None:
     """The flags that configure a daemon: `serve` takes them, `info` shows what they resolve to."""
     p.add_argument("--socket", help="Unix socket path (default $KERNEL_SERVICE_SOCKET, then $XDG_RUNTIME_DIR/kernel-service/kernel-service.sock)")
@@ -764,11 +758,6 @@ def main(argv: list[str] | None = None) -> int:
     explain.add_argument("--socket", help=socket_help)
     explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.set_defaults(run=_explain)
-
-    demo = sub.add_parser("demo", help="start a daemon, ask it for a few kernels twice, run them, stop")
-    demo.add_argument("--socket", help="Unix socket path (default: the daemon's default)")
-    demo.add_argument("--cache-dir", help="cache root (default: the daemon's default)")
-    demo.set_defaults(run=_demo)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
