@@ -22,7 +22,7 @@ from proto.paths import default_socket, default_token_file, socket_address
 from proto.trust import peer_uid, problem
 from proto.wire import Outcome, Status
 
-from . import loader
+from . import loader, resolver
 from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable, UntrustedService
 from .inductor import InductorCache, use_shared_inductor_cache
 
@@ -287,6 +287,14 @@ class Client:
         if waited > SLOW_GET:  # a silent pause gets a reason
             how = f"a copy of a shared build compiled in {kernel.shared_build['compile_seconds']:.1f} s" if kernel.shared_build else f"compile {kernel.compile_seconds:.1f} s"
             log.info("get_kernel(%s) waited %.1f s: %s (%s)", kind, waited, kernel.outcome, how)
+        return self._keep(memo_key, kernel)
+
+    def _keep(self, memo_key: str, kernel: loader.Kernel) -> loader.Kernel:
+        """A freshly loaded kernel, bound to its kind's torch op, memoized: the kernel this client
+        returns for `memo_key` from now on (the first one kept, if two threads loaded it)."""
+        from . import torch_ops  # imports torch, which loading the kernel has already done
+
+        torch_ops.bind(kernel)
         with self._memo_lock:
             return self._memo.setdefault(memo_key, kernel)
 
@@ -422,11 +430,7 @@ class Client:
                             kernel = self._load(self._call(self._stub.GetKernel, pb.GetKernelRequest(spec=proto), timeout or self.timeout, f"kernel {proto.kind}"), spec)
                         except (CorruptArtifact, CompileError, ServiceError) as exc:
                             kernel = exc
-                    if isinstance(kernel, Exception):
-                        results[event.index] = kernel
-                    else:
-                        with self._memo_lock:
-                            results[event.index] = self._memo.setdefault(memo_key, kernel)
+                    results[event.index] = kernel if isinstance(kernel, Exception) else self._keep(memo_key, kernel)
                 else:
                     results[event.index] = Outcome.from_proto(event.kernel.outcome)
                 if progress:
@@ -498,6 +502,13 @@ def default_client() -> Client:
         if _default is None:
             _default = Client(fallback=os.environ.get("KERNEL_SERVICE_FALLBACK", "") == "1")
         return _default
+
+
+def _resolve(kind: str, target: str, params: dict) -> loader.Kernel:
+    return default_client().get_kernel(kind, target=target, **params)
+
+
+resolver.set_resolver(_resolve)  # a spec no loaded kernel answers (a saved program's) comes from the default connection
 
 
 def get_kernel(kind: str, *, target: str | None = None, timeout: float | None = None, **params) -> loader.Kernel:

@@ -282,7 +282,7 @@ program = {load}
 with torch.inference_mode():
     for x, y in zip(io["xs"], io["ys"]):
         torch.testing.assert_close(program(x), y, rtol=1e-5, atol=1e-5)
-print("ok", len(client.torch_ops._kernels))
+print("ok", len(client.resolver._kernels))
 """
 
 
