@@ -12,6 +12,7 @@ APP = "kernel-service"
 # Under the cache root: the secret TCP clients present (`authorization: Bearer <token>`),
 # written owner-only at every start of a daemon with --tcp.
 TOKEN_FILE = "tcp-token"
+INDUCTOR_DIRNAME = "torchinductor"  # under the cache root: the directory agents point torch.compile at
 
 
 def _absolute_env(name: str, env) -> Path | None:
@@ -39,6 +40,11 @@ def default_cache_dir(env=os.environ) -> Path:
     if env.get("KERNEL_SERVICE_CACHE_DIR"):
         return Path(env["KERNEL_SERVICE_CACHE_DIR"])
     return xdg_cache_home(env) / APP
+
+
+def inductor_dir(cache_root: Path | str) -> Path:
+    """The persistent torch.compile (Inductor) directory kept under a cache root."""
+    return Path(cache_root) / INDUCTOR_DIRNAME
 
 
 def default_token_file(env=os.environ) -> Path:

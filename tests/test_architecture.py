@@ -171,6 +171,9 @@ def test_an_installed_plugin_is_served_to_a_client_that_never_imports_it(make_da
 
     with pytest.raises(client.InvalidSpec, match="scale"):  # the daemon validates against the plugin's schema
         c.get_kernel("row_scale", N=24, scale="big", target="c")
+    # In a batch, the spec the daemon refuses fails its own slot; the others are served.
+    batch = c.prefetch([{"kind": "row_scale", "N": 24, "scale": "big", "target": "c"}, {"kind": "row_scale", "N": 24, "scale": 3.0, "target": "c"}])
+    assert isinstance(batch[0], client.InvalidSpec) and batch[0].field == "specs[0].scale" and batch[1] is scale
 
     out = subprocess.run(
         [sys.executable, "-m", "compile_service.cli", "kinds", "--json", "--socket", str(d.socket)], cwd=ROOT, capture_output=True, text=True, timeout=60

@@ -4,6 +4,7 @@ trip. Real daemons on real sockets, the real CLI in subprocesses."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -138,6 +139,12 @@ def test_a_copy_of_a_shared_build_says_what_it_copies(make_daemon):
 
 
 # ----- lifecycle commands
+
+
+def test_connect_shows_the_clients_options():
+    """help(client.connect) and IDEs show every option, with Client's defaults."""
+    assert list(inspect.signature(client.connect).parameters.values()) == list(inspect.signature(client.Client).parameters.values())
+    assert "reconnect_window" in inspect.signature(client.connect).parameters
 
 
 def test_version_and_help():
