@@ -27,7 +27,7 @@ redis-server:
 setup: $(VENV)/.installed redis-server
 
 demo: setup
-	$(VENV)/bin/kernel-service demo
+	$(VENV)/bin/python -m devtools.demo
 
 test: setup
 	$(VENV)/bin/python -m pytest -q

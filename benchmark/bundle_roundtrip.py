@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compile_service.tools.launch import DaemonProcess  # noqa: E402
+from devtools.launch import DaemonProcess  # noqa: E402
 
 APP = "gpu-demo"
 SPECS = [

@@ -91,7 +91,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 import zoo  # noqa: E402
-from compile_service.tools.launch import DaemonProcess  # noqa: E402  (benchmark/zoo.py, next to this file)
+from devtools.launch import DaemonProcess  # noqa: E402  (benchmark/zoo.py, next to this file)
 
 COLD_MODES = ("baseline", "tilelang", "service")
 MODES = ("baseline", "tilelang", "service", "from_serve", "layer", "layer_from_serve", "stampede_tilelang", "stampede_service", "warm_tilelang", "warm_service", "service_under_load")

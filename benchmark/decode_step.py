@@ -512,7 +512,7 @@ def main() -> None:
     validate_specs(cfg, cases)
     print(f"config: {cfg}", flush=True)
 
-    from compile_service.tools.launch import DaemonProcess
+    from devtools.launch import DaemonProcess
 
     import client as client_api
 

@@ -44,8 +44,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 import zoo  # noqa: E402  (benchmark/zoo.py, next to this file)
-from compile_service.tools import redis_server  # noqa: E402
-from compile_service.tools.launch import DaemonProcess, wait_serving  # noqa: E402
+from devtools import redis_server  # noqa: E402
+from devtools.launch import DaemonProcess, wait_serving  # noqa: E402
 from proto.paths import socket_address  # noqa: E402
 
 MODES = ("single", "independent", "fleet", "fetch")

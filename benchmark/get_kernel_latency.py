@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compile_service.tools.launch import DaemonProcess  # noqa: E402
+from devtools.launch import DaemonProcess  # noqa: E402
 
 CPU_SPECS = [
     {"kind": "gemm", "M": None, "N": 256, "K": 256, "dtype": "float32", "trans_b": True},

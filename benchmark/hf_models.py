@@ -137,7 +137,7 @@ def main() -> None:
         raise SystemExit("no CUDA device: run with --small for the CPU smoke path")
     daemon = None
     if small and not args.socket:
-        from compile_service.tools.launch import DaemonProcess
+        from devtools.launch import DaemonProcess
 
         base_dir = Path(tempfile.mkdtemp(prefix="hf-bench-"))
         daemon = DaemonProcess(base_dir / "cache", "--target", "c", workers=2, log_path=base_dir / "daemon.log").start(timeout=120)

@@ -53,7 +53,7 @@ from client.api import spec_to_proto  # noqa: E402
 from client.errors import CorruptArtifact  # noqa: E402
 from client.loader import find_published, read_verified  # noqa: E402
 from proto import keys  # noqa: E402
-from compile_service.tools.launch import DaemonProcess  # noqa: E402
+from devtools.launch import DaemonProcess  # noqa: E402
 from proto.kernelservice.v1 import kernel_service_pb2 as pb  # noqa: E402
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc  # noqa: E402
 

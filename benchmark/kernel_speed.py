@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from compile_service.tools.launch import DaemonProcess  # noqa: E402
+from devtools.launch import DaemonProcess  # noqa: E402
 from kernels import reference  # noqa: E402
 
 PEAK_HBM = 4.8e12  # H200 datasheet bytes/s; the measured copy is printed beside it

@@ -181,7 +181,7 @@ def child_served(clock: Clock, cfg: LayerConfig, layers: int, socket: str, wait_
     model = Model(cfg, layers)
     clock.done("weights")
     if wait_for_daemon:  # the daemon was started with us: no socket yet, or not serving yet
-        from compile_service.tools.launch import wait_serving
+        from devtools.launch import wait_serving
         from proto.paths import socket_address
 
         wait_serving(socket_address(socket), timeout=600)
@@ -290,7 +290,7 @@ class Bench:
         return path
 
     def start_daemon(self, name: str, wait: bool = True):
-        from compile_service.tools.launch import DaemonProcess
+        from devtools.launch import DaemonProcess
 
         workers = ["--workers", str(self.args.workers)] if self.args.workers else []
         cache = self.fresh_dir(f"{name}-cache")

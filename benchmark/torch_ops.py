@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmark"))
 
 import torch  # noqa: E402
 
-from compile_service.tools.launch import DaemonProcess  # noqa: E402
+from devtools.launch import DaemonProcess  # noqa: E402
 from llama_block import BlockConfig, ServedBlock, kernel_specs, reference, rel_error  # noqa: E402
 
 CONFIGS = {

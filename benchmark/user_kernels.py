@@ -370,7 +370,7 @@ def tilelang_compile(case: Case) -> tuple[object, float]:
 
 
 def start_daemons(groups, work: Path, env: dict, workers_total: int, cases: list[Case], target: str = "auto"):
-    from compile_service.tools.launch import DaemonProcess
+    from devtools.launch import DaemonProcess
 
     daemons = []
     counts = [sum(c.module in g for c in cases) for g in groups]
@@ -382,7 +382,7 @@ def start_daemons(groups, work: Path, env: dict, workers_total: int, cases: list
         d = DaemonProcess(cache, *flags, workers=workers, log_path=work / f"daemon-{len(daemons)}.log", env={**env, **tl_cache})
         d.start(wait=False)
         daemons.append(d)
-    from compile_service.tools.launch import socket_address, wait_serving
+    from devtools.launch import socket_address, wait_serving
 
     for d in daemons:
         wait_serving(socket_address(d.socket), 300, d.proc)

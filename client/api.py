@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -17,11 +19,11 @@ import kernels
 from proto import channel, keys, manifest, wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-from proto.paths import default_socket, socket_address
+from proto.paths import default_cache_dir, default_socket, socket_address
 from proto.trust import peer_uid, problem
 from proto.wire import Outcome, Status
 
-from . import loader
+from . import loader, resolver
 from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable, UntrustedService
 from .inductor import InductorCache, use_shared_inductor_cache
 
@@ -269,6 +271,14 @@ class Client:
         if waited > SLOW_GET:  # a silent pause gets a reason
             how = f"a copy of a shared build compiled in {kernel.shared_build['compile_seconds']:.1f} s" if kernel.shared_build else f"compile {kernel.compile_seconds:.1f} s"
             log.info("get_kernel(%s) waited %.1f s: %s (%s)", kind, waited, kernel.outcome, how)
+        return self._keep(memo_key, kernel)
+
+    def _keep(self, memo_key: str, kernel: loader.Kernel) -> loader.Kernel:
+        """A freshly loaded kernel, bound to its kind's torch op, memoized: the kernel this client
+        returns for `memo_key` from now on (the first one kept, if two threads loaded it)."""
+        from . import torch_ops  # imports torch, which loading the kernel has already done
+
+        torch_ops.bind(kernel)
         with self._memo_lock:
             return self._memo.setdefault(memo_key, kernel)
 
@@ -363,58 +373,65 @@ class Client:
         return kernel
 
     def prefetch(
-        self, specs: Iterable[dict] | str | os.PathLike | dict, *, timeout: float | None = None, progress: Callable[[int, int, dict], None] | None = None, load: bool = True
+        self,
+        specs: Iterable[dict] | str | os.PathLike | dict,
+        *,
+        timeout: float | None = None,
+        progress: Callable[..., object] | None = None,
+        load: bool = True,
     ) -> list:
         """Makes many kernels ready at once (cold ones compile in parallel).
 
         `specs` are dicts like {"kind": "gemm", "M": 128, ..., "target": "c"}, or a
         manifest (`kernel-service manifest`): its path, or the loaded dict.
-        Returns, in request order, the loaded Kernel (or, with load=False, the
-        outcome string) or the exception for each spec. `progress(done, total,
-        event)` is called as each finishes. A strict client compiles nothing: what
-        is not in the cache comes back as KernelNotReady.
+
+        Returns one slot per spec, in request order: the loaded Kernel (with load=False,
+        its outcome: "hit", "compiled" or "joined"), or the exception that spec met, as
+        get_kernel would raise it (InvalidSpec, its field named "specs[i]....", CompileError,
+        KernelNotReady, ServiceError, CorruptArtifact): one bad spec fails its own slot
+        only. A strict client compiles nothing: what is not in the cache comes back as
+        KernelNotReady. Raises only for the whole batch (ServiceUnavailable; ServiceError
+        for a passed deadline or a full queue).
+
+        `progress` is called in this thread once per spec, as each finishes (invalid specs
+        first); what it returns is ignored. It takes one, two or three positional arguments:
+        progress(event), progress(done, total) or progress(done, total, event). `done` and
+        `total` count specs; `event` is a dict with the spec's `index` in `specs`, `done`,
+        `total`, and either `kernel` (the daemon's answer: outcome, artifact, compile_seconds,
+        shared_build) or `error_code` (a gRPC status name: "INVALID_ARGUMENT" for an invalid
+        spec, "FAILED_PRECONDITION" for a failed compile, "NOT_FOUND" for not ready) and
+        `error_message`.
         """
         if isinstance(specs, (str, os.PathLike, dict)):
             specs = manifest.specs(specs)
-        canon = []
+        report = _progress_reporter(progress)
+        specs = list(specs)
+        results: list = [None] * len(specs)
+        done = 0
+
+        def refuse(slot: int, exc: InvalidSpec) -> None:  # an invalid spec: its slot's answer, reported as finished
+            nonlocal done
+            results[slot], done = exc, done + 1
+            report(pb.PrefetchEvent(index=slot, done=done, total=len(results), error_code=Status.INVALID_SPEC.name, error_message=str(exc)))
+
+        wanted = []  # (slot in results, memo key, wire spec, canonical spec) of each valid spec
         for i, raw in enumerate(specs):
             raw = dict(raw)
             try:
-                canon.append(self._request(raw.pop("kind", None), raw, raw.pop("target", None)))
+                wanted.append((i, *self._request(raw.pop("kind", None), raw, raw.pop("target", None))))
             except InvalidSpec as exc:
-                raise InvalidSpec(f"specs[{i}].{exc.field}", str(exc).split(": ", 1)[-1]) from None
-        request = pb.PrefetchRequest(specs=[proto for _, proto, _ in canon], app=self.app, no_compile=self.strict)
-        results: list = [None] * len(canon)
+                refuse(i, _in_batch(exc, i))
         self._check_socket()
         try:
             self._verify_daemon()
         except _NotListening as exc:
             raise ServiceUnavailable(f"no kernel service answers at {self.socket_path}: nothing accepts connections ({exc}); start one with `kernel-service serve`") from None
-        try:
-            for event in self._stub.Prefetch(request, timeout=timeout or self.timeout, metadata=self._auth()):
-                if event.error_code:
-                    results[event.index] = _event_error(event)
-                elif load:
-                    memo_key, proto, spec = canon[event.index]
-                    try:
-                        kernel = self._load(event.kernel, spec)
-                    except CorruptArtifact:  # reported, then fetched again once (see get_kernel)
-                        self._report_corrupt(event.kernel.artifact.key)
-                        try:
-                            kernel = self._load(self._call(self._stub.GetKernel, pb.GetKernelRequest(spec=proto), timeout or self.timeout, f"kernel {proto.kind}"), spec)
-                        except (CorruptArtifact, CompileError, ServiceError) as exc:
-                            kernel = exc
-                    if isinstance(kernel, Exception):
-                        results[event.index] = kernel
-                    else:
-                        with self._memo_lock:
-                            results[event.index] = self._memo.setdefault(memo_key, kernel)
-                else:
-                    results[event.index] = Outcome.from_proto(event.kernel.outcome)
-                if progress:
-                    progress(event.done, event.total, channel.reply_to_dict(event))
-        except grpc.RpcError as err:
-            _raise_for(err, "prefetch", self.address)
+        # The daemon refuses a whole batch for one spec it finds invalid (a kind only it knows):
+        # that spec leaves the batch, which is sent again.
+        while (refused := self._prefetch_batch(wanted, results, done, timeout, report, load)) is not None:
+            slot, exc = refused
+            wanted = [w for w in wanted if w[0] != slot]
+            refuse(slot, exc)
         for i, kernel in enumerate(results):  # a router's builds, loaded as get_kernel loads them (every one is built by now)
             if isinstance(kernel, loader.Kernel):
                 try:
@@ -422,6 +439,45 @@ class Client:
                 except (CorruptArtifact, CompileError, ServiceError, KernelNotReady) as exc:
                     results[i] = exc
         return results
+
+    def _prefetch_batch(self, wanted: list, results: list, done: int, timeout: float | None, report, load: bool) -> tuple[int, InvalidSpec] | None:
+        """One Prefetch of the `wanted` specs, each answer put in its slot of `results` and reported
+        (`done` of them reported before). Returns (slot, InvalidSpec) when the daemon refused the
+        batch for that one spec before answering any, else None; raises for the whole batch."""
+        request = pb.PrefetchRequest(specs=[proto for _, _, proto, _ in wanted], app=self.app, no_compile=self.strict)
+        answered = 0
+        try:
+            for event in self._stub.Prefetch(request, timeout=timeout or self.timeout, metadata=self._auth()):
+                answered += 1
+                slot, memo_key, proto, spec = wanted[event.index]
+                if event.error_code:
+                    results[slot] = _event_error(event)
+                elif load:
+                    results[slot] = self._load_prefetched(event.kernel, memo_key, proto, spec, timeout)
+                else:
+                    results[slot] = Outcome.from_proto(event.kernel.outcome)
+                event.index, event.done, event.total = slot, done + event.done, len(results)
+                report(event)
+        except grpc.RpcError as err:
+            refused = _refused_spec(err, len(wanted)) if not answered else None
+            if refused is None:
+                _raise_for(err, "prefetch", self.address)
+            position, exc = refused
+            slot = wanted[position][0]
+            return slot, _in_batch(exc, slot)
+        return None
+
+    def _load_prefetched(self, reply: pb.GetKernelResponse, memo_key: str, proto: pb.KernelSpec, spec, timeout: float | None):
+        """The kernel a Prefetch event names, loaded and kept; or the exception loading it met."""
+        try:
+            kernel = self._load(reply, spec)
+        except CorruptArtifact:  # reported, then fetched again once (see get_kernel)
+            self._report_corrupt(reply.artifact.key)
+            try:
+                kernel = self._load(self._call(self._stub.GetKernel, pb.GetKernelRequest(spec=proto), timeout or self.timeout, f"kernel {proto.kind}"), spec)
+            except (CorruptArtifact, CompileError, ServiceError) as exc:
+                return exc
+        return self._keep(memo_key, kernel)
 
     def explain(self, kind: str, *, target: str | None = None, **params) -> dict:
         """Whether the kernel is in the cache, and why not: {"hit", "key", "spec", "toolchain"
@@ -439,8 +495,11 @@ class Client:
     def use_shared_inductor_cache(self) -> InductorCache:
         """Points this process's torch.compile at the daemon's persistent Inductor directory
         and returns it with where it came from ("environment", "daemon" or "fallback").
-        An existing TORCHINDUCTOR_CACHE_DIR wins. Call it before the first torch.compile."""
-        return use_shared_inductor_cache(lambda: self.service_info()["inductor_dir"])
+        An existing TORCHINDUCTOR_CACHE_DIR wins; with no daemon, the directory is the one a
+        daemon would use on this client's cache (cache_dir, else $KERNEL_SERVICE_CACHE_DIR,
+        else the XDG default). Call it before the first torch.compile."""
+        fallback_root = Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+        return use_shared_inductor_cache(lambda: self.service_info()["inductor_dir"], fallback_root)
 
     def kinds(self) -> list[dict]:
         """The kernel kinds the daemon serves (the zoo and its plugins), each with its `params`:
@@ -452,6 +511,51 @@ class Client:
         """The daemon's counters (compiles, hits, misses, failures, in_flight, workers, entries, bytes, ...)."""
         reply = self._call(self._stub.GetStats, pb.GetStatsRequest(), STATS_TIMEOUT, "stats")
         return {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}  # native ints, unlike MessageToDict
+
+
+def _in_batch(exc: InvalidSpec, index: int) -> InvalidSpec:
+    """An invalid spec's error, its field named by the spec's place in a batch ("specs[3].N")."""
+    return InvalidSpec(f"specs[{index}].{exc.field}", str(exc).split(": ", 1)[-1])
+
+
+def _progress_reporter(progress: Callable[..., object] | None) -> Callable[[pb.PrefetchEvent], None]:
+    """prefetch's `progress` as a function of one event, in whichever of its three forms
+    (event), (done, total), (done, total, event) it takes: its signature is read once."""
+    if progress is None:
+        return lambda event: None
+    try:
+        params = list(inspect.signature(progress).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some builtins): the full form
+        params = None
+    if params is None or any(p.kind == p.VAR_POSITIONAL for p in params):
+        count = 3
+    else:
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        required = [p for p in positional if p.default is p.empty]
+        count = min(len(positional), 3)
+        if count == 0 or len(required) > 3:
+            raise TypeError(f"prefetch: progress must take 1 (event), 2 (done, total) or 3 (done, total, event) positional arguments; {progress!r} takes {len(required)}")
+
+    def report(event: pb.PrefetchEvent) -> None:
+        if count == 2:
+            progress(event.done, event.total)
+            return
+        as_dict = channel.reply_to_dict(event)
+        if count == 1:
+            progress(as_dict)
+        else:
+            progress(event.done, event.total, as_dict)
+
+    return report
+
+
+def _refused_spec(err: grpc.RpcError, sent: int) -> tuple[int, InvalidSpec] | None:
+    """(position in the request, its error) when a Prefetch was refused for one invalid spec
+    ("specs[3].N: ..."), as the daemon refuses a kind only it knows; None for any other failure."""
+    match = re.fullmatch(r"specs\[(\d+)\]\.(.+)", err.details() or "", re.DOTALL) if err.code() == Status.INVALID_SPEC else None
+    if match is None or int(match[1]) >= sent:
+        return None
+    return int(match[1]), wire.invalid_spec_from_details(match[2])
 
 
 def _event_error(event: pb.PrefetchEvent) -> Exception:
@@ -468,10 +572,25 @@ _default: Client | None = None
 _default_lock = threading.Lock()
 
 
-def connect(socket: str | os.PathLike | None = None, **options) -> Client:
-    """A new client for the daemon at `socket` (default: $KERNEL_SERVICE_SOCKET or the XDG path).
-    Options: fallback, cache_dir, timeout, reconnect_window, direct_hits, app, strict, daemon_uid, token_file (see Client)."""
-    return Client(socket, **options)
+def connect(
+    socket: str | os.PathLike | None = None,
+    *,
+    fallback: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    timeout: float = GET_TIMEOUT,
+    reconnect_window: float = RECONNECT_WINDOW,
+    direct_hits: bool = True,
+    app: str | None = None,
+    strict: bool | None = None,
+    daemon_uid: int | None = None,
+    token_file: str | os.PathLike | None = None,
+) -> Client:
+    """A new client for the daemon at `socket` (default: $KERNEL_SERVICE_SOCKET or the XDG path);
+    the options are Client's, with its defaults (see Client)."""
+    return Client(
+        socket, fallback=fallback, cache_dir=cache_dir, timeout=timeout, reconnect_window=reconnect_window, direct_hits=direct_hits,
+        app=app, strict=strict, daemon_uid=daemon_uid, token_file=token_file,
+    )  # fmt: skip
 
 
 def default_client() -> Client:
@@ -480,6 +599,13 @@ def default_client() -> Client:
         if _default is None:
             _default = Client(fallback=os.environ.get("KERNEL_SERVICE_FALLBACK", "") == "1")
         return _default
+
+
+def _resolve(kind: str, target: str, params: dict) -> loader.Kernel:
+    return default_client().get_kernel(kind, target=target, **params)
+
+
+resolver.set_resolver(_resolve)  # a spec no loaded kernel answers (a saved program's) comes from the default connection
 
 
 def get_kernel(kind: str, *, target: str | None = None, timeout: float | None = None, **params) -> loader.Kernel:

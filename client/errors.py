@@ -3,7 +3,7 @@
 from proto.errors import EntryRefused, InvalidSpec  # InvalidSpec: a ValueError whose `field` names the bad parameter
 
 # The errors a failed call raises are the contract's (proto/channel.py maps each status to one).
-from proto.channel import CompileError, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable
+from proto.channel import NOT_READY_FIX, CompileError, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable
 
 
 class UntrustedService(ServiceUnavailable):
@@ -17,4 +17,4 @@ class CorruptArtifact(KernelServiceError, EntryRefused):
     An OSError, and the client's form of the contract's EntryRefused (proto.entry's rules)."""
 
 
-__all__ = ["CompileError", "CorruptArtifact", "InvalidSpec", "KernelNotReady", "KernelServiceError", "ServiceError", "ServiceUnavailable", "UntrustedService"]
+__all__ = ["NOT_READY_FIX", "CompileError", "CorruptArtifact", "InvalidSpec", "KernelNotReady", "KernelServiceError", "ServiceError", "ServiceUnavailable", "UntrustedService"]

@@ -3,8 +3,9 @@
 Precedence (the XDG convention in DESIGN.md):
   1. TORCHINDUCTOR_CACHE_DIR already set by the user: it wins, untouched.
   2. The daemon's directory (<cache root>/torchinductor), when a daemon answers.
-  3. Otherwise $XDG_CACHE_HOME/kernel-service/torchinductor (or
-     ~/.cache/kernel-service/torchinductor), created owner-only.
+  3. Otherwise the directory a daemon would keep on the client's cache root
+     (`cache_dir=`, else $KERNEL_SERVICE_CACHE_DIR, else $XDG_CACHE_HOME/kernel-service
+     or ~/.cache/kernel-service): <root>/torchinductor, created owner-only.
 Only TORCHINDUCTOR_CACHE_DIR is set: Inductor then puts Triton's cache under
 it (<dir>/triton/<device>), as it does by default, unless TRITON_CACHE_DIR is set.
 """
@@ -18,7 +19,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from proto.paths import APP, xdg_cache_home
+from proto.paths import inductor_dir
 
 log = logging.getLogger(__name__)
 ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -41,8 +42,9 @@ def _already_compiled() -> bool:
     return any(counters["inductor"].get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"))
 
 
-def use_shared_inductor_cache(daemon_dir) -> InductorCache:
-    """`daemon_dir()` returns the daemon's directory or raises ConnectionError."""
+def use_shared_inductor_cache(daemon_dir, cache_root: Path) -> InductorCache:
+    """`daemon_dir()` returns the daemon's directory or raises ConnectionError; with no daemon,
+    the directory is the one under `cache_root`."""
     if _already_compiled():
         warnings.warn(
             f"use_shared_inductor_cache() was called after torch.compile already compiled in this process; "
@@ -57,8 +59,9 @@ def use_shared_inductor_cache(daemon_dir) -> InductorCache:
     try:
         result = InductorCache(Path(daemon_dir()), "daemon")
     except ConnectionError as exc:
-        path = xdg_cache_home() / APP / "torchinductor"
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = inductor_dir(cache_root)
+        cache_root.mkdir(mode=0o700, parents=True, exist_ok=True)  # as a daemon would create it: owner-only
+        path.mkdir(mode=0o700, exist_ok=True)
         log.warning("no kernel service answered (%s); using %s for torch.compile's cache", exc, path)
         result = InductorCache(path, "fallback")
     os.environ[ENV] = str(result.path)

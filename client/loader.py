@@ -195,9 +195,7 @@ class Kernel:
         self.writes = [params[i]["name"] for i in abi.get("writes", [])]  # inputs updated in place
         self.inplace = self._inplace_slots()
         self.__doc__, self.__signature__ = self._describe()
-        from . import torch_ops  # registers the kind's torch ops (imports torch, which loading needs anyway)
-
-        self._op, self._op_out = torch_ops.ops_for(self)
+        self._op = self._op_out = None  # kernel_service::<kind> and its .out: bound by the client after loading (torch_ops.bind)
 
     def __repr__(self) -> str:
         return f"<Kernel {self.kind} {json.dumps(self.spec['params'], sort_keys=True)} target={self.spec['target']}>"
@@ -388,6 +386,8 @@ class Kernel:
         return self.run(inputs, out)
 
     def _call_op(self, inputs, out):
+        if self._op is None:
+            raise RuntimeError(f"{self.kind}: this kernel has no torch op bound (a kernel from client.get_kernel has); it runs on plain tensors only")
         if out is None:
             result = self._op(self.spec_json, list(inputs))
             if not isinstance(result, (list, tuple)):

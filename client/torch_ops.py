@@ -8,9 +8,9 @@ One op per kernel kind, in the namespace `kernel_service`, with two overloads:
 `spec` is the kernel's canonical spec as JSON (`Kernel.spec_json`, the client's
 memo key): a constant string in a traced graph, so a graph or an exported
 program names every kernel it calls completely, and any process can resolve it.
-Resolution (`kernel_for`) is memoized per process: a kernel this process loaded
-through any client, else `client.get_kernel` on the default connection
-($KERNEL_SERVICE_SOCKET), which a warm cache answers without compiling.
+Resolution (`kernel_for`, client/resolver.py) is memoized per process: a kernel
+this process loaded through any client, else `client.get_kernel` on the default
+connection ($KERNEL_SERVICE_SOCKET), which a warm cache answers without compiling.
 
 Why per kind, with the spec as an argument: an op per built kernel would put
 thousands of ops, named by hashes, in one namespace, each to be registered
@@ -30,12 +30,12 @@ torch.compile(mode="reduce-overhead"), records them. The Autograd kernel refuses
 inputs that would record grad: the kernels are inference-only.
 
 Importing this module imports torch and registers the ops of every known kind;
-`import client` does so when torch is already imported, and loading any kernel does.
+`import client` does so when torch is already imported, and loading any kernel does:
+the client binds each kernel it loads to its kind's op (`bind`).
 """
 
 from __future__ import annotations
 
-import json
 import threading
 
 import torch
@@ -43,13 +43,13 @@ import torch
 import kernels
 
 from .loader import INFERENCE_ONLY, Kernel
+from .resolver import kernel_for, remember
 
 NAMESPACE = "kernel_service"
 
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 _ops: dict[str, tuple] = {}  # kind -> (default overload, out overload)
 _returns_list: dict[str, bool] = {}  # kind -> whether its op returns a list
-_kernels: dict[str, Kernel] = {}  # canonical spec JSON -> the loaded kernel
 _lock = threading.RLock()
 
 
@@ -59,30 +59,6 @@ def _layout_tag() -> list:
         if hasattr(torch.Tag, name):
             return [getattr(torch.Tag, name)]
     return []
-
-
-def remember(kernel: Kernel) -> Kernel:
-    """Makes `kernel` the one its spec resolves to in this process (the first loaded wins)."""
-    with _lock:
-        return _kernels.setdefault(kernel.spec_json, kernel)
-
-
-def kernel_for(spec_json: str) -> Kernel:
-    """The kernel a spec names: one loaded in this process, else fetched through the default client."""
-    kernel = _kernels.get(spec_json)
-    if kernel is not None:
-        return kernel
-    try:
-        spec = json.loads(spec_json)
-        kind, target, params = spec["kind"], spec["target"], dict(spec["params"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"kernel_service op: not a canonical kernel spec: {spec_json[:200]!r} ({exc})") from None
-    from .api import default_client
-
-    kernel = default_client().get_kernel(kind, target=target, **params)
-    if kernel.spec_json != spec_json:  # a spec from another version of the kernels: not what the graph meant
-        raise ValueError(f"kernel_service op: spec {spec_json} canonicalizes to {kernel.spec_json} in this process (another version of the kernels?)")
-    return remember(kernel)
 
 
 def _kernel(kind: str, spec_json: str) -> Kernel:
@@ -173,12 +149,13 @@ def register_kind(kind: str, n_outputs: int = 1, multi: bool | None = None) -> t
         return _ops[kind]
 
 
-def ops_for(kernel: Kernel) -> tuple:
-    """The kind's two overloads for a freshly loaded kernel, which becomes its spec's kernel here."""
+def bind(kernel: Kernel) -> Kernel:
+    """Gives a freshly loaded kernel its kind's two overloads (registering them on first use)
+    and makes it its spec's kernel here, unless one was loaded first; returns it."""
     known = kernels.kinds().get(kernel.kind)
-    ops = register_kind(kernel.kind, len(kernel._outputs), known.multi_output if known is not None else None)
+    kernel._op, kernel._op_out = register_kind(kernel.kind, len(kernel._outputs), known.multi_output if known is not None else None)
     remember(kernel)
-    return ops
+    return kernel
 
 
 def register_all() -> None:
@@ -189,4 +166,4 @@ def register_all() -> None:
 
 register_all()
 
-__all__ = ["NAMESPACE", "kernel_for", "register_all", "register_kind", "remember"]
+__all__ = ["NAMESPACE", "bind", "kernel_for", "register_all", "register_kind", "remember"]

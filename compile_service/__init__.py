@@ -9,7 +9,8 @@ Modules, in the order a request flows through them:
     keys       canonical spec + toolchain fingerprint -> key
     server     process lifecycle: socket, health, signals, drain, workers spawned after SERVING
     metrics    the one metrics object (counters kept across restarts); exporter: its Prometheus view
-    config, cpus, inductor, embedded, tools (launch, demo), cli
+    config, cpus, inductor, embedded, cli
+(the developer tools built on it and the client, launch, redis_server and demo, are devtools/, which the wheel leaves out)
 """
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""`kernel-service`: serve, stop, info, stats, zero-stats, kinds, ls, prune, clear, verify, demo;
+"""`kernel-service`: serve, stop, info, stats, zero-stats, kinds, ls, prune, clear, verify;
 manifest, prewarm, bundle export|import, explain (no compiling while serving).
 
 Commands that ask a running daemon (stats, zero-stats, kinds, info) speak the
@@ -611,12 +611,6 @@ def _explain(args) -> int:
     return 0 if answer["hit"] else 1
 
 
-def _demo(args) -> int:
-    from .tools.demo import run_demo
-
-    return run_demo(args.cache_dir, args.socket)
-
-
 def _shown_default(name: str, setting) -> str:
     from .config import _DEFAULTS
 
@@ -853,11 +847,6 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--socket", help=socket_help)
     explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.set_defaults(run=_explain)
-
-    demo = sub.add_parser("demo", help="start a daemon, ask it for a few kernels twice, run them, stop")
-    demo.add_argument("--socket", help="Unix socket path (default: the daemon's default)")
-    demo.add_argument("--cache-dir", help="cache root (default: the daemon's default)")
-    demo.set_defaults(run=_demo)
 
     flags = sub.add_parser("flags-markdown", help="print docs/cli.md: these commands, their flags and the daemon's settings, as markdown")
     flags.set_defaults(run=_flags_markdown)

@@ -11,13 +11,8 @@ import os
 import stat
 from pathlib import Path
 
+from proto.paths import inductor_dir
 from proto.trust import private_dir
-
-DIRNAME = "torchinductor"
-
-
-def inductor_dir(cache_root: Path) -> Path:
-    return Path(cache_root) / DIRNAME
 
 
 def ensure(cache_root: Path) -> Path:

@@ -88,12 +88,22 @@ class ServiceError(KernelServiceError, RuntimeError):
         self.code = code
 
 
+# How to have a kernel ready next time: the tail of every KernelNotReady's message.
+NOT_READY_FIX = (
+    "to have it ready, build it ahead on a daemon that compiles (`kernel-service prewarm MANIFEST`, "
+    "a manifest from `kernel-service manifest --app NAME`), or import a bundle that holds it "
+    "(`kernel-service bundle import BUNDLE`); or let it compile on demand: a client without strict "
+    "(strict=False, KERNEL_SERVICE_STRICT unset) and a daemon without --no-compile"
+)
+
+
 class KernelNotReady(KernelServiceError, LookupError):
     """Not in the cache, and nothing may compile it: this client is strict, or the daemon serves
-    only (`serve --no-compile`). The message names the spec, its key (`.key`) and why it missed."""
+    only (`serve --no-compile`). The message names the spec, its key (`.key`), why it missed,
+    and how to have it ready (NOT_READY_FIX)."""
 
     def __init__(self, message: str, key: str = ""):
-        super().__init__(message)
+        super().__init__(message if NOT_READY_FIX in message else f"{message}\n{NOT_READY_FIX}")
         self.key = key
 
 

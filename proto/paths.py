@@ -15,6 +15,7 @@ TOKEN_FILE = "tcp-token"
 SOCKET_ENV = "KERNEL_SERVICE_SOCKET"
 CACHE_DIR_ENV = "KERNEL_SERVICE_CACHE_DIR"
 TOKEN_FILE_ENV = "KERNEL_SERVICE_TOKEN_FILE"
+INDUCTOR_DIRNAME = "torchinductor"  # under the cache root: the directory agents point torch.compile at
 
 
 def _absolute_env(name: str, env) -> Path | None:
@@ -42,6 +43,11 @@ def default_cache_dir(env=os.environ) -> Path:
     if env.get(CACHE_DIR_ENV):
         return Path(env[CACHE_DIR_ENV])
     return xdg_cache_home(env) / APP
+
+
+def inductor_dir(cache_root: Path | str) -> Path:
+    """The persistent torch.compile (Inductor) directory kept under a cache root."""
+    return Path(cache_root) / INDUCTOR_DIRNAME
 
 
 def default_token_file(env=os.environ) -> Path:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from compile_service.tools.launch import DaemonProcess
+from devtools.launch import DaemonProcess
 
 SESSION_MARK = "KERNEL_SERVICE_TEST_SESSION"  # inherited by every process the session starts, and theirs
 

@@ -20,26 +20,99 @@ ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = ROOT / "tests" / "plugin_pkg"
 
 
-def _imports(path: Path) -> set[str]:
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module)
+# The layers, lowest first: a module imports only its own layer and those below it.
+# benchmark/ and tests/ sit above them all: they use the packages, no package imports them.
+LAYERS = {"proto": 0, "kernels": 1, "compile_service": 2, "client": 3, "devtools": 4, "benchmark": 5, "tests": 5}
+PACKAGES = ("proto", "kernels", "compile_service", "client", "devtools")
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the project's packages, by dotted name."""
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
-def test_the_daemon_core_never_imports_the_client():
-    core = [p for p in (ROOT / "compile_service").rglob("*.py") if "tools" not in p.relative_to(ROOT / "compile_service").parts]
-    offenders = {str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.split(".")[0] == "client") for p in core}
-    assert {k: v for k, v in offenders.items() if v} == {}
+def _imports(module: str, path: Path, modules: dict) -> set[str]:
+    """What `module` imports, anywhere in the file (a function's lazy import counts as much as a
+    module-level one): each name resolved to the project module it loads (`from . import loader`
+    is client.loader, `from .errors import X` is client.errors), other names as written."""
+
+    def known(name: str) -> str:
+        prefix = name
+        while prefix and prefix not in modules:
+            prefix = prefix.rpartition(".")[0]
+        return prefix or name
+
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(known(a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).strip(".") if node.level else node.module
+            out.update(known(f"{base}.{a.name}") if f"{base}.{a.name}" in modules else known(base) for a in node.names)
+    out.discard(module)
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(m, path, modules) for m, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle among the project's modules, as [a, b, ..., a]; None when there is none."""
+    done, path = set(), []
+
+    def visit(m):
+        path.append(m)
+        for n in sorted(graph[m] & graph.keys()):
+            if n in path:
+                return path[path.index(n) :] + [n]
+            if n not in done and (found := visit(n)):
+                return found
+        done.add(path.pop())
+        return None
+
+    return next((found for m in sorted(graph) if m not in done and (found := visit(m))), None)
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No import cycle, counting every import: a lazy (function-level) import only hides a loop
+    from the load order, the two modules still need each other. Break a loop by passing the
+    dependency in (a callback, a resolver), never by moving the import into a function."""
+    cycle = _cycle(_import_graph())
+    assert cycle is None, "an import loop: " + " -> ".join(cycle)
+
+
+def test_no_package_imports_a_layer_above_its_own():
+    """proto < kernels < compile_service < client < devtools < benchmark, tests: every import
+    (module- or function-level) points to the module's own layer or a lower one, with no exemption."""
+    upward = {
+        m: sorted(i for i in imported if LAYERS.get(i.split(".")[0], -1) > LAYERS[m.split(".")[0]])
+        for m, imported in _import_graph().items()
+    }
+    assert {m: i for m, i in upward.items() if i} == {}
 
 
 def test_the_client_imports_only_the_contract_and_the_embedding_api():
-    for path in (ROOT / "client").rglob("*.py"):
-        daemon = {m for m in _imports(path) if m.split(".")[0] == "compile_service"}
-        assert daemon <= {"compile_service.embedded"}, f"{path.name} imports daemon internals: {sorted(daemon)}"
+    for m, imported in _import_graph().items():
+        if m.split(".")[0] == "client":
+            daemon = {i for i in imported if i.split(".")[0] == "compile_service"}
+            assert daemon <= {"compile_service.embedded"}, f"{m} imports daemon internals: {sorted(daemon)}"
+
+
+def test_the_import_graph_sees_lazy_and_relative_imports():
+    """The graph the two tests above read: known edges of each kind are in it."""
+    graph = _import_graph()
+    assert "client.loader" in graph["client.api"]  # from . import loader
+    assert "client.errors" in graph["client.api"]  # from .errors import ...
+    assert "compile_service.embedded" in graph["client.fallback"]  # a function-level import
+    assert "kernels.spec" in graph["kernels"] and "compile_service.fsutil" in graph["compile_service.store.local"]  # from ..fsutil import
 
 
 def test_the_contract_imports_nothing_above_it():
@@ -133,6 +206,9 @@ def test_an_installed_plugin_is_served_to_a_client_that_never_imports_it(make_da
 
     with pytest.raises(client.InvalidSpec, match="scale"):  # the daemon validates against the plugin's schema
         c.get_kernel("row_scale", N=24, scale="big", target="c")
+    # In a batch, the spec the daemon refuses fails its own slot; the others are served.
+    batch = c.prefetch([{"kind": "row_scale", "N": 24, "scale": "big", "target": "c"}, {"kind": "row_scale", "N": 24, "scale": 3.0, "target": "c"}])
+    assert isinstance(batch[0], client.InvalidSpec) and batch[0].field == "specs[0].scale" and batch[1] is scale
 
     out = subprocess.run(
         [sys.executable, "-m", "compile_service.cli", "kinds", "--json", "--socket", str(d.socket)], cwd=ROOT, capture_output=True, text=True, timeout=60

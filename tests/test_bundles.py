@@ -20,7 +20,7 @@ import client
 from compile_service.bundle import BundleError, import_, shared_toolchain
 from compile_service.keys import tilelang_version
 from compile_service.store import LocalStore
-from compile_service.tools.launch import DaemonProcess
+from devtools.launch import DaemonProcess
 from kernels import reference
 from tests.marks import needs_nvrtc
 from tests.plant import abi, host_toolchain, key_of, spec_of

@@ -35,7 +35,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     """A serve-only daemon on a cache holding one planted near-miss per case."""
-    from compile_service.tools.launch import DaemonProcess
+    from devtools.launch import DaemonProcess
 
     base = tmp_path_factory.mktemp("explain")
     store = LocalStore(base / "cache")

@@ -27,8 +27,8 @@ from compile_service.metrics import Metrics
 from compile_service.store import BUILD, LocalStore
 from compile_service.store.remote import DOWN, RETRY_AFTER, UP, RedisTier, TierUnavailable, blob_key, entry_key
 from compile_service.store.tiered import with_fleet_tier
-from compile_service.tools import redis_server
-from compile_service.tools.launch import wait_serving
+from devtools import redis_server
+from devtools.launch import wait_serving
 from proto.paths import socket_address
 from tests.marks import require_redis_server
 from tests.test_faults import assert_correct, get, specs, wait_for

@@ -362,7 +362,7 @@ def _assert_close(got, want, dtype):
 
 @pytest.fixture(scope="module")
 def gpu_client(tmp_path_factory):
-    from compile_service.tools.launch import DaemonProcess
+    from devtools.launch import DaemonProcess
 
     base = tmp_path_factory.mktemp("fused-gpu")
     d = DaemonProcess(base / "cache", "--target", "sm_90a", workers=2, log_path=base / "daemon.log").start(timeout=300)

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 hf = pytest.importorskip("client.integrations.hf")
 
-from compile_service.tools.launch import DaemonProcess  # noqa: E402
+from devtools.launch import DaemonProcess  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, ModernBertConfig, ModernBertModel  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.modernbert import modeling_modernbert  # noqa: E402

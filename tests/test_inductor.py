@@ -39,7 +39,7 @@ AGENT = textwrap.dedent(
 
 
 def agent(socket, env_extra: dict, mode: str = "") -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME")}
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "KERNEL_SERVICE_CACHE_DIR")}
     env.update(env_extra)
     proc = subprocess.run([sys.executable, "-c", AGENT, str(socket), mode], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -58,7 +58,7 @@ def test_second_process_hits_the_fx_graph_cache_through_the_daemon_dir(make_daem
     assert stats["inductor_dir"] == a["path"] and stats["inductor_entries"] > 0 and stats["inductor_bytes"] > 0
 
 
-def test_existing_setting_wins_and_no_daemon_falls_back_to_xdg(tmp_path):
+def test_existing_setting_wins_and_no_daemon_falls_back_to_the_cache_root(tmp_path):
     mine = tmp_path / "mine"
     r = agent(tmp_path / "nobody.sock", {"TORCHINDUCTOR_CACHE_DIR": str(mine)})
     assert r["source"] == "environment" and r["path"] == str(mine) and any(mine.iterdir())
@@ -67,6 +67,11 @@ def test_existing_setting_wins_and_no_daemon_falls_back_to_xdg(tmp_path):
     fallback = tmp_path / "xdg" / "kernel-service" / "torchinductor"
     assert r["source"] == "fallback" and r["path"] == str(fallback)
     assert stat.S_IMODE(fallback.stat().st_mode) == 0o700
+
+    # The cache root a daemon would use is the client's too: $KERNEL_SERVICE_CACHE_DIR before XDG.
+    r = agent(tmp_path / "nobody.sock", {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "KERNEL_SERVICE_CACHE_DIR": str(tmp_path / "mine-too")})
+    assert r["source"] == "fallback" and r["path"] == str(tmp_path / "mine-too" / "torchinductor")
+    assert stat.S_IMODE((tmp_path / "mine-too").stat().st_mode) == 0o700
 
 
 def test_calling_after_the_first_compile_warns(tmp_path):

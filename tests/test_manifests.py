@@ -103,6 +103,8 @@ def test_a_strict_miss_raises_at_once_and_compiles_nothing(make_daemon):
     message = str(err.value)
     assert '"kind":"rmsnorm"' in message and '"N":72' in message and f"(key {err.value.key})" in message and len(err.value.key) == 64
     assert "the request asked for no compile (a strict client)" in message and "no entry of kind rmsnorm" in message
+    fix = message.splitlines()[-1]  # and how to have it ready
+    assert "`kernel-service prewarm MANIFEST`" in fix and "`kernel-service bundle import BUNDLE`" in fix and "strict=False" in fix and "--no-compile" in fix
     assert isinstance(err.value, client.KernelServiceError) and isinstance(err.value, LookupError)
     stats = d.client().stats()
     assert (stats["compiles"], stats["misses"], stats["in_flight"], stats["entries"], stats["not_ready"]) == (0, 0, 0, 0, 1)
@@ -111,6 +113,7 @@ def test_a_strict_miss_raises_at_once_and_compiles_nothing(make_daemon):
     assert strict.get_kernel("rmsnorm", target="c", **spec).outcome == "hit"
     results = strict.prefetch([{"kind": "rmsnorm", "target": "c", **spec}, {"kind": "rmsnorm", "target": "c", **spec, "N": 80}], load=False)
     assert results[0] == "hit" and isinstance(results[1], client.KernelNotReady) and "N=80 vs 72" in str(results[1])
+    assert str(results[1]).splitlines()[-1] == fix
     assert d.client().stats()["compiles"] == 1
 
 

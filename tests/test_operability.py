@@ -4,6 +4,7 @@ trip. Real daemons on real sockets, the real CLI in subprocesses."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -120,7 +121,7 @@ def test_auto_choosing_the_cpu_says_so(make_daemon):
 
 @needs_nvcc
 def test_a_copy_of_a_shared_build_says_what_it_copies(make_daemon):
-    from compile_service.tools.demo import how_served
+    from devtools.demo import how_served
 
     c = make_daemon().client()
     # schedule "tma": with "auto", M=None would be a router over M ranges (tests/test_routing.py)
@@ -138,6 +139,12 @@ def test_a_copy_of_a_shared_build_says_what_it_copies(make_daemon):
 
 
 # ----- lifecycle commands
+
+
+def test_connect_shows_the_clients_options():
+    """help(client.connect) and IDEs show every option, with Client's defaults."""
+    assert list(inspect.signature(client.connect).parameters.values()) == list(inspect.signature(client.Client).parameters.values())
+    assert "reconnect_window" in inspect.signature(client.connect).parameters
 
 
 def test_version_and_help():
@@ -180,7 +187,7 @@ def _alive(pid: int) -> bool:
 def test_a_launcher_killed_before_stop_leaves_no_daemon(tmp_path):
     """DaemonProcess passes --exit-with-parent: SIGKILL its launcher and the daemon drains and exits."""
     launcher = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from compile_service.tools.launch import DaemonProcess; "
+        [sys.executable, "-c", "import sys, time; from devtools.launch import DaemonProcess; "
          "d = DaemonProcess(sys.argv[1], '--target', 'c', workers=1).start(); print(d.proc.pid, flush=True); time.sleep(600)", str(tmp_path / "cache")],
         cwd=ROOT,
         stdout=subprocess.PIPE,

@@ -132,7 +132,7 @@ def test_a_prefetched_router_comes_with_its_builds(routed):
 
 
 def test_the_demo_says_a_router_is_one(routed):
-    from compile_service.tools.demo import how_served
+    from devtools.demo import how_served
 
     events = []
     routed.client().prefetch([{"kind": "routed_scale", "target": "c", "M": None, "N": N}], load=False, progress=lambda done, total, e: events.append(e))

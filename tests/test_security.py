@@ -35,7 +35,7 @@ import grpc
 import pytest
 
 import client
-from compile_service.tools.launch import wait_serving
+from devtools.launch import wait_serving
 from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc

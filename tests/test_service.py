@@ -286,8 +286,21 @@ def test_prefetch_streams_progress_and_reports_failures_per_kernel(make_daemon):
     assert results[0] is results[2]
     x, w = torch.randn(5, 32), torch.randn(32)
     torch.testing.assert_close(results[0](x, w), rmsnorm_ref(x, w), rtol=1e-4, atol=1e-4)
-    with pytest.raises(client.InvalidSpec, match=r"specs\[1\]\.N"):
-        c.prefetch([specs[0], {"kind": "rmsnorm", "M": 4, "N": -1, "dtype": "float32", "target": "c"}])
+    assert c.stats()["compiles"] == 1
+
+    # An invalid spec fails its own slot only, whether this client catches it (a kind it knows)
+    # or the daemon does (a kind only the daemon serves); a one-argument progress gets the event.
+    mixed = [specs[0], {"kind": "rmsnorm", "M": 4, "N": -1, "dtype": "float32", "target": "c"}, {"kind": "broken", "N": "four", "target": "c"}, specs[1]]
+    events = []
+    results = c.prefetch(mixed, progress=events.append)
+    assert isinstance(results[0], client.Kernel)
+    assert [type(r) for r in results[1:]] == [client.InvalidSpec, client.InvalidSpec, client.CompileError]
+    assert (results[1].field, results[2].field) == ("specs[1].N", "specs[2].N")
+    assert sorted(e["index"] for e in events) == [0, 1, 2, 3] and [(e["done"], e["total"]) for e in events] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert {e["index"]: e["error_code"] for e in events if e["error_code"]} == {1: "INVALID_ARGUMENT", 2: "INVALID_ARGUMENT", 3: "FAILED_PRECONDITION"}
+    assert c.prefetch([specs[2]], progress=lambda done, total: events.append((done, total)), load=False) == ["hit"] and events[-1] == (1, 1)
+    with pytest.raises(TypeError, match=r"progress must take 1 \(event\), 2 \(done, total\) or 3"):
+        c.prefetch([specs[0]], progress=lambda: None)
     assert c.stats()["compiles"] == 1
 
 

@@ -282,7 +282,7 @@ program = {load}
 with torch.inference_mode():
     for x, y in zip(io["xs"], io["ys"]):
         torch.testing.assert_close(program(x), y, rtol=1e-5, atol=1e-5)
-print("ok", len(client.torch_ops._kernels))
+print("ok", len(client.resolver._kernels))
 """
 
 
@@ -332,7 +332,7 @@ SMALL_LLAMA = BlockConfig(hidden=256, heads=4, kv_heads=2, ffn=512, seq_len=128,
 
 @pytest.fixture(scope="module")
 def gpu_block(tmp_path_factory):
-    from compile_service.tools.launch import DaemonProcess
+    from devtools.launch import DaemonProcess
 
     base = tmp_path_factory.mktemp("gpu-daemon")
     with DaemonProcess(base / "cache", "--target", "sm_90a", workers=4, log_path=base / "daemon.log") as d:

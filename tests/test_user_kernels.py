@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def user_daemon(tmp_path_factory):
-    from compile_service.tools.launch import DaemonProcess
+    from devtools.launch import DaemonProcess
 
     base = tmp_path_factory.mktemp("user-kernels")
     d = DaemonProcess(base / "cache", "--target", "c", "--kernel-module", "tests.user_kernels", workers=2, log_path=base / "daemon.log").start(timeout=120)

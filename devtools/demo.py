@@ -1,4 +1,6 @@
-"""The main job: a daemon on the default socket and cache, a small workload, a report.
+"""`make demo`: a daemon on the default socket and cache, a small workload, a report.
+
+Run from the repository as `python -m devtools.demo [--socket PATH] [--cache-dir DIR]`.
 
 Starts a daemon (or uses the one already answering), prefetches a demo set of
 kernels (CPU kernels that run here, plus sm_90a kernels cross-compiled when
@@ -8,6 +10,7 @@ CPU ones against torch, prints the daemon's counters and stops what it started.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -109,5 +112,13 @@ def run_demo(cache_dir: str | None = None, socket: str | None = None) -> int:
             print("daemon stopped")
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m devtools.demo", description="start a daemon, ask it for a few kernels twice, run them, stop")
+    parser.add_argument("--socket", help="Unix socket path (default: the daemon's default)")
+    parser.add_argument("--cache-dir", help="cache root (default: the daemon's default)")
+    args = parser.parse_args(argv)
+    return run_demo(args.cache_dir, args.socket)
+
+
 if __name__ == "__main__":
-    sys.exit(run_demo(*sys.argv[1:3]))
+    sys.exit(main())

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto import wire
 from proto.paths import socket_address
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: daemons run with it as cwd
+ROOT = Path(__file__).resolve().parents[1]  # the repository: daemons run with it as cwd
 
 
 def wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
