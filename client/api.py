@@ -309,8 +309,8 @@ class Client:
 
     def _info(self) -> dict:
         """The daemon's ServiceInfo, asked once (raises ServiceUnavailable)."""
-        if self._service is None:
-            self._service = self.service_info()
+        if self._service is None:  # on get_kernel's path, which waits as long as a compile may
+            self._service = self.service_info(timeout=self.timeout)
         return self._service
 
     def _default_target(self) -> str:
@@ -487,9 +487,11 @@ class Client:
         reply = self._call(self._stub.Explain, pb.ExplainRequest(spec=proto), STATS_TIMEOUT, f"explain {kind}")
         return wire.explanation_from_proto(reply)
 
-    def service_info(self) -> dict:
-        """Where the daemon keeps things and how it builds: cache_dir, inductor_dir, version, toolchain, default_target, cuda_compiler."""
-        reply = self._call(self._stub.GetServiceInfo, pb.GetServiceInfoRequest(), STATS_TIMEOUT, "service info")
+    def service_info(self, *, timeout: float | None = None) -> dict:
+        """Where the daemon keeps things and how it builds: cache_dir, inductor_dir, version, toolchain,
+        default_target, cuda_compiler. `timeout`: seconds to wait (default 10; a daemon builds this
+        answer once, after it starts, which can take seconds on a busy machine)."""
+        reply = self._call(self._stub.GetServiceInfo, pb.GetServiceInfoRequest(), timeout or STATS_TIMEOUT, "service info")
         return {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
 
     def use_shared_inductor_cache(self) -> InductorCache:
