@@ -172,7 +172,7 @@ def test_decode_splits_fill_one_wave_of_sms():
 
 def test_decode_splits_past_one_wave_fill_the_last_wave():
     """A TMA call of more head blocks than a wave splits when one split would leave its last wave
-    part-filled (kv_attention._filling_splits): batch 17 is 136 head blocks, a full wave and 4 more;
+    part-filled (kv_splits.filling_splits): batch 17 is 136 head blocks, a full wave and 4 more;
     as 4 splits, 544 blocks fill 5 waves to 82% (H200: 0.70x -> 1.00x SDPA at 16k keys). A
     batch whose one split already fills its waves keeps it, as does a cache too short for 4
     tiles a split."""
@@ -242,7 +242,7 @@ GPU_CASES = [
     # One warp a block, contiguous (TMA) and paged.
     (dict(DECODE, block_N=32, threads=32), dict(batch=2, max_kv=700), [1, 700]),
     (dict(DECODE, paged=True, block_N=32, threads=32), dict(batch=3, max_kv=500), None),
-    # Past one wave: 136 head blocks in 4 splits (_filling_splits); 264 in one, the combine one idle block.
+    # Past one wave: 136 head blocks in 4 splits (kv_splits.filling_splits); 264 in one, the combine one idle block.
     (DECODE, dict(batch=17, max_kv=2100), None),
     (DECODE, dict(batch=33, max_kv=600), None),
 ]
