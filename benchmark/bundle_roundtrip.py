@@ -64,7 +64,9 @@ def build(out: Path, workers: int) -> dict:
         stats = c.stats()
     built = time.perf_counter() - start
     _, manifest_s = cli("manifest", "--app", APP, "--cache-dir", str(cache), "-o", str(out / "manifest.json"))
-    exported, export_s = cli("bundle", "export", "--manifest", str(out / "manifest.json"), "--cache-dir", str(cache), "--cuda-compiler", "nvrtc", "-o", str(out / "kernels.tar.gz"))
+    exported, export_s = cli(
+        "bundle", "export", "--manifest", str(out / "manifest.json"), "--cache-dir", str(cache), "--cuda-compiler", "nvrtc", "-o", str(out / "kernels.tar.gz")
+    )
     summary = {
         "cuda_compiler": stats["cuda_compiler"],
         "outcomes": outcomes,
@@ -90,7 +92,7 @@ def serve(bundle_dir: Path, sizes: list[int]) -> dict:
     """`sizes`: the runtime sizes each kernel runs at; [] only loads them (no GPU needed)."""
     import torch
 
-    import client
+    import client  # noqa: F401 - the client's torch ops, registered on import
     from kernels.reference import make_inputs, reference, tolerance
 
     built = json.loads((bundle_dir / "build.json").read_text())

@@ -94,7 +94,19 @@ import zoo  # noqa: E402
 from devtools.launch import DaemonProcess  # noqa: E402  (benchmark/zoo.py, next to this file)
 
 COLD_MODES = ("baseline", "tilelang", "service")
-MODES = ("baseline", "tilelang", "service", "from_serve", "layer", "layer_from_serve", "stampede_tilelang", "stampede_service", "warm_tilelang", "warm_service", "service_under_load")
+MODES = (
+    "baseline",
+    "tilelang",
+    "service",
+    "from_serve",
+    "layer",
+    "layer_from_serve",
+    "stampede_tilelang",
+    "stampede_service",
+    "warm_tilelang",
+    "warm_service",
+    "service_under_load",
+)
 LOAD_THREADS = 8
 
 
@@ -186,6 +198,7 @@ def child_tilelang_warm(specs, t0):
     t_import = time.perf_counter()
     tilelang, _, counts = _tilelang_setup()
     import kernels  # noqa: F401
+
     after_import = time.time()
     import_s = time.perf_counter() - t_import
     first = None
@@ -226,6 +239,7 @@ def child_service_agent(specs, socket, t0, one_by_one):
             first = first or time.time()
             _tick()
     else:
+
         def progress(done, total, event):
             nonlocal first
             first = first or time.time()
@@ -369,9 +383,7 @@ class Child:
         self.first_tick: float | None = None  # perf_counter of its first finished kernel
         self._log_file = open(self.log, "w")
         self.spawned = time.perf_counter()
-        self.proc = subprocess.Popen(
-            args, cwd=ROOT, env={**os.environ, **(env or {})}, stdin=stdin, stdout=subprocess.PIPE, stderr=self._log_file, text=True
-        )
+        self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})}, stdin=stdin, stdout=subprocess.PIPE, stderr=self._log_file, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -658,7 +670,14 @@ def mode_stampede_service(run: Run) -> dict:
     # cold `service` wall measures too (the agents' own start-up, torch and a CUDA context, is not the daemon's).
     r["build_wall_s"] = max(p["done_at"] for p in r["per_process"]) - min(p["asked_at"] for p in r["per_process"])
     r["per_process"] = [{"outcomes": p["outcomes"], "wall_s": p["all_s"], "import_s": p["import_s"]} for p in r["per_process"]]
-    return {**r, "compiles": stats["compiles"], "derived": stats["derived"], "builds_needed": run.builds, "joined": stats["joined"], "startup_s": daemon.startup_s}
+    return {
+        **r,
+        "compiles": stats["compiles"],
+        "derived": stats["derived"],
+        "builds_needed": run.builds,
+        "joined": stats["joined"],
+        "startup_s": daemon.startup_s,
+    }
 
 
 def _warm(run: Run, name: str, role: str, **flags) -> dict:
@@ -702,8 +721,15 @@ def mode_layer(run: Run) -> dict:
         one = _layer_agent(run, "layer" + run.suffix, daemon, time.time(), one_by_one=True)
     with Daemon(run, run.fresh_dir("layer")) as daemon:
         batch = _layer_agent(run, "layer_prefetch" + run.suffix, daemon, time.time(), one_by_one=False)
-    return {"wall_s": one["all_after_import_s"], "prefetch_s": batch["all_after_import_s"], "kernels": one["kernels"], "compiles": one["compiles"],
-            "derived": one["derived"], "startup_s": daemon.startup_s, "ready_s": daemon.ready_s}
+    return {
+        "wall_s": one["all_after_import_s"],
+        "prefetch_s": batch["all_after_import_s"],
+        "kernels": one["kernels"],
+        "compiles": one["compiles"],
+        "derived": one["derived"],
+        "startup_s": daemon.startup_s,
+        "ready_s": daemon.ready_s,
+    }
 
 
 def mode_layer_from_serve(run: Run) -> dict:
@@ -726,6 +752,7 @@ NVRTC_PER_KERNEL_GOAL_S, NVRTC_WALL_GOAL_S = 0.5, 6.0  # issue 7, for the 126-ke
 def goals(modes: dict, suffixes=("",)) -> dict:
     """The targets this benchmark exists to check, as measured (None: a needed mode did not run).
     With several backends, each service goal is checked per backend (`suffix` ":nvrtc")."""
+
     def get(mode, field):
         return modes.get(mode, {}).get(field)
 
@@ -742,7 +769,11 @@ def goals(modes: dict, suffixes=("",)) -> dict:
             # Per kernel, the build seconds spread over the kernels they served: a copy of a shared
             # build (median_compile_s counts its milliseconds) must not make the goal trivial.
             per_kernel, wall = get(service, "compile_s_per_kernel"), get(service, "wall_s")
-            out[f"{service}_compile_s_per_kernel"] = {"value": per_kernel, "goal": f"<= {NVRTC_PER_KERNEL_GOAL_S}", "met": per_kernel <= NVRTC_PER_KERNEL_GOAL_S}
+            out[f"{service}_compile_s_per_kernel"] = {
+                "value": per_kernel,
+                "goal": f"<= {NVRTC_PER_KERNEL_GOAL_S}",
+                "met": per_kernel <= NVRTC_PER_KERNEL_GOAL_S,
+            }
             if get(service, "kernels") == 126 and get(service, "workers") >= 16:  # the goal's setting
                 out[f"{service}_cold_wall_s"] = {"value": wall, "goal": f"< {NVRTC_WALL_GOAL_S} (126 kernels, 16 cores)", "met": wall < NVRTC_WALL_GOAL_S}
         serve = "from_serve" + sx
@@ -802,7 +833,9 @@ def table(report: dict) -> str:
         if m.get("derived"):
             notes.append(f"+{m['derived']} copies of shared builds")
         if m.get("median_build_s") is not None:
-            notes.append(f"{m['compile_s_per_kernel']:.2f}s/kernel ({m['build_seconds_sum']:.0f}s of builds / {m['kernels']}), median build {m['median_build_s']:.2f}s")
+            notes.append(
+                f"{m['compile_s_per_kernel']:.2f}s/kernel ({m['build_seconds_sum']:.0f}s of builds / {m['kernels']}), median build {m['median_build_s']:.2f}s"
+            )
         if "device_compiles" in m and not run_is_cpu(report):
             notes.append(f"device code compiled {m['device_compiles']}x")
         if "hit_requests_per_s" in m:
@@ -811,7 +844,7 @@ def table(report: dict) -> str:
             notes.append("compiled per process " + "/".join(str(p["compiled"]) for p in m["per_process"]))
         if "loadavg_1m" in m:
             notes.append("load {:.1f}->{:.1f}".format(*m["loadavg_1m"]))
-        service = "service" + name[len(name.split(":")[0]):]  # the same backend's cold build
+        service = "service" + name[len(name.split(":")[0]) :]  # the same backend's cold build
         if "build_wall_s" in m:
             notes.append(f"{m['build_wall_s']:.2f}s from the first request")
         if name.startswith("stampede") and "wall_s" in modes.get(service, {}):
@@ -856,13 +889,20 @@ def main(argv=None) -> int:
         child_main(argv[1:])
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", help="sm_90a cross-compiles CUDA kernels on a CPU-only host; auto = this host's GPU (else c); c = CPU kernels (default sm_90a; c with --quick)")
+    p.add_argument(
+        "--target",
+        help="sm_90a cross-compiles CUDA kernels on a CPU-only host; auto = this host's GPU (else c); c = CPU kernels (default sm_90a; c with --quick)",
+    )
     p.add_argument("--scale", type=int, default=3, help=f"zoo scale units of {zoo.UNIT} kernels (default 3 = {3 * zoo.UNIT})")
     p.add_argument("--salt", type=int, default=0, help="shifts every M so this run shares no kernel with runs of other salts")
     p.add_argument("--workers", type=int, help="daemon compile workers (default: the daemon's own, the CPU quota)")
     p.add_argument("--processes", type=int, help="agent processes in the stampede modes (default 4; 2 with --quick)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    p.add_argument("--backend", default="auto", help="the daemon's CUDA compiler: auto, nvcc, nvrtc, or a list (nvcc,nvrtc) to run every service mode once per backend (default auto)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        help="the daemon's CUDA compiler: auto, nvcc, nvrtc, or a list (nvcc,nvrtc) to run every service mode once per backend (default auto)",
+    )
     p.add_argument("--quick", action="store_true", help="a 6-kernel zoo on target c (unless --target is given), 2 agents: a smoke test for CI")
     p.add_argument("--json", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG bar chart here (needs matplotlib)")

@@ -105,8 +105,18 @@ def kernel_specs(cfg: LayerConfig) -> dict[str, dict]:
     specs = {
         "add_norm": {"kind": "add_rmsnorm", "M": None, "N": c.hidden, "eps": c.eps, **common},
         "qkv": gemm((c.heads + 2 * c.kv_heads) * d, c.hidden),
-        "rope": {"kind": "rope", "tokens": None, "heads": c.heads, "kv_heads": c.kv_heads, "head_dim": d, "style": "neox", "max_position": c.max_position,
-                 "packed": True, "write_cache": True, **common},
+        "rope": {
+            "kind": "rope",
+            "tokens": None,
+            "heads": c.heads,
+            "kv_heads": c.kv_heads,
+            "head_dim": d,
+            "style": "neox",
+            "max_position": c.max_position,
+            "packed": True,
+            "write_cache": True,
+            **common,
+        },
         "o": gemm(c.hidden, c.heads * d, residual=c.residual == "gemm"),
         "gate_up": gemm(2 * c.ffn, c.hidden),
         "swiglu": {"kind": "swiglu", "M": None, "N": c.ffn, "packed": True, **common},
@@ -120,8 +130,17 @@ def kernel_specs(cfg: LayerConfig) -> dict[str, dict]:
 def prefill_attention_spec(cfg: LayerConfig, q_len: int) -> dict:
     """The causal attention kernel of a q_len-token prefill chunk of one fresh sequence, as a client.prefetch spec."""
     c = cfg
-    return {"kind": "attention", "batch": 1, "heads": c.heads, "kv_heads": c.kv_heads, "seq_len": q_len, "head_dim": c.head_dim, "causal": True,
-            "target": c.target, "dtype": c.dtype}
+    return {
+        "kind": "attention",
+        "batch": 1,
+        "heads": c.heads,
+        "kv_heads": c.kv_heads,
+        "seq_len": q_len,
+        "head_dim": c.head_dim,
+        "causal": True,
+        "target": c.target,
+        "dtype": c.dtype,
+    }
 
 
 def attention_kernel(client, cfg: LayerConfig, batch: int, q_len: int, served_kinds: set[str]):
@@ -148,7 +167,9 @@ def attention_kernel(client, cfg: LayerConfig, batch: int, q_len: int, served_ki
         return None, "kv_attention is not served by this daemon"
     # The interface the kv_attention helper announced; adapt here once it lands if it differs.
     try:
-        k = client.get_kernel("kv_attention", batch=batch, heads=c.heads, kv_heads=c.kv_heads, q_len=q_len, head_dim=d, paged=True, page_size=c.page_size, **common)
+        k = client.get_kernel(
+            "kv_attention", batch=batch, heads=c.heads, kv_heads=c.kv_heads, q_len=q_len, head_dim=d, paged=True, page_size=c.page_size, **common
+        )
     except ValueError as exc:  # InvalidSpec: the kind landed with other params
         raise SystemExit(f"kv_attention refused the spec attention_kernel() in {Path(__file__).name} asks for ({exc}); adapt it to the kind's params") from None
 
@@ -499,8 +520,10 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     if not cuda and not (args.small and args.check_only):
-        sys.exit("benchmark/decode_step.py needs a CUDA GPU (torch.cuda.is_available() is False); "
-                 "without one, `--small --check-only` checks the layer on the CPU (float32, target 'c')")
+        sys.exit(
+            "benchmark/decode_step.py needs a CUDA GPU (torch.cuda.is_available() is False); "
+            "without one, `--small --check-only` checks the layer on the CPU (float32, target 'c')"
+        )
     cfg = SMALL if args.small else LayerConfig()
     if args.small and cuda:
         cfg = replace(cfg, dtype="bfloat16", target="auto")
@@ -546,15 +569,19 @@ def main() -> None:
 def report(rows: list[dict], cfg: LayerConfig, args) -> None:
     problems = [p for r in rows for p in r["problems"]]
     if not args.check_only:
-        print(f"\ntorch {torch.__version__}, {torch.cuda.get_device_name()}; {cfg.dtype}, KV length {cfg.kv_len}, page size {cfg.page_size}, "
-              f"residual in the {cfg.residual}; ms per layer step, each variant one CUDA graph, medians of {args.reps} rounds of {args.iters} replays")
+        print(
+            f"\ntorch {torch.__version__}, {torch.cuda.get_device_name()}; {cfg.dtype}, KV length {cfg.kv_len}, page size {cfg.page_size}, "
+            f"residual in the {cfg.residual}; ms per layer step, each variant one CUDA graph, medians of {args.reps} rounds of {args.iters} replays"
+        )
         print("| case | served | torch eager | torch.compile | torch.compile, fused weights | compile / served | goal | | fused compile / served |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
             ms = r["ms"]
             verdict = "met" if r["speedup"] >= r["goal"] else "MISSED"
-            print(f"| {r['case']} | {ms['served']:.4f} | {ms['eager']:.4f} | {ms['compiled']:.4f} | {ms['compiled_fused']:.4f} "
-                  f"| {r['speedup']:.2f}x | >= {r['goal']:.1f}x | {verdict} | {r['speedup_fused']:.2f}x |")
+            print(
+                f"| {r['case']} | {ms['served']:.4f} | {ms['eager']:.4f} | {ms['compiled']:.4f} | {ms['compiled_fused']:.4f} "
+                f"| {r['speedup']:.2f}x | >= {r['goal']:.1f}x | {verdict} | {r['speedup_fused']:.2f}x |"
+            )
     stand_ins = [r["case"] for r in rows if "stand-in" in r["attention"]]
     if stand_ins:
         print(f"note: {', '.join(stand_ins)} used a torch stand-in for kv_attention (not served yet)")

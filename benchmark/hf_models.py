@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
+import functools
 import statistics
 import sys
 import tempfile
@@ -52,18 +52,49 @@ VARIANTS = ("eager", "compile", "kernel-service")
 
 def llama_config(small: bool) -> LlamaConfig:
     if small:
-        return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           pad_token_id=0)
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
-                       rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192, pad_token_id=0)
+        return LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0
+        )
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        pad_token_id=0,
+    )
 
 
 def bert_config(small: bool) -> ModernBertConfig:
     if small:
-        return ModernBertConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                                global_attn_every_n_layers=2, local_attention=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
-    return ModernBertConfig(vocab_size=50368, hidden_size=768, intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12,
-                            global_attn_every_n_layers=3, local_attention=128, pad_token_id=50283)
+        return ModernBertConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            global_attn_every_n_layers=2,
+            local_attention=8,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+        )
+    return ModernBertConfig(
+        vocab_size=50368,
+        hidden_size=768,
+        intermediate_size=1152,
+        num_hidden_layers=22,
+        num_attention_heads=12,
+        global_attn_every_n_layers=3,
+        local_attention=128,
+        pad_token_id=50283,
+    )
 
 
 def sync(device):
@@ -106,7 +137,7 @@ def run_workload(name, base, inputs, call, compare, device, reps, c, rows, extra
         sync(device)
         ready = made + time.perf_counter() - t
         with torch.inference_mode():
-            out, sec = timed(lambda: call(model, inputs), device, reps)
+            out, sec = timed(functools.partial(call, model, inputs), device, reps)
         if variant == "eager":
             reference = out
         row = {"workload": name, "variant": variant, "ready_s": round(ready, 3), "ms": round(sec * 1e3, 3), **(extra or {})}
@@ -159,7 +190,9 @@ def main() -> None:
             if "prefill" in only:
                 n = 16 if small else 2048
                 ids = torch.randint(3, cfg.vocab_size, (1, n), generator=g).to(device)
-                run_workload("llama prefill", base, ids, lambda m, x: m(x, use_cache=False).logits, logits_diff, device, reps, c, rows, {"batch": 1, "tokens": n})
+                run_workload(
+                    "llama prefill", base, ids, lambda m, x: m(x, use_cache=False).logits, logits_diff, device, reps, c, rows, {"batch": 1, "tokens": n}
+                )
             if "generate" in only:
                 prompt, new = (8, 8) if small else (128, 128)
                 for batch in (1, 8):
@@ -186,8 +219,18 @@ def main() -> None:
                 valid = mask.bool()
                 return {"max_diff": float((out[valid].float() - ref[valid].float()).abs().max())}
 
-            run_workload("modernbert", base, (ids, mask), lambda m, x: m(input_ids=x[0], attention_mask=x[1]).last_hidden_state, hidden_diff, device, reps, c, rows,
-                         {"batch": batch, "tokens": n, "padded": True})
+            run_workload(
+                "modernbert",
+                base,
+                (ids, mask),
+                lambda m, x: m(input_ids=x[0], attention_mask=x[1]).last_hidden_state,
+                hidden_diff,
+                device,
+                reps,
+                c,
+                rows,
+                {"batch": batch, "tokens": n, "padded": True},
+            )
     finally:
         if daemon is not None:
             daemon.stop()
@@ -200,7 +243,9 @@ def main() -> None:
         check = f"max_diff {r['max_diff']:.3g}" if "max_diff" in r else f"same tokens {r['same_tokens']:.0%}"
         print(f"{r['workload']:<22} {r['variant']:<15} {r['ready_s']:>9.2f} {r['ms']:>10.3f} {r['x_eager']:>8.2f} {r['x_compile'] or 0:>10.2f}  {check}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype), "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype), "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

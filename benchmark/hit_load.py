@@ -277,7 +277,11 @@ def main() -> int:
     parser.add_argument("--check-every", type=int, default=50, help="verify the library of every Nth answer per thread (default 50)")
     parser.add_argument("--no-evict", action="store_true", help="skip the eviction phase")
     parser.add_argument("--no-floor", action="store_true", help="skip the canned-reply gRPC floor phase")
-    parser.add_argument("--direct-processes", default="1,4", help="direct phase: processes the threads are spread over, a comma-separated list to run it once per count (default 1,4)")
+    parser.add_argument(
+        "--direct-processes",
+        default="1,4",
+        help="direct phase: processes the threads are spread over, a comma-separated list to run it once per count (default 1,4)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     if args.max_entries >= args.hot + args.cold:

@@ -52,7 +52,12 @@ CASES = [
     ("gemm", "llama3-8b up 4096x14336x4096 fp16 NT", dict(M=4096, N=14336, K=4096, dtype="float16", trans_b=True), GEMM_VARIANTS),
     ("gemm", "qwen2.5-7b up 4096x18944x3584 fp16 NT", dict(M=4096, N=18944, K=3584, dtype="float16", trans_b=True), [{}]),
     ("attention", "b1 s4096 h32/8 d128 fp16", dict(batch=1, heads=32, kv_heads=8, seq_len=4096, head_dim=128, causal=False, dtype="float16"), ATTN_VARIANTS),
-    ("attention", "b1 s4096 h32/8 d128 fp16 causal", dict(batch=1, heads=32, kv_heads=8, seq_len=4096, head_dim=128, causal=True, dtype="float16"), ATTN_VARIANTS),
+    (
+        "attention",
+        "b1 s4096 h32/8 d128 fp16 causal",
+        dict(batch=1, heads=32, kv_heads=8, seq_len=4096, head_dim=128, causal=True, dtype="float16"),
+        ATTN_VARIANTS,
+    ),
     ("rmsnorm", "4096x4096 bf16", dict(M=None, N=4096, dtype="bfloat16"), ROW_VARIANTS[4096]),
     ("rmsnorm", "4096x14336 bf16", dict(M=None, N=14336, dtype="bfloat16"), ROW_VARIANTS[14336]),
     ("swiglu", "4096x4096 bf16", dict(M=None, N=4096, dtype="bfloat16"), [{}]),
@@ -67,7 +72,12 @@ DECODE_M = (1, 8, 32, 128, 512, 4096)
 # Decode against a KV cache (kv_attention): one query row per sequence, GQA 32/8, d=128, fp16,
 # every sequence full (SDPA takes no per-sequence lengths); one build per cache layout.
 KV_DECODE_PARAMS = dict(batch=None, q_len=1, heads=32, kv_heads=8, head_dim=128, dtype="float16")
-KV_DECODE = [("contiguous", KV_DECODE_PARAMS), ("contig_cp", dict(KV_DECODE_PARAMS, load="cp_async", block_N=64)), ("paged16", dict(KV_DECODE_PARAMS, paged=True)), ("paged64", dict(KV_DECODE_PARAMS, paged=True, page_size=64))]
+KV_DECODE = [
+    ("contiguous", KV_DECODE_PARAMS),
+    ("contig_cp", dict(KV_DECODE_PARAMS, load="cp_async", block_N=64)),
+    ("paged16", dict(KV_DECODE_PARAMS, paged=True)),
+    ("paged64", dict(KV_DECODE_PARAMS, paged=True, page_size=64)),
+]
 KV_DECODE_BATCHES = (1, 8, 64)
 KV_DECODE_LENGTHS = (1024, 4096, 16384, 32768)
 ROWS = 4096  # runtime M for the dynamic memory-bound kernels
@@ -76,7 +86,11 @@ RAGGED = [
     ("gemm", dict(M=None, N=200, K=72, dtype="float16", bias=True, act="gelu", trans_b=True), [dict(M=1000), dict(M=7)]),
     ("gemm", dict(M=None, N=136, K=40, dtype="bfloat16", act="silu"), [dict(M=333)]),
     ("gemm", dict(M=None, N=96, K=36, dtype="float32", bias=True, act="relu"), [dict(M=130)]),
-    ("attention", dict(batch=None, heads=4, kv_heads=2, seq_len=None, head_dim=64, causal=True, dtype="bfloat16"), [dict(batch=2, seq_len=1000), dict(batch=1, seq_len=77)]),
+    (
+        "attention",
+        dict(batch=None, heads=4, kv_heads=2, seq_len=None, head_dim=64, causal=True, dtype="bfloat16"),
+        [dict(batch=2, seq_len=1000), dict(batch=1, seq_len=77)],
+    ),
     ("attention", dict(batch=None, heads=8, kv_heads=1, seq_len=None, head_dim=128, causal=False, dtype="float16"), [dict(batch=3, seq_len=333)]),
     ("rmsnorm", dict(M=None, N=1000, dtype="float16"), [dict(M=37)]),
     ("softmax", dict(M=None, N=1000, dtype="float32"), [dict(M=37)]),
@@ -85,19 +99,90 @@ RAGGED = [
     ("rmsnorm", dict(M=None, N=4104, dtype="bfloat16"), [dict(M=9)]),
     # Every gemm schedule, and the router of M ranges, at sizes no multiple of any tile.
     ("gemm", dict(M=None, N=4104, K=4104, dtype="float16", trans_b=True), [dict(M=1), dict(M=7), dict(M=33), dict(M=129), dict(M=1000)]),
-    ("gemm", dict(M=None, N=1000, K=1000, dtype="bfloat16", bias=True, act="gelu", residual=True), [dict(M=1), dict(M=7), dict(M=33), dict(M=129), dict(M=1000)]),
-    ("gemm", dict(M=None, N=4104, K=4104, dtype="float16", trans_b=True, schedule="gemv", block_M=1, block_N=8, block_K=1024), [dict(M=1), dict(M=7), dict(M=33)]),
-    ("gemm", dict(M=None, N=1000, K=1000, dtype="bfloat16", trans_b=True, bias=True, act="silu", residual=True, schedule="gemv", block_M=4, block_N=4, block_K=512), [dict(M=1), dict(M=7), dict(M=129)]),
-    ("gemm", dict(M=None, N=1000, K=1000, dtype="float16", bias=True, act="relu", schedule="splitk", block_M=16, block_N=64, block_K=256, num_stages=4, threads=128, split_k=1), [dict(M=1), dict(M=7), dict(M=33), dict(M=1000)]),
-    ("gemm", dict(M=None, N=4104, K=4104, dtype="bfloat16", trans_b=True, residual=True, schedule="splitk", block_M=128, block_N=128, block_K=64, num_stages=5, threads=256, split_k=4), [dict(M=1), dict(M=129), dict(M=1000)]),
-    ("gemm", dict(M=None, N=1000, K=1000, dtype="float16", trans_b=True, bias=True, act="gelu", schedule="splitk", block_M=64, block_N=64, block_K=128, num_stages=4, threads=128, split_k=3), [dict(M=7), dict(M=129)]),
+    (
+        "gemm",
+        dict(M=None, N=1000, K=1000, dtype="bfloat16", bias=True, act="gelu", residual=True),
+        [dict(M=1), dict(M=7), dict(M=33), dict(M=129), dict(M=1000)],
+    ),
+    (
+        "gemm",
+        dict(M=None, N=4104, K=4104, dtype="float16", trans_b=True, schedule="gemv", block_M=1, block_N=8, block_K=1024),
+        [dict(M=1), dict(M=7), dict(M=33)],
+    ),
+    (
+        "gemm",
+        dict(M=None, N=1000, K=1000, dtype="bfloat16", trans_b=True, bias=True, act="silu", residual=True, schedule="gemv", block_M=4, block_N=4, block_K=512),
+        [dict(M=1), dict(M=7), dict(M=129)],
+    ),
+    (
+        "gemm",
+        dict(
+            M=None,
+            N=1000,
+            K=1000,
+            dtype="float16",
+            bias=True,
+            act="relu",
+            schedule="splitk",
+            block_M=16,
+            block_N=64,
+            block_K=256,
+            num_stages=4,
+            threads=128,
+            split_k=1,
+        ),
+        [dict(M=1), dict(M=7), dict(M=33), dict(M=1000)],
+    ),
+    (
+        "gemm",
+        dict(
+            M=None,
+            N=4104,
+            K=4104,
+            dtype="bfloat16",
+            trans_b=True,
+            residual=True,
+            schedule="splitk",
+            block_M=128,
+            block_N=128,
+            block_K=64,
+            num_stages=5,
+            threads=256,
+            split_k=4,
+        ),
+        [dict(M=1), dict(M=129), dict(M=1000)],
+    ),
+    (
+        "gemm",
+        dict(
+            M=None,
+            N=1000,
+            K=1000,
+            dtype="float16",
+            trans_b=True,
+            bias=True,
+            act="gelu",
+            schedule="splitk",
+            block_M=64,
+            block_N=64,
+            block_K=128,
+            num_stages=4,
+            threads=128,
+            split_k=3,
+        ),
+        [dict(M=7), dict(M=129)],
+    ),
     # Non-default tilings that validation accepts must also compute the right thing.
     ("gemm", dict(M=None, N=72, K=88, dtype="float16", block_M=32, block_N=32, block_K=32, threads=128, num_stages=2), [dict(M=70)]),
     ("gemm", dict(M=None, N=72, K=88, dtype="float16", block_M=64, block_N=16, block_K=16, threads=128, num_stages=2), [dict(M=70)]),
     ("gemm", dict(M=None, N=272, K=200, dtype="bfloat16", block_M=16, block_N=256, block_K=64, threads=256, trans_b=True), [dict(M=70)]),
     ("gemm", dict(M=None, N=72, K=200, dtype="float16", block_M=256, block_N=64, block_K=64, threads=128, num_stages=2), [dict(M=300)]),
     ("gemm", dict(M=None, N=264, K=264, dtype="float16", block_M=64, block_N=256, block_K=128, threads=256, num_stages=1), [dict(M=100)]),
-    ("attention", dict(batch=None, heads=2, kv_heads=1, seq_len=None, head_dim=16, dtype="float16", causal=True, block_N=32, threads=128), [dict(batch=1, seq_len=200)]),
+    (
+        "attention",
+        dict(batch=None, heads=2, kv_heads=1, seq_len=None, head_dim=16, dtype="float16", causal=True, block_N=32, threads=128),
+        [dict(batch=1, seq_len=200)],
+    ),
     ("attention", dict(batch=None, heads=2, kv_heads=2, seq_len=None, head_dim=96, dtype="bfloat16", block_N=256, threads=128), [dict(batch=1, seq_len=300)]),
     ("attention", dict(batch=None, heads=2, kv_heads=1, seq_len=None, head_dim=192, dtype="float16", causal=True), [dict(batch=1, seq_len=300)]),
     ("attention", dict(batch=None, heads=2, kv_heads=1, seq_len=None, head_dim=64, dtype="float16", block_N=32, num_stages=4), [dict(batch=2, seq_len=129)]),
@@ -106,8 +191,11 @@ RAGGED = [
     ("kv_attention", dict(KV_DECODE_PARAMS, paged=True), [dict(batch=7, max_kv=1111)]),
     ("kv_attention", dict(KV_DECODE_PARAMS, paged=True, page_size=64, dtype="bfloat16"), [dict(batch=3, max_kv=2000)]),
     ("kv_attention", dict(KV_DECODE_PARAMS, q_len=None, num_splits=4), [dict(batch=2, q_len=7, max_kv=1000)]),
-    ("kv_attention", dict(KV_DECODE_PARAMS, q_len=None, heads=12, kv_heads=4, head_dim=64, dtype="bfloat16", paged=True, num_splits=3),
-     [dict(batch=3, q_len=6, max_kv=500)]),
+    (
+        "kv_attention",
+        dict(KV_DECODE_PARAMS, q_len=None, heads=12, kv_heads=4, head_dim=64, dtype="bfloat16", paged=True, num_splits=3),
+        [dict(batch=3, q_len=6, max_kv=500)],
+    ),
 ]
 
 
@@ -125,7 +213,9 @@ def torch_paths(kind, p):
 
         def flash(q, k, v):
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=p["causal"], enable_gqa=True).transpose(1, 2)
+                return F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=p["causal"], enable_gqa=True
+                ).transpose(1, 2)
 
         return {"SDPA-flash": flash}
     eps = p.get("eps", 1e-6)
@@ -148,6 +238,7 @@ def rel_err(out, ref):
 
 
 # ---- timing --------------------------------------------------------------------
+
 
 def bench(fn, arg_sets, reps=50, warmup=10):
     """Median ms of fn(*args) over reps, args rotating through arg_sets (defeats L2 reuse)."""
@@ -211,9 +302,23 @@ def decode_rows(kernels_by_shape):
             ours = bench_graph(ker, sets)
             theirs = bench_graph(lambda a, w: F.linear(a, w), sets)
             build = ker.route(m).spec["params"]
-            tiles = f"{build['schedule']} {build['block_M']}x{build['block_N']}x{build['block_K']}" + (f" s{build['num_stages']}" if build["num_stages"] else "") + (f" sk{build['split_k']}" if (build["split_k"] or 1) > 1 else "")
-            row = dict(N=n, K=k, M=m, ours_us=ours * 1e3, cublas_us=theirs * 1e3, speed=theirs / ours, ours_TBs=weight_bytes / ours / 1e9,
-                       cublas_TBs=weight_bytes / theirs / 1e9, err=err, build=tiles)
+            tiles = (
+                f"{build['schedule']} {build['block_M']}x{build['block_N']}x{build['block_K']}"
+                + (f" s{build['num_stages']}" if build["num_stages"] else "")
+                + (f" sk{build['split_k']}" if (build["split_k"] or 1) > 1 else "")
+            )
+            row = dict(
+                N=n,
+                K=k,
+                M=m,
+                ours_us=ours * 1e3,
+                cublas_us=theirs * 1e3,
+                speed=theirs / ours,
+                ours_TBs=weight_bytes / ours / 1e9,
+                cublas_TBs=weight_bytes / theirs / 1e9,
+                err=err,
+                build=tiles,
+            )
             rows.append(row)
             print(decode_line(row), flush=True)
         del weights
@@ -232,19 +337,23 @@ def sdpa_decode_paths():
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)
+
         return f
 
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
     return {"default": path(None), **{name: path(b) for name, b in backends.items()}}
 
 
-KV_DECODE_HEADER = (f"{'layout':10} {'batch':>5} {'kv':>6} {'ours us':>8} {'SDPA us':>8} {'SDPA':>9} {'SDPA/ours':>9} "
-                    f"{'ours TB/s':>9} {'SDPA TB/s':>9} {'err':>7}")
+KV_DECODE_HEADER = (
+    f"{'layout':10} {'batch':>5} {'kv':>6} {'ours us':>8} {'SDPA us':>8} {'SDPA':>9} {'SDPA/ours':>9} {'ours TB/s':>9} {'SDPA TB/s':>9} {'err':>7}"
+)
 
 
 def kv_decode_line(r):
-    return (f"{r['layout']:10} {r['batch']:5d} {r['kv']:6d} {r['ours_us']:8.1f} {r['sdpa'][r['sdpa_best']]:8.1f} {r['sdpa_best']:>9} {r['speed']:9.2f} "
-            f"{r['ours_TBs']:9.2f} {r['sdpa_TBs']:9.2f} {r['err']:7.1e}")
+    return (
+        f"{r['layout']:10} {r['batch']:5d} {r['kv']:6d} {r['ours_us']:8.1f} {r['sdpa'][r['sdpa_best']]:8.1f} {r['sdpa_best']:>9} {r['speed']:9.2f} "
+        f"{r['ours_TBs']:9.2f} {r['sdpa_TBs']:9.2f} {r['err']:7.1e}"
+    )
 
 
 def kv_decode_rows(kernels_by_layout):
@@ -283,8 +392,18 @@ def kv_decode_rows(kernels_by_layout):
                     sets = [(q[i], k[i], v[i], lens) for i in range(copies)]
                 err = rel_err(ker(*sets[0]), want)
                 us = bench_graph(ker, sets) * 1e3
-                row = dict(layout=label, batch=b, kv=n, ours_us=us, sdpa=theirs, sdpa_best=best, speed=theirs[best] / us,
-                           ours_TBs=kv_bytes / us / 1e6, sdpa_TBs=kv_bytes / theirs[best] / 1e6, err=err)
+                row = dict(
+                    layout=label,
+                    batch=b,
+                    kv=n,
+                    ours_us=us,
+                    sdpa=theirs,
+                    sdpa_best=best,
+                    speed=theirs[best] / us,
+                    ours_TBs=kv_bytes / us / 1e6,
+                    sdpa_TBs=kv_bytes / theirs[best] / 1e6,
+                    err=err,
+                )
                 rows.append(row)
                 print(kv_decode_line(row), flush=True)
                 del sets
@@ -311,8 +430,10 @@ def work(kind, p, rt):
 def copy_ms(nbytes):
     """ms of a device-to-device copy moving nbytes in all (read + write), rotating past L2."""
     n = int(nbytes // 2)
-    bufs = [(torch.empty(n, dtype=torch.uint8, device="cuda").random_(), torch.empty(n, dtype=torch.uint8, device="cuda"))
-            for _ in range(max(1, min(8, math.ceil(3 * 64e6 / nbytes))))]
+    bufs = [
+        (torch.empty(n, dtype=torch.uint8, device="cuda").random_(), torch.empty(n, dtype=torch.uint8, device="cuda"))
+        for _ in range(max(1, min(8, math.ceil(3 * 64e6 / nbytes))))
+    ]
     return bench(lambda s, d: d.copy_(s), bufs, reps=30)
 
 
@@ -403,29 +524,62 @@ def main():
         best_name = min(theirs, key=theirs.get) if theirs else "-"
         best = theirs.get(best_name, float("nan"))
         tiles = {k: p[k] for k in ("block_M", "block_N", "block_K", "num_stages", "threads") if k in p}
-        rows.append(dict(kind=kind, shape=label, tiles=tiles, err=err, ours_ms=ours, torch=theirs, torch_best=best_name,
-                         torch_ms=best, speed=best / ours, tflops=flops / ours / 1e9 if flops else None,
-                         gbs=nbytes / ours / 1e6, hbm_pct=100 * nbytes / (ours * 1e-3) / PEAK_HBM,
-                         copy_pct=100 * copy_at_size[nbytes] / ours, compile_s=ctime))
+        rows.append(
+            dict(
+                kind=kind,
+                shape=label,
+                tiles=tiles,
+                err=err,
+                ours_ms=ours,
+                torch=theirs,
+                torch_best=best_name,
+                torch_ms=best,
+                speed=best / ours,
+                tflops=flops / ours / 1e9 if flops else None,
+                gbs=nbytes / ours / 1e6,
+                hbm_pct=100 * nbytes / (ours * 1e-3) / PEAK_HBM,
+                copy_pct=100 * copy_at_size[nbytes] / ours,
+                compile_s=ctime,
+            )
+        )
         print(f"done {kind} {label} {tiles}: ours {ours:.4f} ms, torch {theirs}, err {err:.1e}", flush=True)
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "kernel_speed.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_GBs": bw / 1e9, "rows": rows, "decode": decode, "kv_decode": kv_decode,
-                   "failures": [str(x) for x in failures]}, f, indent=1)
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(),
+                "copy_GBs": bw / 1e9,
+                "rows": rows,
+                "decode": decode,
+                "kv_decode": kv_decode,
+                "failures": [str(x) for x in failures],
+            },
+            f,
+            indent=1,
+        )
     hdr = f"{'kind':9} {'shape':40} {'tiles':34} {'ours ms':>8} {'torch ms':>9} {'torch':>10} {'t/ours':>6} {'TFLOP/s':>8} {'GB/s':>6} {'%4.8T':>5} {'%copy':>5} {'err':>7}"
-    lines = [f"copy bandwidth (2 GiB) {bw / 1e9:.0f} GB/s = {100 * bw / PEAK_HBM:.0f}% of 4.8 TB/s; t/ours > 1 means ours is faster;",
-             "%4.8T = our bytes/s over 4.8 TB/s; %copy = a device copy moving the same bytes, in time, over ours", hdr]
+    lines = [
+        f"copy bandwidth (2 GiB) {bw / 1e9:.0f} GB/s = {100 * bw / PEAK_HBM:.0f}% of 4.8 TB/s; t/ours > 1 means ours is faster;",
+        "%4.8T = our bytes/s over 4.8 TB/s; %copy = a device copy moving the same bytes, in time, over ours",
+        hdr,
+    ]
     for r in rows:
         t = ",".join(f"{k[6:] if k.startswith('block_') else k[:6]}={v}" for k, v in r["tiles"].items())
         tf = f"{r['tflops']:.0f}" if r["tflops"] else "-"
-        lines.append(f"{r['kind']:9} {r['shape']:40} {t:34} {r['ours_ms']:8.4f} {r['torch_ms']:9.4f} {r['torch_best']:>10} {r['speed']:6.2f} {tf:>8} {r['gbs']:6.0f} {r['hbm_pct']:5.0f} {r['copy_pct']:5.0f} {r['err']:7.1e}")
+        lines.append(
+            f"{r['kind']:9} {r['shape']:40} {t:34} {r['ours_ms']:8.4f} {r['torch_ms']:9.4f} {r['torch_best']:>10} {r['speed']:6.2f} {tf:>8} {r['gbs']:6.0f} {r['hbm_pct']:5.0f} {r['copy_pct']:5.0f} {r['err']:7.1e}"
+        )
     if decode:
         lines += ["", "decode GEMMs (fp16, trans_b, one M=None build each), under CUDA graphs; TB/s = weight bytes / time", DECODE_HEADER]
         lines += [decode_line(r) for r in decode]
     if kv_decode:
-        lines += ["", "decode attention (kv_attention, q_len=1, GQA 32/8, d=128, fp16), under CUDA graphs; SDPA: its fastest backend (enable_gqa);",
-                  "TB/s = KV-cache bytes / time", KV_DECODE_HEADER]
+        lines += [
+            "",
+            "decode attention (kv_attention, q_len=1, GQA 32/8, d=128, fp16), under CUDA graphs; SDPA: its fastest backend (enable_gqa);",
+            "TB/s = KV-cache bytes / time",
+            KV_DECODE_HEADER,
+        ]
         lines += [kv_decode_line(r) for r in kv_decode]
     lines.append("correctness failures: " + (", ".join(map(str, failures)) if failures else "none"))
     text = "\n".join(lines)

@@ -83,9 +83,15 @@ import decode_step  # noqa: E402  (benchmark/decode_step.py, next to this file)
 from decode_step import LayerConfig  # noqa: E402
 
 VARIANTS = (
-    "served_cold", "served_cold_from_serve", "served_warm",
-    "tilelang_cold", "tilelang_warm",
-    "compile_default_cold", "compile_default_warm", "compile_reduce_overhead_cold", "compile_reduce_overhead_warm",
+    "served_cold",
+    "served_cold_from_serve",
+    "served_warm",
+    "tilelang_cold",
+    "tilelang_warm",
+    "compile_default_cold",
+    "compile_default_warm",
+    "compile_reduce_overhead_cold",
+    "compile_reduce_overhead_warm",
     "eager",
 )
 COMPILE_MODES = {"default": None, "reduce_overhead": "reduce-overhead"}  # variant name part -> torch.compile mode
@@ -317,8 +323,18 @@ class Bench:
         with the path of its saved output (if any) as "output"."""
         out = self.work / f"{name}-{next(self.seq)}.pt"
         log = out.with_suffix(".log")
-        args = [sys.executable, str(Path(__file__).resolve()), "_child", role,
-                "--config", json.dumps(asdict(self.cfg)), "--layers", str(self.layers), "--out", str(out)]
+        args = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "_child",
+            role,
+            "--config",
+            json.dumps(asdict(self.cfg)),
+            "--layers",
+            str(self.layers),
+            "--out",
+            str(out),
+        ]
         for flag, value in flags.items():
             if value is True:
                 args.append(f"--{flag.replace('_', '-')}")
@@ -493,9 +509,11 @@ def table(report: dict) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r[:7], widths))) + "  " + r[7] for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     cfg = report["config"]
-    head = (f"{report['layers']} layers (hidden {cfg['hidden']}, {cfg['heads']}/{cfg['kv_heads']} heads of {cfg['head_dim']}, ffn {cfg['ffn']}), "
-            f"{cfg['prefill']}-token prompt, {cfg['dtype']}, target {cfg['target']}; {report['device']}, {report['cpu_count']} CPUs; "
-            "seconds from the agent process's start")
+    head = (
+        f"{report['layers']} layers (hidden {cfg['hidden']}, {cfg['heads']}/{cfg['kv_heads']} heads of {cfg['head_dim']}, ffn {cfg['ffn']}), "
+        f"{cfg['prefill']}-token prompt, {cfg['dtype']}, target {cfg['target']}; {report['device']}, {report['cpu_count']} CPUs; "
+        "seconds from the agent process's start"
+    )
     return "\n".join([head, *lines])
 
 
@@ -534,8 +552,10 @@ def plot(report: dict, path: str) -> None:
 def config_for(args) -> LayerConfig:
     cuda = torch.cuda.is_available()
     if not cuda and not args.small:
-        sys.exit("benchmark/startup.py needs a CUDA GPU for Llama-3-8B-shaped layers (torch.cuda.is_available() is False); "
-                 "--small runs tiny layers on the CPU (float32, target 'c')")
+        sys.exit(
+            "benchmark/startup.py needs a CUDA GPU for Llama-3-8B-shaped layers (torch.cuda.is_available() is False); "
+            "--small runs tiny layers on the CPU (float32, target 'c')"
+        )
     cfg = decode_step.SMALL if args.small else LayerConfig()
     if cuda:
         cfg = replace(cfg, dtype=args.dtype or "bfloat16", target="auto")
@@ -573,8 +593,10 @@ def main(argv=None) -> int:
     cfg = config_for(args)
 
     b = Bench(args, cfg)
-    print(f"startup: {args.layers} layers, {len(layer_specs(cfg))} kernels, target {cfg.target}, variants {', '.join(variants)}; work dir {b.work}",
-          file=sys.stderr)
+    print(
+        f"startup: {args.layers} layers, {len(layer_specs(cfg))} kernels, target {cfg.target}, variants {', '.join(variants)}; work dir {b.work}",
+        file=sys.stderr,
+    )
     rows, failed = {}, []
     try:
         for name in sorted(variants, key=VARIANTS.index):  # cold before warm: warm variants reuse the caches

@@ -91,11 +91,15 @@ def timed(variants: dict, iters: int, reps: int) -> dict:
 
 def launches_besides_served_ops(code: str) -> list[str]:
     """Lines of Inductor's wrapper code (its call()) that launch or copy anything but the served kernels."""
-    body = code[code.index("def call("):code.index("runner = Runner") if "runner = Runner" in code else len(code)]
+    body = code[code.index("def call(") : code.index("runner = Runner") if "runner = Runner" in code else len(code)]
     keep = []
     for line in body.splitlines():
         line = line.strip()
-        if not line.startswith("#") and any(w in line for w in (".run(", "copy_", "clone", "extern_kernels", "aten.", "triton_")) and "kernel_service" not in line:
+        if (
+            not line.startswith("#")
+            and any(w in line for w in (".run(", "copy_", "clone", "extern_kernels", "aten.", "triton_"))
+            and "kernel_service" not in line
+        ):
             keep.append(line[:160])
     return keep
 
@@ -151,12 +155,16 @@ def run_config(c, name: str, cfg: BlockConfig, batches, iters: int, reps: int) -
         torch.cuda.synchronize()
         row["manual_graph_exact"] = bool(torch.equal(static_out, want[0]))
 
-        row["ms"] = timed({
-            "eager": lambda: block(x),
-            "eager+graph": graph.replay,
-            "compiled": lambda: compiled(x),
-            "compiled+graph": lambda: graphed(x),
-        }, iters, reps)
+        row["ms"] = timed(
+            {
+                "eager": lambda: block(x),
+                "eager+graph": graph.replay,
+                "compiled": lambda: compiled(x),
+                "compiled+graph": lambda: graphed(x),
+            },
+            iters,
+            reps,
+        )
         row["ratio_wall"] = row["ms"]["compiled+graph"]["wall"] / row["ms"]["eager+graph"]["wall"]
         row["ratio_device"] = row["ms"]["compiled+graph"]["device"] / row["ms"]["eager+graph"]["device"]
         row["compiled_frames_after"] = counter.frame_count
@@ -184,8 +192,10 @@ def main() -> None:
                 row = run_config(c, name, cfg, batches, args.iters, args.reps)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\ntorch {torch.__version__}, {torch.cuda.get_device_name()}; ms per block call at the first batch size, "
-          f"medians of {args.reps} rounds of {args.iters} calls; wall / device / host (see the docstring)")
+    print(
+        f"\ntorch {torch.__version__}, {torch.cuda.get_device_name()}; ms per block call at the first batch size, "
+        f"medians of {args.reps} rounds of {args.iters} calls; wall / device / host (see the docstring)"
+    )
     print("| config | M | eager | eager+graph | compiled | compiled+graph | compiled+graph / eager+graph (wall, device) | breaks | frames |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:

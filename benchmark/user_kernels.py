@@ -125,47 +125,75 @@ def _cases() -> list[Case]:
 
     f16, f32 = torch.float16, torch.float32
     G = dict(M=4096, N=4096, K=4096)
-    rms = lambda x: (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-12))
+
+    def rms(x):
+        return x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-12)
+
     attn = dict(batch=2, heads=32, seq_len=2048, dim=128)
     dec = dict(batch=8, heads=32, groups=8, seqlen_kv=8192, dim=128)
     inf = dict(batch=2, heads=32, seqlen_q=128, seqlen_kv=8192, dim=128)
     NV = dict(N=8192, K=8192)
     return [
         Case(
-            "gemm", "example_gemm", "matmul", ("eager", "T.empty output"),
+            "gemm",
+            "example_gemm",
+            "matmul",
+            ("eager", "T.empty output"),
             dict(**G, block_M=128, block_N=128, block_K=32),
             lambda t, dev: [_randn(t, (G["M"], G["K"]), f16, dev), _randn(t, (G["K"], G["N"]), f16, dev)],
-            lambda a, b: a.double() @ b.double(), 1e-2,
+            lambda a, b: a.double() @ b.double(),
+            1e-2,
             upstream_call="matmul.compile(M=1024, N=1024, K=1024, block_M=128, block_N=128, block_K=32)",
         ),
         Case(
-            "rms_norm", "rms_norm", "rms_norm", ("eager", "pass_configs", "several per module"),
+            "rms_norm",
+            "rms_norm",
+            "rms_norm",
+            ("eager", "pass_configs", "several per module"),
             dict(M=8192, N=8192, blk_m=1),
             lambda t, dev: [_randn(t, (8192, 8192), f32, dev)],
-            rms, 1e-4, upstream_call="rms_norm.compile(M=8192, N=8192, blk_m=1)",
+            rms,
+            1e-4,
+            upstream_call="rms_norm.compile(M=8192, N=8192, blk_m=1)",
         ),
         Case(
-            "rms_norm_splitk", "rms_norm", "rms_norm_splitk", ("eager", "pass_configs", "several per module"),
+            "rms_norm_splitk",
+            "rms_norm",
+            "rms_norm_splitk",
+            ("eager", "pass_configs", "several per module"),
             dict(M=8192, N=8192, blk_m=1, blk_k=512),
             lambda t, dev: [_randn(t, (8192, 8192), f32, dev)],
-            rms, 1e-4, upstream_call="rms_norm_splitk.compile(M, N, blk_m=1, blk_k=512) (the file's other kernel)",
+            rms,
+            1e-4,
+            upstream_call="rms_norm_splitk.compile(M, N, blk_m=1, blk_k=512) (the file's other kernel)",
         ),
         Case(
-            "elementwise_add", "example_elementwise_add", "elementwise_add", ("eager", "dtype params"),
+            "elementwise_add",
+            "example_elementwise_add",
+            "elementwise_add",
+            ("eager", "dtype params"),
             dict(M=4096, N=4096, block_M=32, block_N=32, in_dtype="float32", out_dtype="float32", threads=128),
             lambda t, dev: [_randn(t, (4096, 4096), f32, dev), _randn(t, (4096, 4096), f32, dev)],
-            lambda a, b: a.double() + b.double(), 1e-6,
+            lambda a, b: a.double() + b.double(),
+            1e-6,
             upstream_call="elementwise_add(a, b, block_M=32, block_N=32, threads=128, in_dtype=T.float32, out_dtype=T.float32)",
         ),
         Case(
-            "flash_attention", "example_mha_fwd_bshd", "flashattn", ("plain", "autotuned", "pass_configs: TL_ENABLE_FAST_MATH", "out_idx"),
+            "flash_attention",
+            "example_mha_fwd_bshd",
+            "flashattn",
+            ("plain", "autotuned", "pass_configs: TL_ENABLE_FAST_MATH", "out_idx"),
             dict(**attn, is_causal=False, block_M=128, block_N=128, num_stages=1, threads=128),
             lambda t, dev: [_randn(t, (attn["batch"], attn["seq_len"], attn["heads"], attn["dim"]), f16, dev) for _ in range(3)],
-            lambda q, k, v: _attn_ref(torch, q, k, v), 1e-2,
+            lambda q, k, v: _attn_ref(torch, q, k, v),
+            1e-2,
             upstream_call="flashattn(batch, heads, seq_len, dim, is_causal, block_M=128, block_N=128, num_stages=1, threads=128)",
         ),
         Case(
-            "flash_decoding_gqa", "example_gqa_decode", "flashattn", ("plain", "autotuned", "pass_configs: TL_DISABLE_WARP_SPECIALIZED", "T.alloc_global workspaces"),
+            "flash_decoding_gqa",
+            "example_gqa_decode",
+            "flashattn",
+            ("plain", "autotuned", "pass_configs: TL_DISABLE_WARP_SPECIALIZED", "T.alloc_global workspaces"),
             dict(**dec, block_N=128, block_H=64, num_split=8, num_stages=2, threads=128),
             lambda t, dev: [
                 _randn(t, (dec["batch"], dec["heads"], dec["dim"]), f16, dev),
@@ -173,47 +201,69 @@ def _cases() -> list[Case]:
                 _randn(t, (dec["batch"], dec["seqlen_kv"], dec["groups"], dec["dim"]), f16, dev),
                 t.randint(0, 2, (dec["batch"], dec["seqlen_kv"], dec["groups"]), dtype=t.uint8, device=dev),
             ],
-            lambda q, k, v, m: _gqa_decode_ref(torch, q, k, v, m), 1e-2,
+            lambda q, k, v, m: _gqa_decode_ref(torch, q, k, v, m),
+            1e-2,
             upstream_call="flashattn(batch, heads, groups, kv_seqlen, dim, **get_heuristic_config()[0]) (its sm_90 config)",
         ),
         Case(
-            "flash_decoding_mha", "example_mha_inference", "flashattn", ("plain", "module-level constant", "T.alloc_global workspaces"),
+            "flash_decoding_mha",
+            "example_mha_inference",
+            "flashattn",
+            ("plain", "module-level constant", "T.alloc_global workspaces"),
             dict(**inf, is_causal=False, block_M=64, block_N=128),
             lambda t, dev: [
                 _randn(t, (inf["batch"], inf["seqlen_q"], inf["heads"], inf["dim"]), f16, dev),
                 _randn(t, (inf["batch"], inf["seqlen_kv"], inf["heads"], inf["dim"]), f16, dev),
                 _randn(t, (inf["batch"], inf["seqlen_kv"], inf["heads"], inf["dim"]), f16, dev),
             ],
-            lambda q, k, v: _attn_ref(torch, q, k, v), 1e-2,
+            lambda q, k, v: _attn_ref(torch, q, k, v),
+            1e-2,
             upstream_call="flashattn(batch, heads, seqlen_q, seqlen_kv, dim, is_causal, block_M=64, block_N=128)",
         ),
         Case(
-            "gemm_splitk", "example_tilelang_gemm_splitk", "matmul", ("eager", "in-place (atomic adds into C, no output)"),
+            "gemm_splitk",
+            "example_tilelang_gemm_splitk",
+            "matmul",
+            ("eager", "in-place (atomic adds into C, no output)"),
             dict(**G, block_M=128, block_N=128, block_K=32, split_k=4),
             lambda t, dev: [_randn(t, (G["M"], G["K"]), f16, dev), _randn(t, (G["K"], G["N"]), f16, dev), t.zeros((G["M"], G["N"]), dtype=f32, device=dev)],
-            lambda a, b, c: c.double() + a.double() @ b.double(), 1e-4, result_input=2,
+            lambda a, b, c: c.double() + a.double() @ b.double(),
+            1e-4,
+            result_input=2,
             note="C accumulates: the reference is C + A @ B for the C passed in",
             upstream_call="matmul(a, b, c, block_M, block_N, block_K, split_k)",
         ),
         Case(
-            "gemv_naive", "example_gemv", "naive_gemv", ("eager", "several per module", "annotated params"),
+            "gemv_naive",
+            "example_gemv",
+            "naive_gemv",
+            ("eager", "several per module", "annotated params"),
             dict(**NV, BLOCK_N=128, BLOCK_K=128),
             lambda t, dev: [_randn(t, (NV["K"],), f16, dev), _randn(t, (NV["N"], NV["K"]), f16, dev)],
-            lambda a, b: b.double() @ a.double(), 1e-2,
+            lambda a, b: b.double() @ a.double(),
+            1e-2,
             upstream_call="naive_gemv.compile(N=N, K=K, BLOCK_N=128, BLOCK_K=128)",
         ),
         Case(
-            "gemv_splitk_vectorized", "example_gemv", "splitk_gemv_vectorized", ("eager", "several per module"),
+            "gemv_splitk_vectorized",
+            "example_gemv",
+            "splitk_gemv_vectorized",
+            ("eager", "several per module"),
             dict(**NV, BLOCK_N=2, reduce_threads=32),
             lambda t, dev: [_randn(t, (NV["K"],), f16, dev), _randn(t, (NV["N"], NV["K"]), f16, dev)],
-            lambda a, b: b.double() @ a.double(), 1e-2,
+            lambda a, b: b.double() @ a.double(),
+            1e-2,
             upstream_call="splitk_gemv_vectorized.compile(N=N, K=K, BLOCK_N=2, reduce_threads=32)",
         ),
         Case(
-            "gemv_alloc_reducer", "example_gemv", "gemv_alloc_reducer", ("eager", "autotuned", "pass_configs", "several per module"),
+            "gemv_alloc_reducer",
+            "example_gemv",
+            "gemv_alloc_reducer",
+            ("eager", "autotuned", "pass_configs", "several per module"),
             dict(M=8192, N=8192, block_M=128, block_N=128, num_stages=2, threads=256),
             lambda t, dev: [_randn(t, (8192, 8192), f16, dev), _randn(t, (8192,), f16, dev)],
-            lambda a, x: a.double() @ x.double(), 1e-2,
+            lambda a, x: a.double() @ x.double(),
+            1e-2,
             upstream_call="gemv_alloc_reducer.compile(M=N, N=K, block_M=128, block_N=128)",
         ),
     ]
@@ -222,7 +272,16 @@ def _cases() -> list[Case]:
 def case_table() -> list[dict]:
     """The cases as plain data (for --list and the tests)."""
     return [
-        {"name": c.name, "module": c.module, "file": EXAMPLES[c.module], "kind": c.kind, "styles": list(c.styles), "params": c.params, "tol": c.tol, "in_place": c.result_input is not None}
+        {
+            "name": c.name,
+            "module": c.module,
+            "file": EXAMPLES[c.module],
+            "kind": c.kind,
+            "styles": list(c.styles),
+            "params": c.params,
+            "tol": c.tol,
+            "in_place": c.result_input is not None,
+        }
         for c in _cases()
     ]
 
@@ -282,7 +341,11 @@ def errors(torch, out, ref) -> dict:
     out64 = out.double()
     finite = bool(torch.isfinite(out64).all())
     diff = (out64 - ref).abs()
-    return {"finite": finite, "max_abs": float(diff.max()), "rel": float(torch.linalg.vector_norm(out64 - ref) / max(float(torch.linalg.vector_norm(ref)), 1e-30))}
+    return {
+        "finite": finite,
+        "max_abs": float(diff.max()),
+        "rel": float(torch.linalg.vector_norm(out64 - ref) / max(float(torch.linalg.vector_norm(ref)), 1e-30)),
+    }
 
 
 def run_kernel(kernel, inputs, result_input):
@@ -294,13 +357,19 @@ def check(torch, case: Case, served, tl_kernel, dev) -> dict:
     torch.manual_seed(hash(case.name) & 0xFFFF)
     inputs = case.inputs(torch, dev)
     ref = case.ref(*inputs)  # before the kernels: in-place kernels change their inputs
-    fresh = lambda: [t.clone() for t in inputs]
+
+    def fresh():
+        return [t.clone() for t in inputs]
+
     out = {}
     # served, into a NaN-poisoned out= buffer (every element must be written), then plain
     if case.result_input is None and served.abi["outputs"]:
         dims = served.check_inputs(inputs)[0]
         params = served.abi["params"]
-        poisoned = [torch.full(shape, float("nan"), dtype=getattr(torch, params[slot]["dtype"]), device=dev) for slot, shape in zip(served.abi["outputs"], served.output_shapes(dims))]
+        poisoned = [
+            torch.full(shape, float("nan"), dtype=getattr(torch, params[slot]["dtype"]), device=dev)
+            for slot, shape in zip(served.abi["outputs"], served.output_shapes(dims))
+        ]
         served(*fresh(), out=poisoned[0] if len(poisoned) == 1 else tuple(poisoned))
         torch.cuda.synchronize()
         out["served_poisoned"] = errors(torch, poisoned[0], ref)
@@ -323,7 +392,7 @@ def device_times(torch, case: Case, served, tl_kernel, dev, rounds: int) -> dict
     backend = "cupti"
     times = {k: [] for k in sides}
     for r in range(rounds):
-        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):  # alternate the order: drift cancels
+        for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:  # alternate the order: drift cancels
             try:
                 times[name].append(do_bench(sides[name], warmup=25, rep=100, backend=backend) * 1e3)
             except Exception:  # no CUPTI here: CUDA events around each call, L2 flushed
@@ -342,7 +411,7 @@ def host_times(torch, case: Case, served, tl_kernel, dev, rounds: int, calls: in
     per = {k: [] for k in sides}
     clock = time.perf_counter
     for r in range(rounds):
-        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+        for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
             fn = sides[name]
             torch.cuda.synchronize()
             samples = []
@@ -428,7 +497,11 @@ def build_only(args, cases, groups, work, env, results, t_start) -> int:
                 try:
                     theirs = tilelang_compile_for(c, args.build_only).get_kernel_source()
                     ours = served_source(daemons[i].cache_dir, c)
-                    r["source"] = source_diff(theirs, ours) if ours is not None else {"equal": False, "changed_lines": -1, "diff_head": "no kernel.cu in the served entry"}
+                    r["source"] = (
+                        source_diff(theirs, ours)
+                        if ours is not None
+                        else {"equal": False, "changed_lines": -1, "diff_head": "no kernel.cu in the served entry"}
+                    )
                     r["status"] = "ok" if r["source"]["equal"] else "MISS"
                 except Exception as exc:
                     r["status"], r["reason"] = "FAILED", f"TileLang's own compile: {type(exc).__name__}: {exc}"
@@ -437,9 +510,16 @@ def build_only(args, cases, groups, work, env, results, t_start) -> int:
             d.stop()
     for c in cases:
         r = results[c.name]
-        what = r.get("reason") or ("same CUDA source" if r["source"]["equal"] else f"CUDA differs in {r['source']['changed_lines']} lines\n{r['source']['diff_head']}")
+        what = r.get("reason") or (
+            "same CUDA source" if r["source"]["equal"] else f"CUDA differs in {r['source']['changed_lines']} lines\n{r['source']['diff_head']}"
+        )
         print(f"{c.name:24} {r['status']:7} {what}")
-    summary = {"cases": len(cases), "ok": sum(r.get("status") == "ok" for r in results.values()), "seconds": round(time.perf_counter() - t_start, 1), "build_only": args.build_only}
+    summary = {
+        "cases": len(cases),
+        "ok": sum(r.get("status") == "ok" for r in results.values()),
+        "seconds": round(time.perf_counter() - t_start, 1),
+        "build_only": args.build_only,
+    }
     print(f"build only ({args.build_only}): {summary['ok']} of {summary['cases']} served with TileLang's CUDA source, in {summary['seconds']:.0f} s")
     if args.json:
         args.json.write_text(json.dumps({"summary": summary, "work_dir": str(work), "results": list(results.values())}, indent=1, default=str))
@@ -447,7 +527,11 @@ def build_only(args, cases, groups, work, env, results, t_start) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog="Example files: " + ", ".join(f"{m}.py <- {UPSTREAM}/blob/main/{p}" for m, p in EXAMPLES.items()))
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Example files: " + ", ".join(f"{m}.py <- {UPSTREAM}/blob/main/{p}" for m, p in EXAMPLES.items()),
+    )
     ap.add_argument("--examples", type=Path, help="directory holding TileLang's example files, unchanged (see EXAMPLES)")
     ap.add_argument("--cases", help="comma-separated case names (default: all; --list shows them)")
     ap.add_argument("--list", action="store_true", help="print the case table and exit")
@@ -457,8 +541,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tl-threads", type=int, default=4, help="TileLang's own compiles run this many at once (default 4)")
     ap.add_argument("--work-dir", type=Path, help="daemon caches, logs, TileLang's cache (default: a temp dir)")
     ap.add_argument("--json", type=Path, help="write every number here")
-    ap.add_argument("--build-only", metavar="ARCH", help="no GPU needed: build both sides for ARCH (e.g. sm_90a; cross-compiled) and compare the generated CUDA only")
-    ap.add_argument("--no-stub-missing", dest="stub_missing", action="store_false", help="no stand-ins for packages the examples import only for reference code")
+    ap.add_argument(
+        "--build-only", metavar="ARCH", help="no GPU needed: build both sides for ARCH (e.g. sm_90a; cross-compiled) and compare the generated CUDA only"
+    )
+    ap.add_argument(
+        "--no-stub-missing", dest="stub_missing", action="store_false", help="no stand-ins for packages the examples import only for reference code"
+    )
     args = ap.parse_args(argv)
 
     table = case_table()
@@ -488,7 +576,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("TILELANG_CACHE_DIR", str(work / "tilelang-cache"))  # TileLang's own builds: cold too
     env = {"PYTHONPATH": os.pathsep.join(path + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
 
-    results = {c.name: {"case": c.name, "module": c.module, "file": EXAMPLES[c.module], "kind": c.kind, "styles": list(c.styles), "params": c.params} for c in cases}
+    results = {
+        c.name: {"case": c.name, "module": c.module, "file": EXAMPLES[c.module], "kind": c.kind, "styles": list(c.styles), "params": c.params} for c in cases
+    }
     t_start = time.perf_counter()
     groups = daemon_groups(cases)
     print(f"work dir {work}; daemons: {' | '.join(', '.join(g) for g in groups)}", flush=True)
@@ -550,7 +640,9 @@ def main(argv=None) -> int:
             d.stop()
     total = time.perf_counter() - t_start
 
-    lines = [f"{'case':24} {'styles':42} {'check rel err srv/tl':>22} {'source':>10} {'dev us srv/tl':>17} {'ratio':>6} {'host us srv/tl':>15} {'ratio':>6}  status"]
+    lines = [
+        f"{'case':24} {'styles':42} {'check rel err srv/tl':>22} {'source':>10} {'dev us srv/tl':>17} {'ratio':>6} {'host us srv/tl':>15} {'ratio':>6}  status"
+    ]
     for c in cases:
         r = results[c.name]
         styles = ", ".join(c.styles)[:42]
@@ -562,8 +654,15 @@ def main(argv=None) -> int:
         lines.append(
             f"{c.name:24} {styles:42} {ch['served']['rel']:10.2e}/{ch['tilelang']['rel']:.2e} {srctext:>10} {dv['served_us']:8.1f}/{dv['tilelang_us']:<8.1f} {dv['ratio']:6.3f} {ho['served_us']:7.1f}/{ho['tilelang_us']:<7.1f} {ho['ratio']:6.3f}  {r['status']}"
         )
-    summary = {"cases": len(cases), "ok": sum(r["status"] == "ok" for r in results.values()), "failed": sum(r["status"] == "FAILED" for r in results.values()), "seconds": round(total, 1)}
-    lines.append(f"{summary['ok']} of {summary['cases']} ok, {summary['failed']} failed, in {total:.0f} s. ok: rel err under the case's tolerance on both sides and the poisoned out=, same CUDA source, device time within 3%, host time at most TileLang's.")
+    summary = {
+        "cases": len(cases),
+        "ok": sum(r["status"] == "ok" for r in results.values()),
+        "failed": sum(r["status"] == "FAILED" for r in results.values()),
+        "seconds": round(total, 1),
+    }
+    lines.append(
+        f"{summary['ok']} of {summary['cases']} ok, {summary['failed']} failed, in {total:.0f} s. ok: rel err under the case's tolerance on both sides and the poisoned out=, same CUDA source, device time within 3%, host time at most TileLang's."
+    )
     for c in cases:
         src = results[c.name].get("source")
         if src and not src["equal"]:

@@ -98,7 +98,7 @@ class Client:
         self.strict = strict if strict is not None else os.environ.get(STRICT_ENV, "") == "1"
         self.address = socket_address(socket or default_socket())
         # The socket file, when the address is one: its absence means "no daemon" at once.
-        self.socket_path = Path(self.address[len("unix:"):]) if self.address.startswith("unix:") else None
+        self.socket_path = Path(self.address[len("unix:") :]) if self.address.startswith("unix:") else None
         self.fallback = fallback
         self.cache_dir = cache_dir
         self.timeout = timeout
@@ -187,7 +187,9 @@ class Client:
                 if code not in Status.RETRYABLE or now + delay >= retry_until:
                     if isinstance(err, _NotListening):
                         tried = f" (retried for {now - start:.1f} s)" if now - start > 0.01 else ""
-                        raise ServiceUnavailable(f"no kernel service answers at {self.socket_path}{tried}: nothing accepts connections ({err}); start one with `kernel-service serve`") from None
+                        raise ServiceUnavailable(
+                            f"no kernel service answers at {self.socket_path}{tried}: nothing accepts connections ({err}); start one with `kernel-service serve`"
+                        ) from None
                     _raise_for(err, what, self.address, now - start)
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 1.0)
@@ -269,7 +271,11 @@ class Client:
         self._load_routes(kernel, timeout)
         waited = time.monotonic() - started
         if waited > SLOW_GET:  # a silent pause gets a reason
-            how = f"a copy of a shared build compiled in {kernel.shared_build['compile_seconds']:.1f} s" if kernel.shared_build else f"compile {kernel.compile_seconds:.1f} s"
+            how = (
+                f"a copy of a shared build compiled in {kernel.shared_build['compile_seconds']:.1f} s"
+                if kernel.shared_build
+                else f"compile {kernel.compile_seconds:.1f} s"
+            )
             log.info("get_kernel(%s) waited %.1f s: %s (%s)", kind, waited, kernel.outcome, how)
         return self._keep(memo_key, kernel)
 
@@ -362,8 +368,15 @@ class Client:
             self._cache_root = Path(self.service_info()["cache_dir"])
         asked = json.loads(spec.to_json() if spec is not None else a.canonical_spec)
         kernel = loader.load(
-            Path(a.entry_dir), a.library, a.library_sha256, a.library_size, json.loads(a.abi_json), asked, a.key,
-            root=self._cache_root, owner=self.daemon_uid,
+            Path(a.entry_dir),
+            a.library,
+            a.library_sha256,
+            a.library_size,
+            json.loads(a.abi_json),
+            asked,
+            a.key,
+            root=self._cache_root,
+            owner=self.daemon_uid,
         )
         kernel.outcome = Outcome.from_proto(reply.outcome)
         kernel.compile_seconds = reply.compile_seconds
@@ -425,7 +438,9 @@ class Client:
         try:
             self._verify_daemon()
         except _NotListening as exc:
-            raise ServiceUnavailable(f"no kernel service answers at {self.socket_path}: nothing accepts connections ({exc}); start one with `kernel-service serve`") from None
+            raise ServiceUnavailable(
+                f"no kernel service answers at {self.socket_path}: nothing accepts connections ({exc}); start one with `kernel-service serve`"
+            ) from None
         # The daemon refuses a whole batch for one spec it finds invalid (a kind only it knows):
         # that spec leaves the batch, which is sent again.
         while (refused := self._prefetch_batch(wanted, results, done, timeout, report, load)) is not None:
@@ -536,7 +551,9 @@ def _progress_reporter(progress: Callable[..., object] | None) -> Callable[[pb.P
         required = [p for p in positional if p.default is p.empty]
         count = min(len(positional), 3)
         if count == 0 or len(required) > 3:
-            raise TypeError(f"prefetch: progress must take 1 (event), 2 (done, total) or 3 (done, total, event) positional arguments; {progress!r} takes {len(required)}")
+            raise TypeError(
+                f"prefetch: progress must take 1 (event), 2 (done, total) or 3 (done, total, event) positional arguments; {progress!r} takes {len(required)}"
+            )
 
     def report(event: pb.PrefetchEvent) -> None:
         if count == 2:

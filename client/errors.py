@@ -17,4 +17,14 @@ class CorruptArtifact(KernelServiceError, EntryRefused):
     An OSError, and the client's form of the contract's EntryRefused (proto.entry's rules)."""
 
 
-__all__ = ["NOT_READY_FIX", "CompileError", "CorruptArtifact", "InvalidSpec", "KernelNotReady", "KernelServiceError", "ServiceError", "ServiceUnavailable", "UntrustedService"]
+__all__ = [
+    "NOT_READY_FIX",
+    "CompileError",
+    "CorruptArtifact",
+    "InvalidSpec",
+    "KernelNotReady",
+    "KernelServiceError",
+    "ServiceError",
+    "ServiceUnavailable",
+    "UntrustedService",
+]

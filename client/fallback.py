@@ -32,7 +32,17 @@ def build_locally(spec: kernels.CanonicalSpec, cache_dir: str | os.PathLike | No
     except StoreError as exc:
         raise ServiceError(f"kernel cache write failed: {exc.strerror or exc}", "INTERNAL") from None
     # Checked like a daemon's answer: only this process's own files, under its cache root.
-    kernel = loader.load(entry.path, entry.library, entry.library_sha256, entry.library_size, entry.abi, json.loads(spec.to_json()), entry.key, root=service.store.root, owner=service.store.owner)
+    kernel = loader.load(
+        entry.path,
+        entry.library,
+        entry.library_sha256,
+        entry.library_size,
+        entry.abi,
+        json.loads(spec.to_json()),
+        entry.key,
+        root=service.store.root,
+        owner=service.store.owner,
+    )
     kernel.outcome = outcome
     kernel.compile_seconds = entry.meta.get("compile_seconds", 0.0)
     return kernel

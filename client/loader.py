@@ -324,6 +324,7 @@ class Kernel:
     def check_overlap(self, inputs, outs) -> None:
         """Outputs may not share memory with an input, except the one a kind writes over in place;
         an input the kernel updates (abi.writes) may not share memory with another input."""
+
         def span(t):
             start = t.data_ptr()
             return start, start + t.numel() * t.element_size()
@@ -431,7 +432,9 @@ class Kernel:
         elif self._fn(*args) is not None:  # TVM-FFI launches on torch's current stream
             # A library that allocated its outputs itself (TileLang's callee-allocated ABI) left
             # the buffers above unwritten: never hand those back.
-            raise RuntimeError(f"{self.kind}: the library returned tensors of its own instead of writing its outputs; its entry was built for another call ABI (rebuild it)")
+            raise RuntimeError(
+                f"{self.kind}: the library returned tensors of its own instead of writing its outputs; its entry was built for another call ABI (rebuild it)"
+            )
         if out is not None:
             return out
         outs = [args[i] for i in self._outputs]
@@ -519,7 +522,9 @@ def load_published(cache_root: Path, key: str, spec: dict, owner: int) -> Kernel
     if found is None:
         return None
     try:
-        kernel = load(found.path, found.library, found.library_sha256, found.library_size, found.meta["abi"], found.meta["spec"], key, root=Path(cache_root), owner=owner)
+        kernel = load(
+            found.path, found.library, found.library_sha256, found.library_size, found.meta["abi"], found.meta["spec"], key, root=Path(cache_root), owner=owner
+        )
     except CorruptArtifact:
         return None
     kernel.compile_seconds = float(found.meta.get("compile_seconds", 0.0))

@@ -69,7 +69,9 @@ def _verify(args) -> int:
     else:
         for d in report.damage:
             print(f"{'removed' if d.repaired else 'DAMAGED'} {d.what:>7}: {d.path}: {d.why}")
-        print(f"{cache_dir}: {report.entries_ok} entries ok, {len(report.damage)} damaged, {len(report.unrepaired)} left unrepaired, {report.staging_in_use} staging dirs in use")
+        print(
+            f"{cache_dir}: {report.entries_ok} entries ok, {len(report.damage)} damaged, {len(report.unrepaired)} left unrepaired, {report.staging_in_use} staging dirs in use"
+        )
         if report.unrepaired and not args.repair:
             print("run `kernel-service verify --repair` to remove them (safe while the daemon runs)")
     return 1 if report.unrepaired else 0
@@ -133,7 +135,9 @@ def _stats(args) -> int:
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
-    print(f"counters since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(stats['stats_since']))} ({_ago(stats['stats_since'])}; `kernel-service zero-stats` resets them):")
+    print(
+        f"counters since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(stats['stats_since']))} ({_ago(stats['stats_since'])}; `kernel-service zero-stats` resets them):"
+    )
     for name in ("compiles", "derived", "hits", "misses", "joined", "failures", "failures_cached", "invalid", "corrupt", "evictions", "not_ready"):
         print(f"{name:>16}: {stats[name]}")
     print(f"{'compile_seconds':>16}: {stats['compile_seconds']:.2f} (device code: {stats['device_compile_seconds']:.2f})")
@@ -165,7 +169,9 @@ def _zero_stats(args) -> int:
 
     try:
         before = fields_of(_ask(args.socket, "ZeroStats", pb.ZeroStatsRequest()))
-        print(f"counters of the daemon at {before['address']} set to zero (it had {before['compiles']} compiles, {before['hits']} hits, {before['misses']} misses)")
+        print(
+            f"counters of the daemon at {before['address']} set to zero (it had {before['compiles']} compiles, {before['hits']} hits, {before['misses']} misses)"
+        )
         return 0
     except NoDaemon:
         pass  # no daemon: zero the totals the next one starts from
@@ -297,7 +303,9 @@ def _prune(args) -> int:
     entries, total = store.usage()
     print(f"removed {removed} least recently used entries; {store.root} now holds {entries} entries, {_human_bytes(total)} (was {_human_bytes(before[1])})")
     if total > max_bytes:
-        print(f"still above {_human_bytes(max_bytes)}: the rest may have been used within --min-age {args.min_age:.0f} s (plus a minute: a daemon records a use on disk at most once a minute)")
+        print(
+            f"still above {_human_bytes(max_bytes)}: the rest may have been used within --min-age {args.min_age:.0f} s (plus a minute: a daemon records a use on disk at most once a minute)"
+        )
     return 0
 
 
@@ -468,7 +476,7 @@ def _prewarm(args) -> int:
                 bar(f"{'FAILED':<13} {_label(specs[i])}")
                 todo.remove(i)
                 continue
-            todo = todo[len(batch):]
+            todo = todo[len(batch) :]
     print(f"built {len(built)}, already there {len(present)}, failed {len(failed)} (of {len(specs)} kernels)")
     for spec, reason in failed:
         print(f"failed: {_label(spec)}: {reason.splitlines()[0] if reason else ''}")
@@ -562,7 +570,9 @@ def _bundle_import(args) -> int:
         return _fail(str(exc))
     except OSError as exc:  # the cache refused a write (StoreError), or cannot be created
         return _fail(_os_error(exc))
-    print(f"imported {report.imported} entries into {cache_dir} ({report.present} already there; {report.digests_checked} files' sha256 checked, {_human_bytes(report.bytes)})")
+    print(
+        f"imported {report.imported} entries into {cache_dir} ({report.present} already there; {report.digests_checked} files' sha256 checked, {_human_bytes(report.bytes)})"
+    )
     return 0
 
 
@@ -764,7 +774,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the daemon until SIGTERM or `kernel-service stop`")
     add_setting_flags(serve)
-    serve.add_argument("--exit-with-parent", action="store_true", help="stop (draining, as on SIGTERM) within a second of the process that started this one exiting: for launchers such as tests and benchmarks, never under a supervisor")
+    serve.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop (draining, as on SIGTERM) within a second of the process that started this one exiting: for launchers such as tests and benchmarks, never under a supervisor",
+    )
     serve.set_defaults(run=_serve)
 
     stop = sub.add_parser("stop", help="stop the daemon gracefully: it refuses new requests and lets running compiles finish (its --grace)")
@@ -772,7 +786,9 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to exit (default 60); exit 1 if it has not")
     stop.set_defaults(run=_stop)
 
-    info = sub.add_parser("info", help="the resolved configuration and where each value came from: the running daemon's, else what `serve` with these flags would use")
+    info = sub.add_parser(
+        "info", help="the resolved configuration and where each value came from: the running daemon's, else what `serve` with these flags would use"
+    )
     add_setting_flags(info)
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(run=_info)
@@ -800,11 +816,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     prune = sub.add_parser("prune", help="remove least recently used entries (and device binaries) until the cache fits; safe while a daemon serves it")
     prune.add_argument("--max-size", required=True, metavar="SIZE", help="the size to fit in: bytes, or 512M, 10G")
-    prune.add_argument("--min-age", type=float, default=300.0, metavar="SECONDS", help="keep entries used this recently, whatever the size (default 300, as serve --evict-min-age)")
+    prune.add_argument(
+        "--min-age",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="keep entries used this recently, whatever the size (default 300, as serve --evict-min-age)",
+    )
     prune.add_argument("--cache-dir", help=cache_help)
     prune.set_defaults(run=_prune)
 
-    clear = sub.add_parser("clear", help="remove every entry and device binary from the cache (torch.compile's directory is left alone); safe while a daemon serves it")
+    clear = sub.add_parser(
+        "clear", help="remove every entry and device binary from the cache (torch.compile's directory is left alone); safe while a daemon serves it"
+    )
     clear.add_argument("--cache-dir", help=cache_help)
     clear.set_defaults(run=_clear)
 
@@ -830,7 +854,9 @@ def build_parser() -> argparse.ArgumentParser:
     keying = argparse.ArgumentParser(add_help=False)
     keying.add_argument("--cache-dir", help=cache_help)
     keying.add_argument("--cuda-compiler", choices=("auto", "nvrtc", "nvcc"), help="the CUDA compiler whose keys to use, as for serve (default auto)")
-    keying.add_argument("--cuda-compiler-id", metavar="ID", help="key CUDA kernels as if built by this compiler (e.g. nvrtc-13.0): for a host that does not compile")
+    keying.add_argument(
+        "--cuda-compiler-id", metavar="ID", help="key CUDA kernels as if built by this compiler (e.g. nvrtc-13.0): for a host that does not compile"
+    )
     keying.add_argument("--kernel-module", action="append", default=[], metavar="MODULE[:ATTR]", help="also know these modules' kinds (repeatable)")
     export = bundle.add_parser("export", parents=[keying], help="pack exactly the manifest's entries, with their digests and toolchain, into one file")
     export.add_argument("--manifest", required=True, metavar="FILE", help="the kernels to pack (`kernel-service manifest -o FILE`)")
@@ -840,7 +866,10 @@ def build_parser() -> argparse.ArgumentParser:
     import_.add_argument("bundle", metavar="BUNDLE", help="a file made by `kernel-service bundle export`")
     import_.set_defaults(run=_bundle_import)
 
-    explain = sub.add_parser("explain", help="say whether a kernel is in the cache, what its key is made of, and for a miss which fields the nearest entries differ in; exit 1 on a miss")
+    explain = sub.add_parser(
+        "explain",
+        help="say whether a kernel is in the cache, what its key is made of, and for a miss which fields the nearest entries differ in; exit 1 on a miss",
+    )
     explain.add_argument("kind", help="kernel kind, e.g. gemm")
     explain.add_argument("params", nargs="*", metavar="NAME=VALUE", help="parameters, e.g. N=4096 dtype=float16 M=none")
     explain.add_argument("--target", help="c, auto or a CUDA arch such as sm_90a (default: the daemon's)")

@@ -95,7 +95,9 @@ def tcp_address(text: str, allow_remote: bool = False, flag: str = "--tcp") -> s
     except ValueError:
         loopback = False
     if not loopback and not allow_remote:
-        raise ValueError(f"{flag} {text!r}: {host} is not a loopback address; nothing on it is encrypted, pass --allow-remote to expose it on a trusted network anyway")
+        raise ValueError(
+            f"{flag} {text!r}: {host} is not a loopback address; nothing on it is encrypted, pass --allow-remote to expose it on a trusted network anyway"
+        )
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -188,23 +190,41 @@ class ServiceConfig:
         help="import MODULE to register extra kernel kinds, or serve MODULE's kind class or @tilelang.jit factory ATTR (the kind is named ATTR); "
         "the daemon must be able to import it: set PYTHONPATH or install it",
     )  # fmt: skip
-    entry_points: bool = setting(True, flag="--no-entry-points", form="switch", help="load no installed kinds (entry-point group kernel_service.kinds), only the zoo and --kernel-module")
+    entry_points: bool = setting(
+        True, flag="--no-entry-points", form="switch", help="load no installed kinds (entry-point group kernel_service.kinds), only the zoo and --kernel-module"
+    )
     plugins: tuple[str, ...] | None = setting(
         None, flag="--plugin", metavar="NAME", form="repeat", default_text="all",
         help="load only these installed kinds (entry-point group kernel_service.kinds)",
     )  # fmt: skip
-    failure_ttl: float = setting(60.0, flag="--failure-ttl", metavar="SECONDS", parse=float, check=_not_negative, help="seconds a failed compile is answered from memory before it is retried (0: never remembered)")
+    failure_ttl: float = setting(
+        60.0,
+        flag="--failure-ttl",
+        metavar="SECONDS",
+        parse=float,
+        check=_not_negative,
+        help="seconds a failed compile is answered from memory before it is retried (0: never remembered)",
+    )
     max_bytes: int | None = setting(
         None, flag="--max-size", metavar="BYTES", parse=parse_size, check=_not_negative, default_text="unbounded",
         help="cache budget: evict least recently used entries above this size (bytes, or 512M, 10G)",
     )  # fmt: skip
-    max_entries: int | None = setting(None, flag="--max-entries", metavar="N", parse=int, check=_not_negative, default_text="unbounded", help="cache budget in entries")
-    evict_min_age: float = setting(300.0, flag="--evict-min-age", metavar="SECONDS", parse=float, check=_not_negative, help="never evict an entry used this recently")
+    max_entries: int | None = setting(
+        None, flag="--max-entries", metavar="N", parse=int, check=_not_negative, default_text="unbounded", help="cache budget in entries"
+    )
+    evict_min_age: float = setting(
+        300.0, flag="--evict-min-age", metavar="SECONDS", parse=float, check=_not_negative, help="never evict an entry used this recently"
+    )
     mode: int = setting(
         0o700, flag="--mode", metavar="0700|0750", parse=octal_mode, check=_mode, default_text="0700",
         help="cache and socket directory mode: 0700 owner only, 0750 group may read and connect, never write (agents of other users then pass daemon_uid)",
     )  # fmt: skip
-    allow_remote: bool = setting(False, flag="--allow-remote", form="switch", help="allow --tcp and --metrics-address on a non-loopback address (nothing is encrypted: trusted networks only)")
+    allow_remote: bool = setting(
+        False,
+        flag="--allow-remote",
+        form="switch",
+        help="allow --tcp and --metrics-address on a non-loopback address (nothing is encrypted: trusted networks only)",
+    )
     tcp: str | None = setting(
         None, flag="--tcp", metavar="HOST:PORT", default_text="off",
         help="also listen on TCP (host defaults to 127.0.0.1; loopback only unless --allow-remote); clients must present the token the daemon writes to <cache dir>/tcp-token",
@@ -217,7 +237,12 @@ class ServiceConfig:
         None, flag="--metrics-address", metavar="HOST:PORT", default_text="off",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (host defaults to 127.0.0.1; loopback only unless --allow-remote)",
     )  # fmt: skip
-    no_compile: bool = setting(False, flag="--no-compile", form="switch", help="serve only what the cache holds (fed by `bundle import` or another daemon): a miss answers NOT_FOUND with why; no compile workers start")
+    no_compile: bool = setting(
+        False,
+        flag="--no-compile",
+        form="switch",
+        help="serve only what the cache holds (fed by `bundle import` or another daemon): a miss answers NOT_FOUND with why; no compile workers start",
+    )
     cuda_compiler_id: str | None = setting(
         None, flag="--cuda-compiler-id", env=devices.ID_ENV, metavar="ID", default_text="none",
         help="with --no-compile: key CUDA kernels as if built by this compiler, e.g. nvrtc-13.0 (the builder's, as its bundle records it); no compiler is looked for",
@@ -226,13 +251,36 @@ class ServiceConfig:
         None, flag="--remote", env=REMOTE_ENV, metavar="URL", check=_remote, group=FLEET, default_text="none: this host alone",
         help="the fleet tier, a Redis shared by every host (each kernel compiled once per fleet): redis://[user:password@]host:port/db, rediss:// for TLS, or unix:///path",
     )  # fmt: skip
-    remote_read_only: bool = setting(False, flag="--remote-read-only", form="switch", group=FLEET, help="read kernels from the tier and wait on other hosts' builds, never write (pair with a read-only ACL user)")
+    remote_read_only: bool = setting(
+        False,
+        flag="--remote-read-only",
+        form="switch",
+        group=FLEET,
+        help="read kernels from the tier and wait on other hosts' builds, never write (pair with a read-only ACL user)",
+    )
     remote_lease_seconds: float = setting(
         30.0, flag="--remote-lease-seconds", metavar="S", parse=float, check=_positive, group=FLEET,
         help="a build lease lasts this long unless its holder renews it; a dead holder's build is taken over after it",
     )  # fmt: skip
-    remote_timeout: float = setting(1.0, flag="--remote-timeout", metavar="S", parse=float, check=_positive, group=FLEET, help="seconds any one Redis call may take before the host goes on alone")
-    remote_ttl: float = setting(7 * 86400.0, flag="--remote-ttl", metavar="S", parse=float, check=_positive, group=FLEET, default_text="604800 (7 days)", help="seconds an entry stays in the tier after it was last written")
+    remote_timeout: float = setting(
+        1.0,
+        flag="--remote-timeout",
+        metavar="S",
+        parse=float,
+        check=_positive,
+        group=FLEET,
+        help="seconds any one Redis call may take before the host goes on alone",
+    )
+    remote_ttl: float = setting(
+        7 * 86400.0,
+        flag="--remote-ttl",
+        metavar="S",
+        parse=float,
+        check=_positive,
+        group=FLEET,
+        default_text="604800 (7 days)",
+        help="seconds an entry stays in the tier after it was last written",
+    )
     sources: dict = field(default_factory=dict, compare=False)  # field -> where its value came from (describe)
 
     @property

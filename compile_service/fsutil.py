@@ -83,6 +83,8 @@ def die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # the parent died before the prctl took effect
         os._exit(1)
+
+
 def real_dir(path: Path) -> bool:
     try:
         return stat.S_ISDIR(path.lstat().st_mode)

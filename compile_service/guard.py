@@ -60,7 +60,9 @@ class RequestGuard(grpc.ServerInterceptor):
 
         def guarded(request, context):
             if not context.peer().startswith("unix:") and not self._authorized(metadata):
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "this TCP call lacks the daemon's token (authorization: Bearer <the content of <cache root>/tcp-token>)")
+                context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED, "this TCP call lacks the daemon's token (authorization: Bearer <the content of <cache root>/tcp-token>)"
+                )
             if isinstance(request, Undecodable):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message for {details.method} ({request.why})")
             return behavior(request, context)

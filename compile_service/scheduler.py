@@ -620,7 +620,9 @@ class Scheduler:
                     raise ShuttingDown("the kernel service shut down while compiling this kernel") from None
                 self._replace_pool(pool)
                 if attempt == 2:
-                    raise WorkerCrashed("the compiler worker crashed (its process died) twice while building this kernel; it is not remembered as a compile failure") from None
+                    raise WorkerCrashed(
+                        "the compiler worker crashed (its process died) twice while building this kernel; it is not remembered as a compile failure"
+                    ) from None
                 log.warning("the compiler worker crashed while building %s; retrying once on a fresh worker", flight.key[:16])
                 _empty(staging)
             except OSError as exc:  # the worker could not write the staging dir (disk full)

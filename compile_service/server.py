@@ -245,7 +245,9 @@ def _fleet_tier(local: LocalStore, cfg: ServiceConfig, metrics: Metrics):
     from .store.remote import RedisTier
     from .store.tiered import with_fleet_tier
 
-    tier = RedisTier(cfg.remote, read_only=cfg.remote_read_only, lease_seconds=cfg.remote_lease_seconds, timeout=cfg.remote_timeout, ttl=cfg.remote_ttl, metrics=metrics)
+    tier = RedisTier(
+        cfg.remote, read_only=cfg.remote_read_only, lease_seconds=cfg.remote_lease_seconds, timeout=cfg.remote_timeout, ttl=cfg.remote_ttl, metrics=metrics
+    )
     log.info("fleet tier %s%s, leases of %.0fs", tier.url, " (read-only)" if tier.read_only else "", cfg.remote_lease_seconds)
     with_fleet_tier(local, tier, metrics)
     return tier

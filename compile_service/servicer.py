@@ -92,6 +92,8 @@ def explanation_to_proto(e: explain.Explanation) -> pb.ExplainResponse:
         for d in near.differences:
             n.differences.add(part=d.part, field=d.field, wanted=value(d.wanted), found=value(d.found), text=d.text)
     return reply
+
+
 class _Claims:
     """The in-flight futures one Prefetch call waits for, released exactly once."""
 
@@ -136,7 +138,9 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
             if self._info is None:
                 device = self.scheduler.device.id
                 fingerprint = json.dumps(keys.fingerprint(device), sort_keys=True)
-                self._info = pb.ServiceInfo(**self._info_fields, version=__version__, toolchain=describe_toolchain(device), cuda_compiler=device, key_fingerprint_json=fingerprint)
+                self._info = pb.ServiceInfo(
+                    **self._info_fields, version=__version__, toolchain=describe_toolchain(device), cuda_compiler=device, key_fingerprint_json=fingerprint
+                )
             return self._info
 
     def _validate(self, spec: pb.KernelSpec) -> kernels.CanonicalSpec:

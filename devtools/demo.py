@@ -103,7 +103,9 @@ def run_demo(cache_dir: str | None = None, socket: str | None = None) -> int:
                 failed.append(spec)
 
         s = fresh.stats()
-        print(f"\ndaemon stats: compiles={s['compiles']} derived={s['derived']} hits={s['hits']} misses={s['misses']} joined={s['joined']} failures={s['failures']} entries={s['entries']} workers={s['workers']}")
+        print(
+            f"\ndaemon stats: compiles={s['compiles']} derived={s['derived']} hits={s['hits']} misses={s['misses']} joined={s['joined']} failures={s['failures']} entries={s['entries']} workers={s['workers']}"
+        )
         print("demo " + ("FAILED" if failed else "ok"))
         return 1 if failed else 0
     finally:

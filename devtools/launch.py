@@ -70,7 +70,16 @@ class DaemonProcess:
         self.socket = Path(socket) if socket else Path(tempfile.mkdtemp(prefix="ks-", dir="/tmp")) / "ks.sock"
         self.log_path = log_path or self.cache_dir.parent / f"daemon-{self.cache_dir.name}-{os.urandom(3).hex()}.log"
         # --exit-with-parent: a launcher that dies without stop() (SIGTERM, SIGKILL) leaves no daemon behind.
-        self.args = ["serve", "--socket", str(self.socket), "--cache-dir", str(self.cache_dir), "--exit-with-parent", *(["--workers", str(workers)] if workers else []), *extra]
+        self.args = [
+            "serve",
+            "--socket",
+            str(self.socket),
+            "--cache-dir",
+            str(self.cache_dir),
+            "--exit-with-parent",
+            *(["--workers", str(workers)] if workers else []),
+            *extra,
+        ]
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait: bool = True, timeout: float = 300) -> DaemonProcess:

@@ -47,7 +47,10 @@ class Attention(KernelKind):
             # The scores and output tiles are C stack arrays; keep them well under a thread's stack.
             scratch = 4 * p["block_M"] * (p["block_N"] + p["head_dim"])
             if scratch > CPU_SCRATCH:
-                raise InvalidSpec("head_dim", f"block_M*(block_N+head_dim) fp32 scratch is {scratch // 1024} KiB, over {CPU_SCRATCH // 1024} KiB on target {target.describe()}; use a smaller block_M")
+                raise InvalidSpec(
+                    "head_dim",
+                    f"block_M*(block_N+head_dim) fp32 scratch is {scratch // 1024} KiB, over {CPU_SCRATCH // 1024} KiB on target {target.describe()}; use a smaller block_M",
+                )
             return p
         d = p["head_dim"]
         if d % 16 or d > 256:
@@ -83,10 +86,14 @@ class Attention(KernelKind):
         # Per thread: the scores tile and the output accumulator, in fp32 registers.
         regs = (bm * bn + bm * d) // p["threads"]
         if regs > 192:
-            raise InvalidSpec("block_M", f"a {bm}x{bn} tile with head_dim {d} needs {regs} fp32 registers per thread (max 192); use smaller blocks or more threads")
+            raise InvalidSpec(
+                "block_M", f"a {bm}x{bn} tile with head_dim {d} needs {regs} fp32 registers per thread (max 192); use smaller blocks or more threads"
+            )
         smem = self._smem(bm, bn, p["num_stages"], d)
         if smem > smem_limit(target):
-            raise InvalidSpec("num_stages", f"tiles need {smem // 1024} KiB of shared memory, over the {smem_limit(target) // 1024} KiB a block gets on {target}")
+            raise InvalidSpec(
+                "num_stages", f"tiles need {smem // 1024} KiB of shared memory, over the {smem_limit(target) // 1024} KiB a block gets on {target}"
+            )
         return p
 
     def host_side_dims(self, p, target):

@@ -49,7 +49,9 @@ def check_mma_tile(p, target):
         raise InvalidSpec("num_stages", f"must be in [1, 8], got {p['num_stages']}")
     # Each thread holds bm*bn/threads fp32 accumulators; past 128 they spill.
     if bm * bn // p["threads"] > 128:
-        raise InvalidSpec("block_N", f"a {bm}x{bn} tile needs {bm * bn // p['threads']} accumulator registers per thread (max 128); use smaller tiles or more threads")
+        raise InvalidSpec(
+            "block_N", f"a {bm}x{bn} tile needs {bm * bn // p['threads']} accumulator registers per thread (max 128); use smaller tiles or more threads"
+        )
     # Every warp needs at least a 16x16 piece of the tile.
     if bm * bn < p["threads"] // 32 * 16 * 16:
         raise InvalidSpec("block_M", f"a {bm}x{bn} tile is too small for {p['threads']} threads")
@@ -111,41 +113,62 @@ def prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res, w_shape=None)
     if w_shape is not None:
         return prim_func_scratch(T, body, M, N, K, b_shape, dtype, has_bias, has_res, w_shape)
     if has_bias and has_res:
+
         @T.prim_func
         def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), R: T.Tensor((M, N), dtype), C: T.Tensor((M, N), dtype)):
             body(A, B, Bias, R, None, C)
     elif has_bias:
+
         @T.prim_func
         def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), C: T.Tensor((M, N), dtype)):
             body(A, B, Bias, None, None, C)
     elif has_res:
+
         @T.prim_func
         def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), R: T.Tensor((M, N), dtype), C: T.Tensor((M, N), dtype)):
             body(A, B, None, R, None, C)
     else:
+
         @T.prim_func
         def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor((M, N), dtype)):
             body(A, B, None, None, None, C)
+
     return main
 
 
 def prim_func_scratch(T, body, M, N, K, b_shape, dtype, has_bias, has_res, w_shape):
     if has_bias and has_res:
+
         @T.prim_func
-        def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), R: T.Tensor((M, N), dtype), W: T.Tensor(w_shape, "float32"), C: T.Tensor((M, N), dtype)):
+        def main(
+            A: T.Tensor((M, K), dtype),
+            B: T.Tensor(b_shape, dtype),
+            Bias: T.Tensor((N,), dtype),
+            R: T.Tensor((M, N), dtype),
+            W: T.Tensor(w_shape, "float32"),
+            C: T.Tensor((M, N), dtype),
+        ):
             body(A, B, Bias, R, W, C)
     elif has_bias:
+
         @T.prim_func
-        def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), W: T.Tensor(w_shape, "float32"), C: T.Tensor((M, N), dtype)):
+        def main(
+            A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), W: T.Tensor(w_shape, "float32"), C: T.Tensor((M, N), dtype)
+        ):
             body(A, B, Bias, None, W, C)
     elif has_res:
+
         @T.prim_func
-        def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), R: T.Tensor((M, N), dtype), W: T.Tensor(w_shape, "float32"), C: T.Tensor((M, N), dtype)):
+        def main(
+            A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), R: T.Tensor((M, N), dtype), W: T.Tensor(w_shape, "float32"), C: T.Tensor((M, N), dtype)
+        ):
             body(A, B, None, R, W, C)
     else:
+
         @T.prim_func
         def main(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype), W: T.Tensor(w_shape, "float32"), C: T.Tensor((M, N), dtype)):
             body(A, B, None, None, W, C)
+
     return main
 
 
@@ -164,7 +187,13 @@ class Gemm(KernelKind):
         Param("bias", bool, default=False, doc="add a bias[N] input (after B) to every row"),
         Param("act", str, default="none", choices=ACTS, doc="activation applied in the epilogue (gelu is the exact erf form)"),
         Param("residual", bool, default=False, doc="add an R[M,N] input (last) after the activation; `out=R` updates it in place"),
-        Param("schedule", str, default="auto", choices=SCHEDULES, doc="CUDA kernel: 'tma' (prefill tile), 'splitk' (narrow tiles for few rows, K split over split_k blocks), 'gemv' (CUDA cores, trans_b); 'auto' picks by M (dispatch), or 'tma' when tiles are given; the CPU has one kernel"),
+        Param(
+            "schedule",
+            str,
+            default="auto",
+            choices=SCHEDULES,
+            doc="CUDA kernel: 'tma' (prefill tile), 'splitk' (narrow tiles for few rows, K split over split_k blocks), 'gemv' (CUDA cores, trans_b); 'auto' picks by M (dispatch), or 'tma' when tiles are given; the CPU has one kernel",
+        ),
         tile("block_M"),
         tile("block_N"),
         tile("block_K"),

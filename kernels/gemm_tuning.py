@@ -54,9 +54,11 @@ def ranges(p, target):
         """The widest of the 32-column multiples from 64 to 256 whose grid of m_tiles rows best fills whole waves:
         a last, part-filled wave leaves SMs idle for a whole tile's time (docs/measured.md, section
         "Decode-shaped kernels (issue 18)", *Tiles that fill whole waves*)."""
+
         def filled(bn):
             blocks = -(-n // bn) * m_tiles
             return blocks / (-(-blocks // SMS) * SMS)
+
         return max(range(256, 63, -32), key=lambda bn: (round(filled(bn), 2), bn))
 
     def deepest(bm, bn, bk, most):  # pipeline stages that fit beside the output tile, at most `most`
@@ -66,7 +68,16 @@ def ranges(p, target):
     if p["trans_b"]:  # one row: CUDA cores, 16-byte loads, no tensor-core padding
         table.append((1, schedule("gemv", block_M=1, block_N=8, block_K=1024, threads=256)))
     # Up to 64 rows: one M tile, narrow column tiles, a deep TMA pipeline (>= 128 KiB in flight per SM).
-    pipe = {(16, 64): (256, 4), (16, 128): (64, 8), (32, 32): (256, 4), (32, 64): (128, 6), (32, 128): (128, 4), (64, 32): (128, 6), (64, 64): (128, 4), (64, 128): (64, 6)}
+    pipe = {
+        (16, 64): (256, 4),
+        (16, 128): (64, 8),
+        (32, 32): (256, 4),
+        (32, 64): (128, 6),
+        (32, 128): (128, 4),
+        (64, 32): (128, 6),
+        (64, 64): (128, 4),
+        (64, 128): (64, 6),
+    }
     for bm, widths in ((16, (64, 128)), (32, (32, 64, 128)), (64, (32, 64, 128))):
         bn = narrowest(widths)
         bk, stages = pipe[bm, bn]

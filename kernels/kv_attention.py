@@ -46,8 +46,14 @@ class KVAttention(KernelKind):
         tile("num_splits", "most KV splits per sequence (split-KV); the kernel uses fewer when batch or the cache is large"),
         tile("block_H", "query rows (query x head of a GQA group) per block"),
         tile("block_N", "keys per inner step"),
-        Param("load", str, default="auto", choices=LOADS, doc="CUDA: how K/V tiles reach shared memory: 'tma' (a pipeline of bulk copies; contiguous caches only), "
-              "'cp_async' (double-buffered cp.async copies, a page at a time when paged); 'auto': cp_async when paged, else tma"),
+        Param(
+            "load",
+            str,
+            default="auto",
+            choices=LOADS,
+            doc="CUDA: how K/V tiles reach shared memory: 'tma' (a pipeline of bulk copies; contiguous caches only), "
+            "'cp_async' (double-buffered cp.async copies, a page at a time when paged); 'auto': cp_async when paged, else tma",
+        ),
         tile("num_stages", "K/V pipeline depth (CUDA only)"),
         tile("threads", "threads per block (CUDA only)"),
     )
@@ -172,18 +178,35 @@ class KVAttention(KernelKind):
     def _prim_func(T, s, dtype, split_body, combine_body):
         """The PrimFunc of the ABI (Q, K, V, seq_lens[, block_table], O_part, LSE, O)."""
         if s["table"] is not None:
+
             @T.prim_func
-            def main(Q: T.Tensor(s["q"], dtype), K: T.Tensor(s["kv"], dtype), V: T.Tensor(s["kv"], dtype), seq_lens: T.Tensor((s["batch"],), "int32"),
-                     block_table: T.Tensor(s["table"], "int32"), O_part: T.Tensor(s["part"], "float32"), LSE: T.Tensor(s["lse"], "float32"),
-                     O: T.Tensor(s["q"], dtype)):
+            def main(
+                Q: T.Tensor(s["q"], dtype),
+                K: T.Tensor(s["kv"], dtype),
+                V: T.Tensor(s["kv"], dtype),
+                seq_lens: T.Tensor((s["batch"],), "int32"),
+                block_table: T.Tensor(s["table"], "int32"),
+                O_part: T.Tensor(s["part"], "float32"),
+                LSE: T.Tensor(s["lse"], "float32"),
+                O: T.Tensor(s["q"], dtype),
+            ):
                 split_body(Q, K, V, seq_lens, block_table, O_part, LSE, O)
                 combine_body(O_part, LSE, O)
         else:
+
             @T.prim_func
-            def main(Q: T.Tensor(s["q"], dtype), K: T.Tensor(s["kv"], dtype), V: T.Tensor(s["kv"], dtype), seq_lens: T.Tensor((s["batch"],), "int32"),
-                     O_part: T.Tensor(s["part"], "float32"), LSE: T.Tensor(s["lse"], "float32"), O: T.Tensor(s["q"], dtype)):
+            def main(
+                Q: T.Tensor(s["q"], dtype),
+                K: T.Tensor(s["kv"], dtype),
+                V: T.Tensor(s["kv"], dtype),
+                seq_lens: T.Tensor((s["batch"],), "int32"),
+                O_part: T.Tensor(s["part"], "float32"),
+                LSE: T.Tensor(s["lse"], "float32"),
+                O: T.Tensor(s["q"], dtype),
+            ):
                 split_body(Q, K, V, seq_lens, None, O_part, LSE, O)
                 combine_body(O_part, LSE, O)
+
         return main
 
     # ----- CPU: the same split and combine, in plain loops

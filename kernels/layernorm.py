@@ -8,7 +8,6 @@ As in add_rmsnorm, the rounded sum R' is what is normalised.
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
-
 from .launch import dependent_launch
 from .registry import register
 from .spec import KernelKind, Param, Target, dim, dtype_param, tile
@@ -19,21 +18,33 @@ def prim_func(T, body, M, N, dtype, has_res, has_bias):
     """The PrimFunc of the ABI (X[, R], W[, B], Y[, Rout]) around `body(X, R, W, B, Y, Rout)`."""
     row, vec = (M, N), (N,)
     if has_res and has_bias:
+
         @T.prim_func
-        def main(X: T.Tensor(row, dtype), R: T.Tensor(row, dtype), W: T.Tensor(vec, dtype), B: T.Tensor(vec, dtype), Y: T.Tensor(row, dtype), Rout: T.Tensor(row, dtype)):
+        def main(
+            X: T.Tensor(row, dtype),
+            R: T.Tensor(row, dtype),
+            W: T.Tensor(vec, dtype),
+            B: T.Tensor(vec, dtype),
+            Y: T.Tensor(row, dtype),
+            Rout: T.Tensor(row, dtype),
+        ):
             body(X, R, W, B, Y, Rout)
     elif has_res:
+
         @T.prim_func
         def main(X: T.Tensor(row, dtype), R: T.Tensor(row, dtype), W: T.Tensor(vec, dtype), Y: T.Tensor(row, dtype), Rout: T.Tensor(row, dtype)):
             body(X, R, W, None, Y, Rout)
     elif has_bias:
+
         @T.prim_func
         def main(X: T.Tensor(row, dtype), W: T.Tensor(vec, dtype), B: T.Tensor(vec, dtype), Y: T.Tensor(row, dtype)):
             body(X, None, W, B, Y, None)
     else:
+
         @T.prim_func
         def main(X: T.Tensor(row, dtype), W: T.Tensor(vec, dtype), Y: T.Tensor(row, dtype)):
             body(X, None, W, None, Y, None)
+
     return main
 
 

@@ -2,7 +2,6 @@
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
-
 from .launch import dependent_launch
 from .registry import register
 from .spec import KernelKind, Param, Target, dim, dtype_param, tile

@@ -66,6 +66,7 @@ def prim_func(T, body, p, tokens, max_pos):
         ):
             body(positions, QKV, 0, QKV, heads, cos_sin_cache, Qout, Kout, slots, K_cache, V_cache)
     elif p["packed"]:
+
         @T.prim_func
         def main(
             positions: T.Tensor((tokens,), "int64"),
@@ -76,6 +77,7 @@ def prim_func(T, body, p, tokens, max_pos):
         ):
             body(positions, QKV, 0, QKV, heads, cos_sin_cache, Qout, Kout, None, None, None)
     else:
+
         @T.prim_func
         def main(
             positions: T.Tensor((tokens,), "int64"),
@@ -86,6 +88,7 @@ def prim_func(T, body, p, tokens, max_pos):
             Kout: T.Tensor(k_shape, dtype),
         ):
             body(positions, Q, 0, K, 0, cos_sin_cache, Qout, Kout, None, None, None)
+
     return main
 
 
@@ -106,13 +109,26 @@ class RoPE(KernelKind):
         dim("heads", "query heads"),
         dim("kv_heads", "key heads"),
         dim("head_dim"),
-        Param("rotary_dim", int, default=None, min=2, max=1 << 20, nullable=True, doc="leading elements of each head rotated (even, at most head_dim); None: head_dim"),
+        Param(
+            "rotary_dim",
+            int,
+            default=None,
+            min=2,
+            max=1 << 20,
+            nullable=True,
+            doc="leading elements of each head rotated (even, at most head_dim); None: head_dim",
+        ),
         Param("style", str, default="neox", choices=STYLES, doc="neox: rotate halves; gptj: rotate interleaved pairs"),
         Param("max_position", int, default=None, min=1, max=1 << 24, nullable=True, doc="rows of cos_sin_cache; None (default) makes it a runtime size"),
         dtype_param("element type of Q, K and cos_sin_cache"),
         Param("packed", bool, default=False, doc="one input QKV[tokens, heads + 2*kv_heads, head_dim] (a fused QKV GEMM's output) in place of Q and K"),
-        Param("write_cache", bool, default=False, doc="packed only: also write K' and V into K_cache, V_cache [num_slots, kv_heads, head_dim] at rows slots[t] "
-              "(int64, vLLM's slot mapping; a slot outside the cache is skipped), updating them in place"),
+        Param(
+            "write_cache",
+            bool,
+            default=False,
+            doc="packed only: also write K' and V into K_cache, V_cache [num_slots, kv_heads, head_dim] at rows slots[t] "
+            "(int64, vLLM's slot mapping; a slot outside the cache is skipped), updating them in place",
+        ),
         tile("threads", "threads per token (CUDA only)"),
     )
 
@@ -144,7 +160,10 @@ class RoPE(KernelKind):
         elems = (p["heads"] + p["kv_heads"]) * d
         size = 4 if p["dtype"] == "float32" else 2
         if (2 * elems + p["write_cache"] * p["kv_heads"] * d + rot) * size > smem_limit(target):  # inputs and results staged
-            raise InvalidSpec("heads", f"(heads + kv_heads) * head_dim = {elems} elements per token do not fit one block's shared memory on {target}; use fewer heads per call")
+            raise InvalidSpec(
+                "heads",
+                f"(heads + kv_heads) * head_dim = {elems} elements per token do not fit one block's shared memory on {target}; use fewer heads per call",
+            )
         return p
 
     def build_cpu(self, p):

@@ -38,8 +38,7 @@ _ARCH = re.compile(r"sm_([0-9]{2,3})(a?)")
 # and sm_120 (sm_120/121); "a" marks the arch-specific feature sets of sm_90 and newer.
 # Anything else would reach a worker only to fail inside TileLang.
 CUDA_ARCHS = frozenset(
-    ["sm_70", "sm_72", "sm_75", "sm_80", "sm_86", "sm_87", "sm_89"]
-    + [f"sm_{cc}{suffix}" for cc in (90, 100, 101, 103, 110, 120, 121) for suffix in ("", "a")]
+    ["sm_70", "sm_72", "sm_75", "sm_80", "sm_86", "sm_87", "sm_89"] + [f"sm_{cc}{suffix}" for cc in (90, 100, 101, 103, 110, 120, 121) for suffix in ("", "a")]
 )
 
 
@@ -82,9 +81,7 @@ def detect_local_target() -> Target:
     CUDA context in the daemon.
     """
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
-        ).stdout.split()
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.split()
         major, minor = out[0].split(".")
     except (OSError, subprocess.SubprocessError, IndexError, ValueError):
         return Target("c")
@@ -102,7 +99,9 @@ def parse_target(text: str | None) -> Target:
         return Target("c")
     if text in CUDA_ARCHS:
         return Target("cuda", text)
-    raise InvalidSpec("target", f"unknown target {text[:40]!r}; use 'c', 'auto' or a CUDA arch TileLang builds for: {', '.join(sorted(CUDA_ARCHS, key=_arch_order))}")
+    raise InvalidSpec(
+        "target", f"unknown target {text[:40]!r}; use 'c', 'auto' or a CUDA arch TileLang builds for: {', '.join(sorted(CUDA_ARCHS, key=_arch_order))}"
+    )
 
 
 def _arch_order(arch: str) -> tuple:
@@ -165,7 +164,7 @@ class Param:
 
 
 def _dtype_name(value: Any) -> str | None:
-    """"float16" for torch.float16, numpy.dtype("float16") or TileLang's T.float16, None for anything else (imports neither)."""
+    """ "float16" for torch.float16, numpy.dtype("float16") or TileLang's T.float16, None for anything else (imports neither)."""
     module = type(value).__module__.split(".")[0]
     if module == "torch" and type(value).__name__ == "dtype":
         return str(value).removeprefix("torch.")
@@ -351,7 +350,13 @@ class KernelKind:
             return None
         dim, ranges = table
         uppers = [upper for upper, _ in ranges]
-        if dim not in spec.params or not ranges or uppers[-1] is not None or any(u is None or u < 1 for u in uppers[:-1]) or uppers[:-1] != sorted(set(uppers[:-1])):
+        if (
+            dim not in spec.params
+            or not ranges
+            or uppers[-1] is not None
+            or any(u is None or u < 1 for u in uppers[:-1])
+            or uppers[:-1] != sorted(set(uppers[:-1]))
+        ):
             raise TypeError(f"kind {self.name!r}: dispatch must name a dim and increasing inclusive upper bounds ending with None, got {table!r}")
         return dim, ranges
 

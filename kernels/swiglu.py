@@ -6,7 +6,6 @@ the last dim: a fused gate/up GEMM's output (vLLM's silu_and_mul layout).
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
-
 from .launch import dependent_launch
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
@@ -22,13 +21,16 @@ def prim_func(T, body, M, N, dtype, packed):
     """The PrimFunc of the ABI (G, U, Y), or (X, Y) when packed, around `body(G, U, up, Y)`:
     up[i, j] is U[i, up + j] (up = N in X, where G and U are both X)."""
     if packed:
+
         @T.prim_func
         def main(X: T.Tensor((M, 2 * N), dtype), Y: T.Tensor((M, N), dtype)):
             body(X, X, N, Y)
     else:
+
         @T.prim_func
         def main(G: T.Tensor((M, N), dtype), U: T.Tensor((M, N), dtype), Y: T.Tensor((M, N), dtype)):
             body(G, U, 0, Y)
+
     return main
 
 

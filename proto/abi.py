@@ -145,4 +145,3 @@ def with_routes(abi: dict, dim: str, routes: list[tuple[int | None, dict]]) -> d
     out = {**abi, "dispatch": {"dim": dim, "routes": [{"upto": upto, "spec": spec} for upto, spec in routes]}}
     check(out)
     return out
-

@@ -62,12 +62,12 @@ def load(source: str | os.PathLike | dict) -> dict:
         except ValueError as exc:
             raise ManifestError(f"{where}: not JSON ({exc}); write one with `kernel-service manifest --app NAME -o FILE`") from None
     if not isinstance(source, dict) or source.get("format") != FORMAT:
-        raise ManifestError(f"{where}: not a kernel-service manifest (no \"format\": \"{FORMAT}\"); write one with `kernel-service manifest --app NAME -o FILE`")
+        raise ManifestError(f'{where}: not a kernel-service manifest (no "format": "{FORMAT}"); write one with `kernel-service manifest --app NAME -o FILE`')
     if source.get("version") != VERSION:
         raise ManifestError(f"{where}: manifest version {source.get('version')!r}, this kernel-service reads version {VERSION}; upgrade kernel-service")
     kernels = source.get("kernels")
     if not isinstance(kernels, list):
-        raise ManifestError(f"{where}: \"kernels\" must be a list")
+        raise ManifestError(f'{where}: "kernels" must be a list')
     if len(kernels) > MAX_KERNELS:
         raise ManifestError(f"{where}: {len(kernels)} kernels, at most {MAX_KERNELS}; split it")
     for i, k in enumerate(kernels):

@@ -202,7 +202,9 @@ def explanation_from_proto(reply: pb.ExplainResponse) -> dict:
             {
                 "key": n.key,
                 "spec": json.loads(n.canonical_spec),
-                "differences": [{"part": d.part, "field": d.field, "wanted": json.loads(d.wanted), "found": json.loads(d.found), "text": d.text} for d in n.differences],
+                "differences": [
+                    {"part": d.part, "field": d.field, "wanted": json.loads(d.wanted), "found": json.loads(d.found), "text": d.text} for d in n.differences
+                ],
             }
             for n in reply.nearest
         ],

@@ -71,7 +71,9 @@ def make_daemon(tmp_path):
     """Factory of daemons (target "c", 2 workers unless told) stopped at the end of the test."""
     started: list[DaemonProcess] = []
 
-    def make(*extra: str, start: bool = True, cache_dir: Path | None = None, socket: Path | None = None, workers: int = 2, env: dict | None = None) -> DaemonProcess:
+    def make(
+        *extra: str, start: bool = True, cache_dir: Path | None = None, socket: Path | None = None, workers: int = 2, env: dict | None = None
+    ) -> DaemonProcess:
         base = tmp_path / f"d{len(started)}"
         d = DaemonProcess(cache_dir or base / "cache", "--target", "c", *extra, socket=socket, workers=workers, log_path=base / "daemon.log", env=env)
         started.append(d)

@@ -92,10 +92,7 @@ def test_no_module_imports_one_that_imports_it_back():
 def test_no_package_imports_a_layer_above_its_own():
     """proto < kernels < compile_service < client < devtools < benchmark, tests: every import
     (module- or function-level) points to the module's own layer or a lower one, with no exemption."""
-    upward = {
-        m: sorted(i for i in imported if LAYERS.get(i.split(".")[0], -1) > LAYERS[m.split(".")[0]])
-        for m, imported in _import_graph().items()
-    }
+    upward = {m: sorted(i for i in imported if LAYERS.get(i.split(".")[0], -1) > LAYERS[m.split(".")[0]]) for m, imported in _import_graph().items()}
     assert {m: i for m, i in upward.items() if i} == {}
 
 
@@ -151,7 +148,17 @@ def test_editing_one_kind_changes_that_kinds_keys_and_no_others(tmp_path):
     with open(tmp_path / "kernels" / "tiling.py", "a") as f:  # framework code every zoo kind imports
         f.write("\n# an edit\n")
     before = _digests(tmp_path)
-    assert {k for k, v in before.items() if v != after[k]} == {"gemm", "attention", "kv_attention", "rmsnorm", "softmax", "swiglu", "add_rmsnorm", "layernorm", "rope"}
+    assert {k for k, v in before.items() if v != after[k]} == {
+        "gemm",
+        "attention",
+        "kv_attention",
+        "rmsnorm",
+        "softmax",
+        "swiglu",
+        "add_rmsnorm",
+        "layernorm",
+        "rope",
+    }
     for policy, kind in (("gemm_tuning.py", "gemm"), ("kv_splits.py", "kv_attention")):  # a kind's tuning policy is its own module
         with open(tmp_path / "kernels" / policy, "a") as f:
             f.write("\n# an edit\n")

@@ -18,7 +18,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmark" / "compile_speed.py"
-MODES = ("baseline", "tilelang", "service", "from_serve", "layer", "layer_from_serve", "stampede_tilelang", "stampede_service", "warm_tilelang", "warm_service", "service_under_load")
+MODES = (
+    "baseline",
+    "tilelang",
+    "service",
+    "from_serve",
+    "layer",
+    "layer_from_serve",
+    "stampede_tilelang",
+    "stampede_service",
+    "warm_tilelang",
+    "warm_service",
+    "service_under_load",
+)
 
 sys.path.insert(0, str(ROOT / "benchmark"))
 import zoo  # noqa: E402
@@ -40,7 +52,14 @@ def test_zoo_is_the_published_one(target):
     assert rows == [256 + 128 * k for k in range(126)]
     # qkv N = hidden + 2 * kv_heads * head_dim, from the real configs
     assert {(s["N"], s["K"]) for s in unit if s["kind"] == "gemm"} == {
-        (3072, 2048), (5632, 2048), (4608, 3584), (18944, 3584), (6144, 4096), (14336, 4096), (7168, 5120), (13824, 5120)
+        (3072, 2048),
+        (5632, 2048),
+        (4608, 3584),
+        (18944, 3584),
+        (6144, 4096),
+        (14336, 4096),
+        (7168, 5120),
+        (13824, 5120),
     }
     if target == "c":
         assert {s["dtype"] for s in specs} == {"float32"}
@@ -69,7 +88,10 @@ def test_quick_run_builds_every_kernel_in_every_mode(tmp_path):
     out_json = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--json", str(out_json), "--work-dir", str(tmp_path / "work")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "stampede_service" in proc.stdout  # the table
@@ -117,7 +139,26 @@ def test_quick_run_builds_every_kernel_in_every_mode(tmp_path):
 
 def test_hit_load_runs_every_phase_without_errors(tmp_path):
     out_json = tmp_path / "hits.json"
-    args = ["--requests", "400", "--threads", "4", "--direct-processes", "1,2", "--kernels", "2", "--hot", "2", "--cold", "2", "--max-entries", "3", "--cold-fraction", "0.05", "--json", str(out_json)]
+    args = [
+        "--requests",
+        "400",
+        "--threads",
+        "4",
+        "--direct-processes",
+        "1,2",
+        "--kernels",
+        "2",
+        "--hot",
+        "2",
+        "--cold",
+        "2",
+        "--max-entries",
+        "3",
+        "--cold-fraction",
+        "0.05",
+        "--json",
+        str(out_json),
+    ]
     proc = subprocess.run([sys.executable, str(ROOT / "benchmark" / "hit_load.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out_json.read_text())
@@ -150,6 +191,7 @@ def test_fleet_benchmark_builds_each_kernel_once_and_fetches_every_one(tmp_path)
 
 # ----- benchmark/decode_step.py: its layer and checks, on the CPU (timing needs a GPU)
 
+
 def test_decode_step_checks_a_served_layer_against_torch_on_the_cpu(shared_daemon):
     import argparse
 
@@ -169,8 +211,14 @@ def test_decode_step_checks_a_served_layer_against_torch_on_the_cpu(shared_daemo
 
 
 def test_decode_step_without_cuda_says_how_to_check_on_the_cpu():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_step.py")], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmark" / "decode_step.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert out.returncode != 0 and "needs a CUDA GPU" in out.stderr and "--small --check-only" in out.stderr
 
 
@@ -183,10 +231,10 @@ STARTUP_VARIANTS = ("served_cold", "served_cold_from_serve", "served_warm", "til
 
 def test_startup_small_times_every_variant_and_served_outputs_match_eager(tmp_path):
     out_json = tmp_path / "startup.json"
-    args = ["--small", "--workers", "2", "--variants", ",".join(STARTUP_VARIANTS), "--json", str(out_json),
-            "--work-dir", str(tmp_path / "work")]
-    proc = subprocess.run([sys.executable, str(STARTUP), *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    args = ["--small", "--workers", "2", "--variants", ",".join(STARTUP_VARIANTS), "--json", str(out_json), "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run(
+        [sys.executable, str(STARTUP), *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "served_cold_from_serve" in proc.stdout  # the table
     report = json.loads(out_json.read_text())
@@ -234,5 +282,7 @@ def test_user_kernels_case_table_covers_issue_30s_styles(tmp_path):
     script = ROOT / "benchmark" / "user_kernels.py"
     listed = subprocess.run([sys.executable, str(script), "--list"], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert listed.returncode == 0 and all(c["name"] in listed.stdout for c in table)
-    missing = subprocess.run([sys.executable, str(script), "--examples", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    missing = subprocess.run(
+        [sys.executable, str(script), "--examples", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     assert missing.returncode == 2 and "example_gemm.py" in missing.stderr

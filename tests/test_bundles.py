@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import client
+import client  # noqa: F401 - the client's torch ops, registered on import
 from compile_service.bundle import BundleError, import_, shared_toolchain
 from compile_service.keys import tilelang_version
 from compile_service.store import LocalStore
@@ -76,7 +76,15 @@ def test_export_names_what_the_cache_lacks(make_daemon, tmp_path):
     d = make_daemon(start=False)
     LocalStore(d.cache_dir)
     path = tmp_path / "m.json"
-    path.write_text(json.dumps({"format": "kernel-service-manifest", "version": 1, "kernels": [{"kind": "rmsnorm", "target": "c", "params": {"M": None, "N": 8, "dtype": "float32"}}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "format": "kernel-service-manifest",
+                "version": 1,
+                "kernels": [{"kind": "rmsnorm", "target": "c", "params": {"M": None, "N": 8, "dtype": "float32"}}],
+            }
+        )
+    )
     out = cli("bundle", "export", "--manifest", str(path), "--cache-dir", str(d.cache_dir), "-o", str(tmp_path / "b.tar"))
     assert out.returncode == 1 and "1 of the manifest's 1 kernels are not in the cache" in out.stderr and "kernel-service prewarm" in out.stderr
     assert not (tmp_path / "b.tar").exists() and not list(tmp_path.glob(".b.tar*"))
@@ -91,7 +99,18 @@ def test_sm90a_bundle_serves_on_a_host_with_no_cuda_compiler(make_daemon, tmp_pa
     assert builder.client(app="gpu").prefetch([spec], load=False) == ["compiled"]
     builder_cc = builder.client().stats()["cuda_compiler"]
     cli("manifest", "--app", "gpu", "--cache-dir", str(builder.cache_dir), "-o", str(tmp_path / "gpu.json"))
-    exported = cli("bundle", "export", "--manifest", str(tmp_path / "gpu.json"), "--cache-dir", str(builder.cache_dir), "--cuda-compiler", "nvrtc", "-o", str(tmp_path / "gpu.tar"))
+    exported = cli(
+        "bundle",
+        "export",
+        "--manifest",
+        str(tmp_path / "gpu.json"),
+        "--cache-dir",
+        str(builder.cache_dir),
+        "--cuda-compiler",
+        "nvrtc",
+        "-o",
+        str(tmp_path / "gpu.tar"),
+    )
     assert exported.returncode == 0, exported.stderr
 
     bare = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")} | {"PATH": "/usr/bin:/bin"}
@@ -216,9 +235,15 @@ HOSTILE = {
     "fifo": (lambda o: good() + [special("blobs/" + "e" * 64, tarfile.FIFOTYPE)], "is a fifo"),
     "directory": (lambda o: [special("blobs", tarfile.DIRTYPE)] + good(), "is a directory"),
     "unknown member": (lambda o: good() + [file("install.sh", b"#!/bin/sh\n")], "is not a bundle file"),
-    "digest mismatch": (lambda o: [(info, data if not info.name.startswith("blobs/") else b"X" + data[1:]) for info, data in good()], "does not match its sha256"),
+    "digest mismatch": (
+        lambda o: [(info, data if not info.name.startswith("blobs/") else b"X" + data[1:]) for info, data in good()],
+        "does not match its sha256",
+    ),
     "member twice": (lambda o: good() + good()[:1], "appears twice"),
-    "entry file name leaving the entry": (lambda o: _index(lambda e: {"files": {**e["files"], "../../outside/evil": e["files"]["kernel.c"]}}), "is not a plain file name"),
+    "entry file name leaving the entry": (
+        lambda o: _index(lambda e: {"files": {**e["files"], "../../outside/evil": e["files"]["kernel.c"]}}),
+        "is not a plain file name",
+    ),
     "tampered key": (lambda o: _index({"key": "f" * 64}), "its key is not the one this host computes"),
     "index and entry disagree": (lambda o: _index(lambda e: {"spec": {**e["spec"], "target": "sm_90a"}}), "record different specs"),
     "blob of no entry": (lambda o: good() + [file("blobs/" + hashlib.sha256(b"extra").hexdigest(), b"extra")], "belongs to no entry"),
@@ -269,7 +294,9 @@ def test_a_foreign_toolchain_is_refused_naming_the_field(place, tmp_path):
     store, _ = place
     old = entry(*GOOD[0], toolchain_changes={"tilelang": "0.1.14"})
     bundle = write(tmp_path / "old.tar", members([old], {"toolchain": {**shared_toolchain(CC), "tilelang": "0.1.14"}}))
-    with pytest.raises(BundleError, match=rf"built with another toolchain: tilelang 0.1.14 \(bundle\) vs {tilelang_version()} \(this host\); its keys would never"):
+    with pytest.raises(
+        BundleError, match=rf"built with another toolchain: tilelang 0.1.14 \(bundle\) vs {tilelang_version()} \(this host\); its keys would never"
+    ):
         import_(store, bundle, CC)
 
     edited = entry(*GOOD[0], toolchain_changes={"kind_source": "0" * 16})  # the kind's source differs

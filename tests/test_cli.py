@@ -36,7 +36,15 @@ VARIABLES = {
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "compile_service.cli", *args], check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "compile_service.cli", *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def one_line_error(proc: subprocess.CompletedProcess, status: int) -> str:
@@ -63,7 +71,11 @@ def test_every_flag_and_variable_keeps_its_name_and_setting():
 
 
 def test_a_flag_wins_over_its_variable_which_wins_over_the_default(tmp_path):
-    env = {"KERNEL_SERVICE_SOCKET": str(tmp_path / "env.sock"), "KERNEL_SERVICE_CACHE_DIR": str(tmp_path / "env-cache"), "KERNEL_SERVICE_REMOTE": "redis://env-host:6379/0"}
+    env = {
+        "KERNEL_SERVICE_SOCKET": str(tmp_path / "env.sock"),
+        "KERNEL_SERVICE_CACHE_DIR": str(tmp_path / "env-cache"),
+        "KERNEL_SERVICE_REMOTE": "redis://env-host:6379/0",
+    }
     flags = resolve(["--socket", str(tmp_path / "flag.sock"), "--cache-dir", str(tmp_path / "flag-cache"), "--remote", "redis://flag-host:6379/0"], env)
     assert (flags.socket, flags.cache_dir, flags.remote) == (tmp_path / "flag.sock", tmp_path / "flag-cache", "redis://flag-host:6379/0")
     assert {flags.sources[n] for n in ("socket", "cache_dir", "remote")} == {"--socket", "--cache-dir", "--remote"}
@@ -105,7 +117,9 @@ def test_a_busy_tcp_port_is_one_line_and_no_drain_warning(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = cli("serve", "--socket", str(tmp_path / "s.sock"), "--cache-dir", str(tmp_path / "c"), "--target", "c", "--workers", "1", "--tcp", f"127.0.0.1:{port}")
+        proc = cli(
+            "serve", "--socket", str(tmp_path / "s.sock"), "--cache-dir", str(tmp_path / "c"), "--target", "c", "--workers", "1", "--tcp", f"127.0.0.1:{port}"
+        )
     line = one_line_error(proc, 1)
     assert f"cannot listen on tcp 127.0.0.1:{port}" in line and "choose another --tcp address" in line
     assert not (tmp_path / "s.sock").exists()
@@ -121,7 +135,7 @@ def test_serving_only_starts_no_workers_and_says_so(make_daemon):
 
 def test_kinds_labels_a_none_default_as_the_kinds_choice(tmp_path):
     text = cli("kinds", env={"KERNEL_SERVICE_SOCKET": str(tmp_path / "none.sock")}).stdout
-    gemm = text[text.index("\ngemm  "):]
+    gemm = text[text.index("\ngemm  ") :]
     threads = next(line for line in gemm.splitlines() if line.split()[:1] == ["threads"])
     m = next(line for line in gemm.splitlines() if line.split()[:1] == ["M"])
     assert "runtime size" not in threads and "default None: the kind chooses" in threads

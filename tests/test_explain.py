@@ -98,7 +98,13 @@ def test_a_strict_miss_carries_the_explanation(daemon):
 
 def test_explain_command(daemon):
     def explain(*args):
-        return subprocess.run([sys.executable, "-m", "compile_service.cli", "explain", *args, "--socket", str(daemon.socket)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "compile_service.cli", "explain", *args, "--socket", str(daemon.socket)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     miss = explain("rmsnorm", "M=none", "N=4096", "dtype=float32", "--target", "c")
     assert miss.returncode == 1, miss.stderr

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -47,7 +46,11 @@ def assert_correct(kernel) -> None:
 
 def verify_cli(cache_dir: Path, *extra: str) -> tuple[int, dict]:
     out = subprocess.run(
-        [sys.executable, "-m", "compile_service.cli", "verify", "--cache-dir", str(cache_dir), "--json", *extra], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "compile_service.cli", "verify", "--cache-dir", str(cache_dir), "--json", *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return out.returncode, json.loads(out.stdout)
 
@@ -285,7 +288,10 @@ def test_16_processes_asking_at_once_compile_each_kernel_once(make_daemon):
         "    k = s.pop('kind'); out.append(c.get_kernel(k, **s).outcome)\n"
         "print(json.dumps(out))\n"
     )
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(d.socket), json.dumps(batch)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(16)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(d.socket), json.dumps(batch)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(16)
+    ]
     outcomes = []
     for p in procs:
         out, err = p.communicate(timeout=300)

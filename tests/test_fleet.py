@@ -135,7 +135,9 @@ def test_a_kernel_compiled_on_one_host_is_served_on_another_without_compiling(ma
     scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     for line in ("kernel_service_remote_hits_total 1.0", 'kernel_service_remote_state{state="up"} 1.0', 'kernel_service_remote_state{state="down"} 0.0'):
         assert line in scraped.splitlines(), line
-    out = subprocess.run([sys.executable, "-m", "compile_service.cli", "stats", "--socket", str(b.socket)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "compile_service.cli", "stats", "--socket", str(b.socket)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert re.search(r"remote: redis://fleet-writer:\*\*\*@127\.0\.0\.1:\d+/0 \(up\)", out.stdout) and re.search(r"remote_hits: 1\n", out.stdout), out.stdout
     # B's copy is an ordinary local entry now: the next agent's request is a local hit.
     with b.client(direct_hits=False) as cb:

@@ -37,12 +37,13 @@ def rmsnorm(h, w, eps):
 
 # ----- add_rmsnorm
 
+
 @pytest.mark.parametrize("M,N", [(None, 33), (7, 100)])
 def test_add_rmsnorm(cpu_kernel, M, N):
     k = cpu_kernel("add_rmsnorm", M=M, N=N, eps=1e-5, dtype="float32")
     assert (k.input_names, k.output_names) == (["X", "R", "W"], ["Y", "Rout"])
     w = torch.randn(N)
-    for rows in ((1, 3, 37) if M is None else (M,)):
+    for rows in (1, 3, 37) if M is None else (M,):
         x, r = torch.randn(rows, N) * 3, torch.randn(rows, N)
         y, r_out = k(x, r, w)
         close(r_out, x + r)
@@ -67,6 +68,7 @@ def test_add_rmsnorm_updates_the_residual_stream_in_place(cpu_kernel):
 
 
 # ----- layernorm
+
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("residual", [False, True])
@@ -173,7 +175,7 @@ def test_rope_packed(cpu_kernel, style, rotary_dim, tokens):
     assert (k.input_names, k.output_names) == (["positions", "QKV", "cos_sin_cache"], ["Qout", "Kout"])
     assert k.inplace == {}  # the outputs are not shaped like QKV
     cache = cos_sin_cache(50, rotary_dim or 20)
-    for rows in ((1, 37) if tokens is None else (tokens,)):
+    for rows in (1, 37) if tokens is None else (tokens,):
         pos = torch.randint(0, 50, (rows,), dtype=torch.int64)
         qkv = torch.randn(rows, 3 + 2 * 2, 20)
         before = qkv.clone()
@@ -194,7 +196,7 @@ def test_rope_writes_k_and_v_into_the_cache(cpu_kernel, tokens):
     assert (k.input_names, k.output_names) == (["positions", "QKV", "cos_sin_cache", "slots", "K_cache", "V_cache"], ["Qout", "Kout"])
     assert k.writes == ["K_cache", "V_cache"] and "Updates in place: K_cache, V_cache" in k.__doc__
     cache = cos_sin_cache(50, 20)
-    for rows in ((1, 37) if tokens is None else (tokens,)):
+    for rows in (1, 37) if tokens is None else (tokens,):
         pos = torch.randint(0, 50, (rows,), dtype=torch.int64)
         qkv = torch.randn(rows, 3 + 2 * 2, 20)
         num_slots = 2 * rows + 1
@@ -256,13 +258,14 @@ def test_swiglu_packed(cpu_kernel, M, N):
     k = cpu_kernel("swiglu", M=M, N=N, dtype="float32", packed=True)
     assert (k.input_names, k.output_names) == (["X"], ["Y"])
     assert k.inplace == {}  # Y is half X's size
-    for rows in ((1, 3, 37) if M is None else (M,)):
+    for rows in (1, 3, 37) if M is None else (M,):
         x = torch.randn(rows, 2 * N) * 3
         gate, up = x[:, :N], x[:, N:]
         close(k(x), F.silu(gate) * up)
 
 
 # ----- validation
+
 
 @pytest.mark.parametrize(
     "kind,params,target,field,words",
@@ -354,6 +357,7 @@ def test_cuda_forms_build(make_daemon, compiler):
 
 # ----- GPU correctness at ragged sizes
 
+
 def _assert_close(got, want, dtype):
     from kernels.reference import tolerance
 
@@ -435,8 +439,9 @@ def test_gpu_rope(gpu_client, style, rotary_dim, dtype, packed):
 def test_gpu_rope_packed_ragged_heads(gpu_client, dtype):
     """Head counts and a head_dim that fill no vector or tile evenly; gptj with partial rotary."""
     heads, kv_heads, d, rot = 5, 1, 72, 40
-    k = gpu_client.get_kernel("rope", tokens=None, heads=heads, kv_heads=kv_heads, head_dim=d, rotary_dim=rot, style="gptj", dtype=dtype, packed=True,
-                              target="sm_90a")
+    k = gpu_client.get_kernel(
+        "rope", tokens=None, heads=heads, kv_heads=kv_heads, head_dim=d, rotary_dim=rot, style="gptj", dtype=dtype, packed=True, target="sm_90a"
+    )
     t = getattr(torch, dtype)
     cache = cos_sin_cache(1000, rot, device="cuda").to(t)
     for tokens in (1, 33, 777):
@@ -453,8 +458,9 @@ def test_gpu_rope_packed_ragged_heads(gpu_client, dtype):
 @pytest.mark.parametrize("heads,kv_heads,d,rot", [(32, 8, 128, 128), (5, 1, 72, 40)])
 def test_gpu_rope_writes_the_cache(gpu_client, heads, kv_heads, d, rot):
     """write_cache at Llama sizes and ragged ones: cache rows at shuffled slots, padding skipped."""
-    k = gpu_client.get_kernel("rope", tokens=None, heads=heads, kv_heads=kv_heads, head_dim=d, rotary_dim=rot, dtype="bfloat16", packed=True,
-                              write_cache=True, target="sm_90a")
+    k = gpu_client.get_kernel(
+        "rope", tokens=None, heads=heads, kv_heads=kv_heads, head_dim=d, rotary_dim=rot, dtype="bfloat16", packed=True, write_cache=True, target="sm_90a"
+    )
     cache = cos_sin_cache(5000, rot, device="cuda").to(torch.bfloat16)
     for tokens in (1, 8, 777):
         pos = torch.randint(0, 5000, (tokens,), device="cuda", dtype=torch.int64)

@@ -22,8 +22,13 @@ from tests.marks import needs_gpu
 GEMM = kernels.get_kind("gemm")
 # Weights of the decode table (issue #18), a runtime N, and shapes no tile divides.
 SHAPES = [
-    dict(N=14336, K=4096, trans_b=True), dict(N=4096, K=4096, trans_b=True), dict(N=6144, K=4096, trans_b=True), dict(N=4096, K=14336, trans_b=True),
-    dict(N=None, K=4096, trans_b=True), dict(N=1000, K=1000, trans_b=False), dict(N=4104, K=200, trans_b=True, bias=True, act="gelu", residual=True),
+    dict(N=14336, K=4096, trans_b=True),
+    dict(N=4096, K=4096, trans_b=True),
+    dict(N=6144, K=4096, trans_b=True),
+    dict(N=4096, K=14336, trans_b=True),
+    dict(N=None, K=4096, trans_b=True),
+    dict(N=1000, K=1000, trans_b=False),
+    dict(N=4104, K=200, trans_b=True, bias=True, act="gelu", residual=True),
 ]
 
 
@@ -120,7 +125,20 @@ SCHEDULES = [
     dict(N=4104, K=4104, trans_b=True, schedule="gemv", block_M=1, block_N=8, block_K=1024),
     dict(N=1000, K=1000, trans_b=True, dtype="bfloat16", bias=True, act="silu", residual=True, schedule="gemv", block_M=4, block_N=4, block_K=512),
     dict(N=1000, K=1000, bias=True, act="relu", schedule="splitk", block_M=16, block_N=64, block_K=256, num_stages=4, threads=128, split_k=1),
-    dict(N=4104, K=4104, trans_b=True, dtype="bfloat16", residual=True, schedule="splitk", block_M=128, block_N=128, block_K=64, num_stages=5, threads=256, split_k=4),
+    dict(
+        N=4104,
+        K=4104,
+        trans_b=True,
+        dtype="bfloat16",
+        residual=True,
+        schedule="splitk",
+        block_M=128,
+        block_N=128,
+        block_K=64,
+        num_stages=5,
+        threads=256,
+        split_k=4,
+    ),
     dict(N=1000, K=1000, trans_b=True, bias=True, act="gelu", schedule="splitk", block_M=64, block_N=64, block_K=128, num_stages=4, threads=128, split_k=3),
     dict(N=1000, K=1000, trans_b=True, schedule="tma", block_M=64, block_N=128, block_K=64, num_stages=6, threads=128),
     dict(N=1000, K=1000, schedule="tma", block_M=128, block_N=112, block_K=64, num_stages=4, threads=256),  # a width no power of two
@@ -147,16 +165,34 @@ def test_every_schedule_lowers_for_sm_90a(params):
     assert ("main_kernel_1" in source) == ((spec.params["split_k"] or 1) > 1)  # split-K partials are summed by a second kernel
 
 
-@pytest.mark.parametrize("arch,tile,product", [
-    ("sm_90a", (128, 256), "64, 256, 16"),  # the prefill tile: one m64n256 wgmma per warpgroup, not two m64n128
-    ("sm_90a", (128, 192), "64, 192, 16"),  # a width no power of two
-    ("sm_90a", (64, 128), "64, 128, 16"),
-    ("sm_80", (128, 256), "16, 8, 16"),  # mma.sync: the default warp layout
-])
+@pytest.mark.parametrize(
+    "arch,tile,product",
+    [
+        ("sm_90a", (128, 256), "64, 256, 16"),  # the prefill tile: one m64n256 wgmma per warpgroup, not two m64n128
+        ("sm_90a", (128, 192), "64, 192, 16"),  # a width no power of two
+        ("sm_90a", (64, 128), "64, 128, 16"),
+        ("sm_80", (128, 256), "16, 8, 16"),  # mma.sync: the default warp layout
+    ],
+)
 def test_each_warpgroup_spans_the_tile_width_on_hopper(arch, tile, product):
     threads = 256 if tile[0] == 128 else 128
-    src = cuda_source("gemm", dict(M=4096, N=4096, K=4096, dtype="float16", trans_b=True, schedule="tma", block_M=tile[0], block_N=tile[1],
-                                   block_K=64 if arch == "sm_90a" else 32, num_stages=3 if arch == "sm_90a" else 2, threads=threads), arch)
+    src = cuda_source(
+        "gemm",
+        dict(
+            M=4096,
+            N=4096,
+            K=4096,
+            dtype="float16",
+            trans_b=True,
+            schedule="tma",
+            block_M=tile[0],
+            block_N=tile[1],
+            block_K=64 if arch == "sm_90a" else 32,
+            num_stages=3 if arch == "sm_90a" else 2,
+            threads=threads,
+        ),
+        arch,
+    )
     products = set(re.findall(r"(?:wgmma_ss|mma_sync)<(?:[^,]*, ){3}(\d+, \d+, \d+)", src))
     assert products == {product}
 

@@ -53,16 +53,29 @@ def own_rotary(*modeling):
 
 def llama(**extra):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      pad_token_id=0, **extra)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **extra
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
 def modernbert():
     torch.manual_seed(0)
     # Layers 0 and 2 full, layer 1 sliding with a window of +-4 tokens (local_attention 8).
-    cfg = ModernBertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                           global_attn_every_n_layers=2, local_attention=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    cfg = ModernBertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        global_attn_every_n_layers=2,
+        local_attention=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+    )
     return ModernBertModel(cfg).eval()
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # A plugin kind that imports the framework: its source digest spans two roots.
-PLUGIN = '''
+PLUGIN = """
 from kernels.registry import register
 from kernels.spec import KernelKind, dim, dtype_param
 
@@ -22,9 +22,9 @@ from kernels.spec import KernelKind, dim, dtype_param
 class Scale(KernelKind):
     name = "scale_plugin"
     params = (dim("N"), dtype_param())
-'''
+"""
 
-COMPUTE = r'''
+COMPUTE = r"""
 import json, os, platform, socket, sys
 if os.environ.get("PRETEND_HOST"):  # what a key must never read
     socket.gethostname = lambda: os.environ["PRETEND_HOST"]
@@ -50,7 +50,7 @@ for kind, params in specs:
         for cc in compilers:
             keys[f"{kind} {target} {cc}"] = cache_key(kernels.canonicalize(kind, {**params, "dtype": dtype}, target), cc)
 print(json.dumps({"keys": keys, "kernels_from": kernels.__file__, "compilers": compilers}))
-'''
+"""
 
 
 def _install(base: Path, src: str, plugin_dir: str) -> dict:
@@ -78,7 +78,14 @@ def test_keys_do_not_depend_on_paths_hosts_users_or_the_cuda_layout(tmp_path):
 
     # Host A: CUDA found through CUDA_HOME; the plugin's root sorts before the framework's.
     a = tmp_path / "a"
-    env_a = {**base_env, **_install(a, "src", "plugins/aa"), "CUDA_HOME": cuda_home or "/nonexistent", "PATH": "/usr/bin:/bin", "USER": "alice", "LOGNAME": "alice"}
+    env_a = {
+        **base_env,
+        **_install(a, "src", "plugins/aa"),
+        "CUDA_HOME": cuda_home or "/nonexistent",
+        "PATH": "/usr/bin:/bin",
+        "USER": "alice",
+        "LOGNAME": "alice",
+    }
     # Host B: another root and depth, nvcc only through a PATH entry that is a link to the
     # toolkit's bin, another user and host name; the plugin's root sorts after the framework's.
     b = tmp_path / "b" / "deep" / "er"

@@ -33,6 +33,7 @@ def make(p, lens=None, seed=0, device="cpu", **runtime):
 
 # ----- the spec
 
+
 def test_cuda_defaults():
     decode = kernels.canonicalize(KIND, dict(batch=None, heads=32, kv_heads=8, head_dim=128, dtype="float16"), "sm_90a").params
     assert decode["q_len"] == 1 and not decode["paged"] and decode["page_size"] is None
@@ -71,6 +72,7 @@ def test_invalid_specs_name_the_field(changes, target, field, words):
 
 
 # ----- the reference itself, against torch's SDPA and against the contiguous form
+
 
 def test_reference_is_sdpa_for_full_sequences():
     p = kernels.canonicalize(KIND, dict(batch=None, q_len=None, heads=6, kv_heads=2, head_dim=8, dtype="float32"), "c").params

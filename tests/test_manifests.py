@@ -155,7 +155,13 @@ def test_applications_are_recorded_once_per_spec_across_restarts(make_daemon):
     d = make_daemon()
     c = d.client(app="svc")
     c.get_kernel("rmsnorm", target="c", M=None, N=64, dtype="float32")
-    c.prefetch([{"kind": "rmsnorm", "target": "c", "M": None, "N": 64, "dtype": "float32"}, {"kind": "softmax", "target": "c", "M": None, "N": 48, "dtype": "float32"}], load=False)
+    c.prefetch(
+        [
+            {"kind": "rmsnorm", "target": "c", "M": None, "N": 64, "dtype": "float32"},
+            {"kind": "softmax", "target": "c", "M": None, "N": 48, "dtype": "float32"},
+        ],
+        load=False,
+    )
     d.client(app="other").get_kernel("rmsnorm", target="c", M=None, N=64, dtype="float32")
     d.stop()
     d2 = make_daemon(cache_dir=d.cache_dir)
@@ -178,7 +184,9 @@ def test_applications_are_recorded_once_per_spec_across_restarts(make_daemon):
     missing = cli("manifest", "--app", "nobody", "--cache-dir", str(d.cache_dir))
     assert missing.returncode == 1 and "recorded: late, other, svc" in missing.stderr
     printed = cli("manifest", "--app", "other", "--cache-dir", str(d.cache_dir))
-    assert printed.returncode == 0 and manifest.specs(json.loads(printed.stdout)) == [{"kind": "rmsnorm", "target": "c", "M": None, "N": 64, "dtype": "float32", "eps": 1e-6, "threads": None}]
+    assert printed.returncode == 0 and manifest.specs(json.loads(printed.stdout)) == [
+        {"kind": "rmsnorm", "target": "c", "M": None, "N": 64, "dtype": "float32", "eps": 1e-6, "threads": None}
+    ]
 
 
 def test_prewarm_reports_failures_with_reasons_and_exits_non_zero(make_daemon, tmp_path):
@@ -228,7 +236,9 @@ def test_a_strict_client_without_a_daemon_only_reads_the_cache(tmp_path):
             print(exc, "| tilelang imported:", "tilelang" in sys.modules)
         """
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "no-daemon.sock"), str(tmp_path / "cache")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "no-daemon.sock"), str(tmp_path / "cache")], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "(a strict client; no daemon answered); no entry of kind rmsnorm" in out.stdout and out.stdout.strip().endswith("tilelang imported: False")
     assert not list((tmp_path / "cache" / "entries").iterdir())  # nothing compiled

@@ -84,7 +84,12 @@ def test_bad_flags_are_one_line_naming_the_fix(tmp_path):
 
 def test_stats_into_a_closed_pipe_is_quiet(shared_daemon):
     proc = subprocess.run(
-        f"{sys.executable} -m compile_service.cli stats --socket {shared_daemon.socket} | head -1", shell=True, cwd=ROOT, capture_output=True, text=True, timeout=60
+        f"{sys.executable} -m compile_service.cli stats --socket {shared_daemon.socket} | head -1",
+        shell=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.stdout.startswith("counters since") and proc.stderr == ""
 
@@ -160,7 +165,13 @@ def test_stop_waits_for_running_compiles(make_daemon):
     d = make_daemon(workers=1)
     batch = [{"kind": "softmax", "M": None, "N": 16 + 8 * i, "dtype": "float32", "target": "c"} for i in range(3)]
     runner = subprocess.Popen(
-        [sys.executable, "-c", "import client, sys, json; client.connect(sys.argv[1]).prefetch(json.loads(sys.argv[2]), load=False)", str(d.socket), json.dumps(batch)],
+        [
+            sys.executable,
+            "-c",
+            "import client, sys, json; client.connect(sys.argv[1]).prefetch(json.loads(sys.argv[2]), load=False)",
+            str(d.socket),
+            json.dumps(batch),
+        ],
         cwd=ROOT,
         stderr=subprocess.DEVNULL,
     )
@@ -187,8 +198,13 @@ def _alive(pid: int) -> bool:
 def test_a_launcher_killed_before_stop_leaves_no_daemon(tmp_path):
     """DaemonProcess passes --exit-with-parent: SIGKILL its launcher and the daemon drains and exits."""
     launcher = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from devtools.launch import DaemonProcess; "
-         "d = DaemonProcess(sys.argv[1], '--target', 'c', workers=1).start(); print(d.proc.pid, flush=True); time.sleep(600)", str(tmp_path / "cache")],
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from devtools.launch import DaemonProcess; "
+            "d = DaemonProcess(sys.argv[1], '--target', 'c', workers=1).start(); print(d.proc.pid, flush=True); time.sleep(600)",
+            str(tmp_path / "cache"),
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -328,7 +344,9 @@ def test_log_lines_for_compiles_corrupt_entries_and_slow_gets(make_daemon, caplo
     with caplog.at_level(logging.INFO, logger="client.api"):
         k = d.client().get_kernel("rmsnorm", **RMSNORM)
     assert any("get_kernel(rmsnorm) waited" in r.getMessage() and "compiled" in r.getMessage() for r in caplog.records)
-    assert '"kind":"rmsnorm"' in d.log() and " in " in d.log() and "(trace " in d.log() and " lower " in d.log() and " device " in d.log() and " link " in d.log()
+    assert (
+        '"kind":"rmsnorm"' in d.log() and " in " in d.log() and "(trace " in d.log() and " lower " in d.log() and " device " in d.log() and " link " in d.log()
+    )
     k.path.write_bytes(b"garbage")
     d.client(direct_hits=False).get_kernel("rmsnorm", **RMSNORM)
     assert "is corrupt or incomplete" in d.log()

@@ -293,7 +293,15 @@ def test_a_plugin_module_is_served_with_pythonpath_as_the_kernels_page_says(tmp_
     listed = subprocess.run(["bash", "-c", line.replace(".venv/bin/", f"{BIN}/")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert listed.returncode == 0, listed.stderr
     assert re.search(r"^routed_scale\b", listed.stdout, re.MULTILINE), listed.stdout
-    bare = subprocess.run([str(BIN / "kernel-service"), "kinds", "--kernel-module", "tests.routed_kind"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    bare = subprocess.run(
+        [str(BIN / "kernel-service"), "kinds", "--kernel-module", "tests.routed_kind"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert bare.returncode != 0 and "no module named 'tests'" in (bare.stdout + bare.stderr).lower(), bare.stdout + bare.stderr
 
 

@@ -96,7 +96,11 @@ def test_a_router_is_not_ready_until_every_build_is_there(routed, make_daemon):
 )
 def test_the_abi_refuses_malformed_scratch_writes_and_routes(change, message):
     base = {
-        "loader": "c", "symbol": "call", "device": "cpu", "outputs": [2], "dynamic": [{"name": "M", "dtype": "int32"}],
+        "loader": "c",
+        "symbol": "call",
+        "device": "cpu",
+        "outputs": [2],
+        "dynamic": [{"name": "M", "dtype": "int32"}],
         "params": [{"name": n, "dtype": "float32", "shape": ["M", 8]} for n in ("X", "W", "Y")],
     }
     abi.check(base)

@@ -121,8 +121,12 @@ class World:
         environment = {"HOME": str(self.home[name]), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "TMPDIR": "/tmp", **(env or {})}
         return subprocess.Popen(argv, cwd=ROOT, env=environment, umask=umask, **as_user, **options)
 
-    def python(self, name: str, code: str, *args: str, groups: tuple[int, ...] = (), env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-        proc = self.popen(name, [sys.executable, "-c", code, *map(str, args)], groups=groups, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def python(
+        self, name: str, code: str, *args: str, groups: tuple[int, ...] = (), env: dict | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
+        proc = self.popen(
+            name, [sys.executable, "-c", code, *map(str, args)], groups=groups, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         out, err = proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -149,7 +153,21 @@ class Daemon:
         self._stub = None
 
     def start(self, wait: bool) -> Daemon:
-        argv = [sys.executable, "-m", "compile_service.cli", "serve", "--socket", str(self.socket), "--cache-dir", str(self.cache), "--target", "c", "--workers", "1", *self.extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "compile_service.cli",
+            "serve",
+            "--socket",
+            str(self.socket),
+            "--cache-dir",
+            str(self.cache),
+            "--target",
+            "c",
+            "--workers",
+            "1",
+            *self.extra,
+        ]
         with open(self.log_path, "a") as log:
             self.proc = self.world.popen(OWNER, argv, env=self.env, umask=self.umask, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         if wait:
@@ -221,8 +239,18 @@ def victim(world):
     crash_dir.mkdir()
     os.chown(crash_dir, world.owner.pw_uid, world.owner.pw_gid)
     d = world.daemon(
-        "--mode", "0750", "--queue-limit", "16", "--kernel-module", "tests.failing_kind", "--tcp", f"127.0.0.1:{free_port()}",
-        cache=world.home[OWNER] / "cache", socket=world.home[OWNER] / "run" / "ks.sock", umask=0, env={"KS_TEST_CRASH_DIR": str(crash_dir)},
+        "--mode",
+        "0750",
+        "--queue-limit",
+        "16",
+        "--kernel-module",
+        "tests.failing_kind",
+        "--tcp",
+        f"127.0.0.1:{free_port()}",
+        cache=world.home[OWNER] / "cache",
+        socket=world.home[OWNER] / "run" / "ks.sock",
+        umask=0,
+        env={"KS_TEST_CRASH_DIR": str(crash_dir)},
     )
     d.tcp = d.extra[d.extra.index("--tcp") + 1]
     return d
@@ -323,7 +351,8 @@ def evil(world):
         "import os, subprocess, sys; home = sys.argv[1]; os.mkdir(home + '/marks'); os.chmod(home + '/marks', 0o777);"
         "open(home + '/evil.c', 'w').write(sys.argv[2]);"
         "subprocess.run(['gcc', '-shared', '-fPIC', '-DMARKER=\"' + home + '/marks/pwned\"', '-o', home + '/evil.so', home + '/evil.c'], check=True)",
-        home, EVIL_C,
+        home,
+        EVIL_C,
     )
     if done.returncode != 0:
         pytest.skip(f"the attacker cannot build a library here (gcc): {done.stderr[-300:]}")
@@ -331,7 +360,14 @@ def evil(world):
 
 
 def fake_server(world, address: str, root: Path, library: Path, groups=()) -> tuple[subprocess.Popen, str]:
-    proc = world.popen(ATTACKER, [sys.executable, "-c", FAKE_SERVER, address, str(root), str(library)], groups=groups, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = world.popen(
+        ATTACKER,
+        [sys.executable, "-c", FAKE_SERVER, address, str(root), str(library)],
+        groups=groups,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     port = proc.stdout.readline().strip()
     assert port, proc.stderr.read()
     return proc, port
@@ -380,16 +416,21 @@ def test_links_planted_in_a_cache_root_are_never_followed(world):
         ATTACKER,
         "import os, sys; c, p = sys.argv[1:3]; os.symlink(p + '/keep', c + '/staging'); os.symlink(p + '/keep', c + '/torchinductor');"
         "os.symlink(p + '/notes.txt', c + '/daemon.pid')",
-        cache, precious,
+        cache,
+        precious,
     )
     error = world.daemon(cache=cache, socket=world.home[OWNER] / "run-2" / "ks.sock", wait=False).refused()
     assert f"cache directory {cache} is writable by group or others (mode 0777)" in error
     assert tree(precious) == before
 
     # A root of the owner's, with one link (left by whoever) where each of the daemon's own things goes.
-    for i, (name, target) in enumerate((("daemon.pid", "notes.txt"), ("daemon.lock", "notes.txt"), ("staging", "keep"), ("torchinductor", "keep"), ("device-binaries", "keep"))):
+    for i, (name, target) in enumerate(
+        (("daemon.pid", "notes.txt"), ("daemon.lock", "notes.txt"), ("staging", "keep"), ("torchinductor", "keep"), ("device-binaries", "keep"))
+    ):
         cache = world.home[OWNER] / f"cache-link-{i}"
-        world.python(OWNER, "import os, sys; os.mkdir(sys.argv[1], 0o700); os.symlink(sys.argv[3], sys.argv[1] + '/' + sys.argv[2])", cache, name, precious / target)
+        world.python(
+            OWNER, "import os, sys; os.mkdir(sys.argv[1], 0o700); os.symlink(sys.argv[3], sys.argv[1] + '/' + sys.argv[2])", cache, name, precious / target
+        )
         error = world.daemon(cache=cache, socket=world.home[OWNER] / f"run-link-{i}" / "ks.sock", wait=False).refused()
         assert f"{cache / name} is a symbolic link" in error, error
         assert tree(precious) == before, name
@@ -405,7 +446,13 @@ def test_a_socket_directory_another_user_controls_is_refused(world):
     world.python(OWNER, "import sys; open(sys.argv[1], 'w').write('mine')", notes)
     for mode in (0o755, 0o777):
         run = world.shared / f"run-{mode:o}"
-        world.python(ATTACKER, "import os, sys; os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], int(sys.argv[2], 8)); os.symlink(sys.argv[3], sys.argv[1] + '/ks.sock.pid')", run, f"{mode:o}", notes)
+        world.python(
+            ATTACKER,
+            "import os, sys; os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], int(sys.argv[2], 8)); os.symlink(sys.argv[3], sys.argv[1] + '/ks.sock.pid')",
+            run,
+            f"{mode:o}",
+            notes,
+        )
         before = tree(run)
         error = world.daemon(cache=world.home[OWNER] / f"cache-sock-{mode:o}", socket=run / "ks.sock", wait=False).refused()
         assert f"socket directory {run} is owned by uid {world.attacker.pw_uid} ({ATTACKER})" in error, error
@@ -477,7 +524,10 @@ def test_tcp_calls_need_the_token_and_a_fake_server_cannot_make_agents_load_its_
         result = world.json_of(OWNER, AGENT, f"127.0.0.1:{port}", json.dumps({"token_file": str(token)}))
     finally:
         fake.kill()
-    assert result["error"] == "CorruptArtifact" and f"is owned by uid {world.attacker.pw_uid} ({ATTACKER}), not by uid {world.owner.pw_uid} ({OWNER})" in result["message"], result
+    assert (
+        result["error"] == "CorruptArtifact"
+        and f"is owned by uid {world.attacker.pw_uid} ({ATTACKER}), not by uid {world.owner.pw_uid} ({OWNER})" in result["message"]
+    ), result
     assert not marker.exists()
 
 
@@ -557,10 +607,20 @@ def test_one_caller_cannot_fill_the_queue_and_a_cancelled_prefetch_gives_its_com
     left queued, and the owner's blocking request is served. A cancelled Prefetch drops the
     compiles it queued that have not started."""
     before = victim.stats()
-    attack = world.popen(ATTACKER, [sys.executable, "-c", PREFETCH, str(victim.socket), json.dumps(list(range(8, 8 + 16 * 8, 8))), "30"], groups=world.group(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    attack = world.popen(
+        ATTACKER,
+        [sys.executable, "-c", PREFETCH, str(victim.socket), json.dumps(list(range(8, 8 + 16 * 8, 8))), "30"],
+        groups=world.group(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = json.loads(attack.stdout.readline() or "{}")
-        assert line.get("error") == "RESOURCE_EXHAUSTED" and "may queue at most 4 compiles" in line["message"], (line, attack.stderr.read() if attack.poll() is not None else "")
+        assert line.get("error") == "RESOURCE_EXHAUSTED" and "may queue at most 4 compiles" in line["message"], (
+            line,
+            attack.stderr.read() if attack.poll() is not None else "",
+        )
         wait_for(lambda: victim.stats().in_flight == 0, 60, "the refused batch's compiles to be given back")
         # The owner's agent is served meanwhile (its compile has room whatever prefetches hold).
         reply = victim.stub().GetKernel(pb.GetKernelRequest(spec=rmsnorm(56)), timeout=120)

@@ -95,7 +95,9 @@ def test_second_process_is_served_without_compiling(make_daemon):
 def test_stampede_of_8_processes_compiles_each_kernel_once(make_daemon):
     d = make_daemon()
     procs = [
-        subprocess.Popen([sys.executable, "-c", FRESH_PROCESS, str(d.socket), json.dumps(SPECS)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", FRESH_PROCESS, str(d.socket), json.dumps(SPECS)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(8)
     ]
     outcomes = []
@@ -196,7 +198,13 @@ def test_sigterm_during_compiles_leaves_no_partial_entry(make_daemon):
     d = make_daemon("--grace", "0")
     specs = [{"kind": "gemm", "M": 16 * i, "N": 16, "K": 16, "dtype": "float32", "target": "c"} for i in range(1, 9)]
     runner = subprocess.Popen(
-        [sys.executable, "-c", "import client, sys, json; print(client.connect(sys.argv[1]).prefetch(json.loads(sys.argv[2]), load=False))", str(d.socket), json.dumps(specs)],
+        [
+            sys.executable,
+            "-c",
+            "import client, sys, json; print(client.connect(sys.argv[1]).prefetch(json.loads(sys.argv[2]), load=False))",
+            str(d.socket),
+            json.dumps(specs),
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -260,7 +268,9 @@ FALLBACK = textwrap.dedent(
 def test_fallback_compiles_once_across_processes(tmp_path):
     cache = tmp_path / "cache"
     procs = [
-        subprocess.Popen([sys.executable, "-c", FALLBACK, str(tmp_path / "nobody.sock"), str(cache)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", FALLBACK, str(tmp_path / "nobody.sock"), str(cache)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(3)
     ]
     outcomes = []
@@ -305,7 +315,13 @@ def test_prefetch_streams_progress_and_reports_failures_per_kernel(make_daemon):
 
 
 def test_stats_cli_prints_json(shared_daemon):
-    out = subprocess.run([sys.executable, "-m", "compile_service.cli", "stats", "--socket", str(shared_daemon.socket), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "compile_service.cli", "stats", "--socket", str(shared_daemon.socket), "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
     for name in ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes"):

@@ -34,10 +34,31 @@ SHARING = [("gemm", {"M": 4096, "N": 3072, "K": 2048, "dtype": "float16", "trans
     ("gemm", {"M": 256, "N": 384, "K": 64, "dtype": "bfloat16", "act": "gelu", "schedule": "tma"}, "sm_90a", {"M", "N"}),
     ("gemm", {"M": 256, "N": 384, "K": 64, "dtype": "float16", "bias": True, "schedule": "tma"}, "sm_90a", {"M"}),  # a bias reads N
     ("gemm", {"M": 512, "N": 1024, "K": 512, "dtype": "float16", "trans_b": True, "schedule": "tma"}, "sm_100a", {"M", "N"}),
-    ("gemm", {"M": 100, "N": 1024, "K": 512, "dtype": "float16", "schedule": "splitk", "block_M": 32, "block_N": 64, "block_K": 128, "num_stages": 6, "threads": 128}, "sm_90a", {"M", "N"}),
+    (
+        "gemm",
+        {
+            "M": 100,
+            "N": 1024,
+            "K": 512,
+            "dtype": "float16",
+            "schedule": "splitk",
+            "block_M": 32,
+            "block_N": 64,
+            "block_K": 128,
+            "num_stages": 6,
+            "threads": 128,
+        },
+        "sm_90a",
+        {"M", "N"},
+    ),
     ("attention", {**ATTENTION, "batch": 1, "seq_len": 4096, "causal": True, "block_M": 64}, "sm_90a", {"seq_len"}),
     ("attention", {**ATTENTION, "batch": 2, "seq_len": 4096, "causal": True, "block_M": 128}, "sm_90a", {"batch", "seq_len"}),
-    ("attention", {**ATTENTION, "batch": 2, "seq_len": 1024, "causal": True, "dtype": "bfloat16", "head_dim": 64, "block_N": 64, "num_stages": 3}, "sm_90a", {"batch", "seq_len"}),
+    (
+        "attention",
+        {**ATTENTION, "batch": 2, "seq_len": 1024, "causal": True, "dtype": "bfloat16", "head_dim": 64, "block_N": 64, "num_stages": 3},
+        "sm_90a",
+        {"batch", "seq_len"},
+    ),
     ("attention", {**ATTENTION, "batch": 3, "seq_len": 1024, "causal": False}, "sm_90a", {"batch"}),  # seq_len bounds the key loop
 ]
 

@@ -75,7 +75,13 @@ def test_verify_reports_read_only_and_repairs_only_damage(tmp_path):
     (store.staging_dir / f"{os.getppid()}.{good}.def").mkdir()  # its writer (pytest's parent) lives
 
     def cli(*extra):
-        out = subprocess.run([sys.executable, "-m", "compile_service.cli", "verify", "--cache-dir", str(store.root), *extra], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "compile_service.cli", "verify", "--cache-dir", str(store.root), *extra],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return out.returncode, out.stdout
 
     rc, out = cli()
@@ -102,7 +108,7 @@ def test_evicts_least_recently_used_never_recent_ones(tmp_path):
     assert store.lookup(keys[0]) is not None  # a hit makes keys[0] the most recent
     assert store.evict(Budget(None, 3, 0)) == 2
     assert sorted(store.keys()) == sorted([keys[0], keys[3], keys[4]])
-    assert counted(store, 'evictions') == 2 and not list(store.staging_dir.iterdir())  # renamed away, then deleted
+    assert counted(store, "evictions") == 2 and not list(store.staging_dir.iterdir())  # renamed away, then deleted
 
     # Handed out within min_age: kept even over budget.
     assert store.lookup(keys[3]) and store.lookup(keys[4])
@@ -110,7 +116,7 @@ def test_evicts_least_recently_used_never_recent_ones(tmp_path):
     # The byte budget: each entry is its library plus entry.json and manifest.
     assert store.evict(Budget(parse_size("1K"), None, 0), protect=keys[0]) == 2
     assert store.keys() == [keys[0]]
-    assert store.lookup(keys[3]) is None and counted(store, 'corrupt') == 0
+    assert store.lookup(keys[3]) is None and counted(store, "corrupt") == 0
 
 
 def test_eviction_runs_alongside_hits_and_publishes(tmp_path):
@@ -136,11 +142,11 @@ def test_eviction_runs_alongside_hits_and_publishes(tmp_path):
     stop.set()
     for t in readers:
         t.join()
-    assert errors == [] and counted(store, 'corrupt') == 0
+    assert errors == [] and counted(store, "corrupt") == 0
     # An entry hit while a pass runs is spared by it (it was just handed out); once the hits
     # stop, one more pass brings the cache to its budget.
     store.evict(Budget(None, 10, 0))
-    assert len(store.keys()) == 10 and counted(store, 'evictions') == 50
+    assert len(store.keys()) == 10 and counted(store, "evictions") == 50
 
 
 def test_owner_only_by_default_group_readable_when_asked(tmp_path):
@@ -183,7 +189,7 @@ def test_loader_refuses_symlinks_foreign_owners_and_writable_files(tmp_path):
     lib.symlink_to(real)
     with pytest.raises(EntryRefused, match="symlinks are refused"):
         read_verified(lib, *args, owner=me)
-    assert store.lookup(entry.key) is None and counted(store, 'corrupt') == 1  # the daemon refuses it too
+    assert store.lookup(entry.key) is None and counted(store, "corrupt") == 1  # the daemon refuses it too
 
 
 # Names no reader accepts for a file of an entry: one rule (proto.entry.is_file_name) for the

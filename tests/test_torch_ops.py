@@ -27,7 +27,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmark"))
 from llama_block import BlockConfig, ServedBlock, reference, rel_error  # noqa: E402
 
-ZOO = ("add_rmsnorm", "attention", "gemm", "kv_attention", "layernorm", "rmsnorm", "rope", "softmax", "swiglu")  # other test files register more kinds in this process
+ZOO = (
+    "add_rmsnorm",
+    "attention",
+    "gemm",
+    "kv_attention",
+    "layernorm",
+    "rmsnorm",
+    "rope",
+    "softmax",
+    "swiglu",
+)  # other test files register more kinds in this process
 ENCODER = BlockConfig(hidden=64, heads=4, kv_heads=2, ffn=96, seq_len=12, dtype="float32", target="c", causal=False)
 
 
@@ -63,6 +73,7 @@ def test_importing_the_client_registers_the_ops_once_torch_is_there():
 
 # ----- what ML users pass
 
+
 def test_specs_take_torch_dtypes_and_numpy_numbers(cpu_kernel):
     plain = kernels.canonicalize("rmsnorm", {"M": 128, "N": 64, "dtype": "float32", "eps": 1e-5}, "c")
     for params in (
@@ -95,8 +106,11 @@ def test_kinds_the_client_does_not_import_get_plain_values_on_the_wire():
 def test_the_abi_names_in_place_pairs_that_can_hold():
     from proto import abi
 
-    params = [{"name": "X", "dtype": "float32", "shape": ["M", 8]}, {"name": "W", "dtype": "float32", "shape": [8]},
-              {"name": "Y", "dtype": "float32", "shape": ["M", 8]}]
+    params = [
+        {"name": "X", "dtype": "float32", "shape": ["M", 8]},
+        {"name": "W", "dtype": "float32", "shape": [8]},
+        {"name": "Y", "dtype": "float32", "shape": ["M", 8]},
+    ]
     dynamic = [{"name": "M", "dtype": "int32"}]
     assert abi.make("c", "call", params, [2], dynamic, {"Y": "X"})["inplace"] == {"Y": "X"}
     assert "inplace" not in abi.make("c", "call", params, [2], dynamic, {})
@@ -124,6 +138,7 @@ def test_inputs_that_require_grad_are_refused_with_the_way_out(cpu_kernel):
 
 # ----- out= and in-place forms
 
+
 def test_out_writes_into_the_given_tensor_and_checks_it(cpu_kernel):
     k = cpu_kernel("gemm", M=None, N=8, K=16, dtype="float32", trans_b=True)
     a, w = torch.randn(5, 16), torch.randn(8, 16)
@@ -145,12 +160,15 @@ def test_out_writes_into_the_given_tensor_and_checks_it(cpu_kernel):
         square(x, torch.randn(16, 16), out=x)
 
 
-@pytest.mark.parametrize("kind,params,into", [
-    ("gemm", {"M": None, "N": 24, "K": 40, "trans_b": True, "residual": True}, 2),  # residual update: R += A @ B.T
-    ("rmsnorm", {"M": None, "N": 40}, 0),
-    ("softmax", {"M": None, "N": 40}, 0),
-    ("swiglu", {"M": None, "N": 40}, 0),
-])
+@pytest.mark.parametrize(
+    "kind,params,into",
+    [
+        ("gemm", {"M": None, "N": 24, "K": 40, "trans_b": True, "residual": True}, 2),  # residual update: R += A @ B.T
+        ("rmsnorm", {"M": None, "N": 40}, 0),
+        ("softmax", {"M": None, "N": 40}, 0),
+        ("swiglu", {"M": None, "N": 40}, 0),
+    ],
+)
 def test_in_place_forms_where_the_kind_declares_them(cpu_kernel, kind, params, into):
     from kernels.reference import make_inputs, reference
 
@@ -197,6 +215,7 @@ def test_out_and_residual_update_compile_without_graph_breaks(cpu_kernel):
 
 # ----- self-description
 
+
 def test_a_kernel_describes_itself(cpu_kernel):
     k = cpu_kernel("gemm", M=None, N=48, K=32, dtype="float32", trans_b=True, bias=True)
     sig = inspect.signature(k)
@@ -207,8 +226,16 @@ def test_a_kernel_describes_itself(cpu_kernel):
     assert sig.parameters["out"].kind is inspect.Parameter.KEYWORD_ONLY and sig.parameters["out"].default is None
     assert sig.return_annotation == "Tensor[M, 48] float32"
     doc = k.__doc__
-    for text in ("gemm kernel for target c", "A[M,K] @ B", "gemm(A, B, Bias, *, out=None) -> C", "A: Tensor[M, 32] float32",
-                 "returns C: Tensor[M, 48] float32", "Runtime sizes: M", "Inference only", "torch.ops.kernel_service.gemm"):
+    for text in (
+        "gemm kernel for target c",
+        "A[M,K] @ B",
+        "gemm(A, B, Bias, *, out=None) -> C",
+        "A: Tensor[M, 32] float32",
+        "returns C: Tensor[M, 48] float32",
+        "Runtime sizes: M",
+        "Inference only",
+        "torch.ops.kernel_service.gemm",
+    ):
         assert text in doc, text
     static = cpu_kernel("softmax", M=6, N=16, dtype="float32")
     assert "Every size is static" in static.__doc__ and str(inspect.signature(static)).startswith("(X: 'Tensor[6, 16] float32'")
@@ -226,6 +253,7 @@ def test_help_of_get_kernel_explains_parameters_and_returns():
 
 # ----- torch.compile
 
+
 def test_encoder_block_compiles_fullgraph_dynamic_without_recompiling(encoder):
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -234,8 +262,13 @@ def test_encoder_block_compiles_fullgraph_dynamic_without_recompiling(encoder):
         explained = torch._dynamo.explain(encoder)(xs[0])
         assert (explained.graph_break_count, explained.graph_count) == (0, 1), explained.break_reasons
         ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
-        assert {"kernel_service.rmsnorm.default", "kernel_service.gemm.default", "kernel_service.attention.default",
-                "kernel_service.swiglu.default", "kernel_service.gemm.out"} <= ops
+        assert {
+            "kernel_service.rmsnorm.default",
+            "kernel_service.gemm.default",
+            "kernel_service.attention.default",
+            "kernel_service.swiglu.default",
+            "kernel_service.gemm.out",
+        } <= ops
         torch._dynamo.reset()
         counter = CompileCounterWithBackend("inductor")
         compiled = torch.compile(encoder, backend=counter, fullgraph=True, dynamic=True)
@@ -320,8 +353,14 @@ def test_a_fresh_process_without_a_daemon_names_the_missing_service(encoder, tmp
     program = _export(encoder, tmp_path)
     torch.export.save(program, tmp_path / "block.pt2")
     code = _RUN_EXPORTED.format(io=str(tmp_path / "io.pt"), load=f"torch.export.load({str(tmp_path / 'block.pt2')!r}).module()")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "KERNEL_SERVICE_SOCKET": str(tmp_path / "none.sock")},
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "KERNEL_SERVICE_SOCKET": str(tmp_path / "none.sock")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode != 0 and "no kernel service at" in proc.stderr
 
 

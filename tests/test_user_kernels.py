@@ -101,7 +101,8 @@ def test_an_eager_kernel_without_t_empty_updates_its_tensors_as_tilelang_does(us
 
 
 def test_decorator_pass_configs_reach_the_build_and_the_key(tmp_path):
-    (tmp_path / "pc_kinds.py").write_text(textwrap.dedent('''
+    (tmp_path / "pc_kinds.py").write_text(
+        textwrap.dedent("""
         import tilelang
         import tilelang.language as T
 
@@ -115,8 +116,9 @@ def test_decorator_pass_configs_reach_the_build_and_the_key(tmp_path):
 
         plain = tilelang.jit(out_idx=[-1])(body)
         bogus = tilelang.jit(out_idx=[-1], pass_configs={"tl.no_such_option": True}, compile_flags=["-O3"])(body)
-    '''))
-    code = textwrap.dedent('''
+    """)
+    )
+    code = textwrap.dedent("""
         import json, tempfile, kernels
         from kernels import plugins
         from compile_service.build import compiler
@@ -129,7 +131,7 @@ def test_decorator_pass_configs_reach_the_build_and_the_key(tmp_path):
             except compiler.CompileFailed as exc:
                 out[k] = str(exc)
         print(json.dumps(out))
-    ''')
+    """)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -148,7 +150,8 @@ def _digest(path: Path, target: str) -> str:
 
 def test_keys_cover_a_top_level_plugins_sibling_modules(tmp_path):
     (tmp_path / "tiles.py").write_text("BLOCK = 4\n")
-    (tmp_path / "my_kinds.py").write_text(textwrap.dedent('''
+    (tmp_path / "my_kinds.py").write_text(
+        textwrap.dedent("""
         import tilelang.language as T
         from tiles import BLOCK
 
@@ -159,7 +162,8 @@ def test_keys_cover_a_top_level_plugins_sibling_modules(tmp_path):
                     for i in T.serial(N):
                         Y[i] = X[i] * BLOCK
             return main
-    '''))
+    """)
+    )
     before = _digest(tmp_path, "my_kinds:copy_kernel")
     with open(tmp_path / "tiles.py", "a") as f:
         f.write("# an edit\n")
@@ -167,7 +171,8 @@ def test_keys_cover_a_top_level_plugins_sibling_modules(tmp_path):
 
 
 def test_keys_cover_a_jit_kind_subclasss_own_file(tmp_path):
-    (tmp_path / "sub_kinds.py").write_text(textwrap.dedent('''
+    (tmp_path / "sub_kinds.py").write_text(
+        textwrap.dedent("""
         import tilelang.language as T
 
         def copy_kernel(N):
@@ -177,8 +182,10 @@ def test_keys_cover_a_jit_kind_subclasss_own_file(tmp_path):
                     for i in T.serial(N):
                         Y[i] = X[i]
             return main
-    '''))
-    (tmp_path / "sub_kind.py").write_text(textwrap.dedent('''
+    """)
+    )
+    (tmp_path / "sub_kind.py").write_text(
+        textwrap.dedent("""
         from kernels.jit import JitKind
         from kernels.registry import register
         from sub_kinds import copy_kernel
@@ -187,7 +194,8 @@ def test_keys_cover_a_jit_kind_subclasss_own_file(tmp_path):
             pass
 
         register(Copy("copy", copy_kernel))
-    '''))
+    """)
+    )
     code = "import kernels, sub_kind; print(kernels.source_digest('copy'))"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
 

@@ -28,6 +28,7 @@ def _seed():
 
 # --- gemm -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("M,N,K", [(32, 32, 32), (33, 47, 70), (1, 5, 3)])
 def test_gemm_static_shapes(cpu_kernel, M, N, K):
     k = cpu_kernel("gemm", M=M, N=N, K=K, dtype="float32")
@@ -78,6 +79,7 @@ def test_gemm_residual_after_the_activation_and_in_place(cpu_kernel, bias):
 
 # --- attention --------------------------------------------------------------
 
+
 def attention_ref(q, k, v, causal):
     group = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(group, dim=2)
@@ -108,11 +110,12 @@ def test_attention_dynamic_batch_and_seq(cpu_kernel):
 
 # --- row kernels ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("M,N", [(None, 64), (7, 100)])
 def test_rmsnorm(cpu_kernel, M, N):
     k = cpu_kernel("rmsnorm", M=M, N=N, eps=1e-5, dtype="float32")
     w = torch.randn(N)
-    for rows in ((3, 40) if M is None else (M,)):
+    for rows in (3, 40) if M is None else (M,):
         x = torch.randn(rows, N) * 3
         ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
         close(k(x, w), ref)
@@ -121,7 +124,7 @@ def test_rmsnorm(cpu_kernel, M, N):
 @pytest.mark.parametrize("M,N", [(None, 96), (5, 33)])
 def test_swiglu(cpu_kernel, M, N):
     k = cpu_kernel("swiglu", M=M, N=N, dtype="float32")
-    for rows in ((2, 31) if M is None else (M,)):
+    for rows in (2, 31) if M is None else (M,):
         g, u = torch.randn(rows, N), torch.randn(rows, N)
         close(k(g, u), F.silu(g) * u)
 
@@ -129,6 +132,6 @@ def test_swiglu(cpu_kernel, M, N):
 @pytest.mark.parametrize("M,N", [(None, 128), (6, 45)])
 def test_softmax(cpu_kernel, M, N):
     k = cpu_kernel("softmax", M=M, N=N, dtype="float32")
-    for rows in ((1, 50) if M is None else (M,)):
+    for rows in (1, 50) if M is None else (M,):
         x = torch.randn(rows, N) * 10 + 80  # large logits: only a max-subtracted softmax stays finite
         close(k(x), torch.softmax(x.double(), -1))

@@ -59,7 +59,8 @@ def _check_transformers():
     if import_utils.is_kernels_available():
         raise ImportError(
             "transformers takes the `kernels` package for Hugging Face's kernels (a `kernels` distribution in its version range "
-            "is installed); this project's `kernels` package has the same top-level name: uninstall Hugging Face's `kernels`")
+            "is installed); this project's `kernels` package has the same top-level name: uninstall Hugging Face's `kernels`"
+        )
 
 
 _check_transformers()
@@ -169,15 +170,28 @@ class RotaryLayer(nn.Module):
         positions = torch.arange(cache.shape[0], device=q.device)
         if cos.shape[0] != b:
             positions = positions.repeat(b)
-        qo, ko = entry.kernel(positions, q.transpose(1, 2).reshape(b * s, h, d).contiguous(), k.transpose(1, 2).reshape(b * s, kvh, d).contiguous(), cache.contiguous())
+        qo, ko = entry.kernel(
+            positions, q.transpose(1, 2).reshape(b * s, h, d).contiguous(), k.transpose(1, 2).reshape(b * s, kvh, d).contiguous(), cache.contiguous()
+        )
         return qo.view(b, s, h, d).transpose(1, 2), ko.view(b, s, kvh, d).transpose(1, 2)
 
 
 # ----- attention
 
 
-def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, local_size=None,
-          allow_is_causal_skip=True, allow_is_bidirectional_skip=False, **kwargs):
+def _mask(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=None,
+    attention_mask=None,
+    local_size=None,
+    allow_is_causal_skip=True,
+    allow_is_bidirectional_skip=False,
+    **kwargs,
+):
     """sdpa's mask, except that a plain causal or full pattern with no padding is None even while
     tracing (torch < 2.14 materializes it under torch.compile): the served kernels need no mask."""
     from transformers.masking_utils import sdpa_mask
@@ -185,8 +199,19 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
     plain = (allow_is_causal_skip and (q_length == 1 or q_length == kv_length)) or allow_is_bidirectional_skip
     if attention_mask is None and plain and (local_size is None or kv_length <= local_size) and not isinstance(q_offset, torch.Tensor):
         return None
-    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size=local_size,
-                     allow_is_causal_skip=allow_is_causal_skip, allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs)
+    return sdpa_mask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        mask_function,
+        attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=allow_is_causal_skip,
+        allow_is_bidirectional_skip=allow_is_bidirectional_skip,
+        **kwargs,
+    )
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -194,8 +219,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     entry = module.__dict__.get(_ATTR)
     d = query.shape[-1]
     if entry is not None and (
-        dropout or (scaling is not None and abs(scaling - d**-0.5) > 1e-6 * d**-0.5)
-        or kwargs.get("softcap") is not None or kwargs.get("output_attentions") or kwargs.get("s_aux") is not None
+        dropout
+        or (scaling is not None and abs(scaling - d**-0.5) > 1e-6 * d**-0.5)
+        or kwargs.get("softcap") is not None
+        or kwargs.get("output_attentions")
+        or kwargs.get("s_aux") is not None
     ):
         entry = None
     entry = _served(entry, module, query, key, value)
@@ -398,7 +426,11 @@ def _serve(model, report: Report, client, strict: bool, device: torch.device, dt
         name, why = next(iter(report.kept.items()))
         raise RuntimeError(f"kernelize(strict=True): {name} would keep its own forward: {why}")
     if not entries:
-        return "no module of this model is served: " + "; ".join(f"{n}: {w}" for n, w in report.kept.items()) if report.kept else "no module this integration knows"
+        return (
+            "no module of this model is served: " + "; ".join(f"{n}: {w}" for n, w in report.kept.items())
+            if report.kept
+            else "no module this integration knows"
+        )
 
     # The layer contract, applied here: each module's forward is the layer's, bound to that module.
     for name, (m, entry) in entries.items():

@@ -251,7 +251,9 @@ def _shape(dims) -> list:
     return out
 
 
-def call_abi(func, outputs: tuple[int, ...], target, inplace: dict[str, str] | None = None, scratch: tuple[str, ...] = (), writes: tuple[str, ...] = ()) -> dict:
+def call_abi(
+    func, outputs: tuple[int, ...], target, inplace: dict[str, str] | None = None, scratch: tuple[str, ...] = (), writes: tuple[str, ...] = ()
+) -> dict:
     """How to call the built library, read off the PrimFunc."""
     from tvm import tirx
 
@@ -403,7 +405,7 @@ def _pack_imports_incbin(module, is_system_lib: bool, prefix: str, workspace_dir
     asm_path = os.path.join(workspace_dir, "devc.S")
     with open(asm_path, "w") as f:
         f.write(
-            f'\t.section .rodata\n\t.globl {symbol}\n\t.type {symbol}, @object\n\t.balign 16\n'
+            f"\t.section .rodata\n\t.globl {symbol}\n\t.type {symbol}, @object\n\t.balign 16\n"
             f'{symbol}:\n\t.incbin "{bin_path}"\n\t.size {symbol}, .-{symbol}\n'
             '\t.section .note.GNU-stack,"",@progbits\n'
         )

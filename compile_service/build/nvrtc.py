@@ -308,9 +308,7 @@ def callback(compiler: Compiler):
             return backend.tilelang_callback_cuda_compile(code, target, pass_config)
         sm = codes[0] if codes else f"sm_{arch}"
         extra = device_options(pass_config)
-        key = CUDABinaryCache.make_key(
-            code=code, target_kind="cuda", target_arch=arch, target_code=[sm], compile_format="cubin", options=["nvrtc", *extra]
-        )
+        key = CUDABinaryCache.make_key(code=code, target_kind="cuda", target_arch=arch, target_code=[sm], compile_format="cubin", options=["nvrtc", *extra])
         binary = CUDABinaryCache.load(key, "cubin")
         if binary is None:
             binary = compiler.compile(code, sm, extra)

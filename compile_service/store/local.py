@@ -432,4 +432,3 @@ def writer_alive(name: str) -> bool:
     """Whether the process that made staging/`name` still runs."""
     owner = name.split(".", 1)[0]  # every staging name starts with its writer's pid
     return owner.isdigit() and (int(owner) == os.getpid() or pid_alive(int(owner)))
-

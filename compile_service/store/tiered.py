@@ -70,7 +70,10 @@ class FleetClaims(Claims):
         self._held: set[str] = set()  # keys whose lease is ours
         self._uploads: queue.Queue[str] = queue.Queue(UPLOAD_BACKLOG)
         self._closing = threading.Event()
-        self._threads = [threading.Thread(target=self._watch, name="tier-watch", daemon=True), threading.Thread(target=self._upload, name="tier-upload", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._watch, name="tier-watch", daemon=True),
+            threading.Thread(target=self._upload, name="tier-upload", daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -301,4 +304,3 @@ class FleetClaims(Claims):
         for key in held:
             self._release(key)
         self.tier.close()
-
