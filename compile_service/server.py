@@ -396,10 +396,10 @@ class Daemon:
     def _housekeeping(self) -> None:
         """After SERVING: the start-up chores that may walk a large cache, then the counters
         saved every SAVE_EVERY seconds until stop."""
-        self.servicer.info  # noqa: B018 - built now, so that an agent's first GetServiceInfo finds it
         swept = self.local.clean_staging()
         if swept:
             log.info("removed %d staging directories left by dead writers", swept)
+        self.servicer.info  # noqa: B018 - built now, so that an agent's first GetServiceInfo finds it
         self.scheduler.enforce_budget()  # the budget may have shrunk since the last run
         while not self._stopped.wait(SAVE_EVERY):
             self.metrics.save(self.config.cache_dir / STATS_FILE)
