@@ -14,7 +14,6 @@ class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTCOME_HIT: _ClassVar[Outcome]
     OUTCOME_COMPILED: _ClassVar[Outcome]
     OUTCOME_JOINED: _ClassVar[Outcome]
-
 OUTCOME_UNSPECIFIED: Outcome
 OUTCOME_HIT: Outcome
 OUTCOME_COMPILED: Outcome
@@ -29,7 +28,6 @@ class KernelSpec(_message.Message):
         key: str
         value: ParamValue
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ParamValue, _Mapping]] = ...) -> None: ...
-
     KIND_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -50,14 +48,7 @@ class ParamValue(_message.Message):
     bool_value: bool
     string_value: str
     null_value: _struct_pb2.NullValue
-    def __init__(
-        self,
-        int_value: _Optional[int] = ...,
-        float_value: _Optional[float] = ...,
-        bool_value: _Optional[bool] = ...,
-        string_value: _Optional[str] = ...,
-        null_value: _Optional[_Union[_struct_pb2.NullValue, str]] = ...,
-    ) -> None: ...
+    def __init__(self, int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., bool_value: _Optional[bool] = ..., string_value: _Optional[str] = ..., null_value: _Optional[_Union[_struct_pb2.NullValue, str]] = ...) -> None: ...
 
 class GetKernelRequest(_message.Message):
     __slots__ = ("spec", "app", "no_compile")
@@ -85,16 +76,7 @@ class KernelArtifact(_message.Message):
     library_size: int
     abi_json: str
     canonical_spec: str
-    def __init__(
-        self,
-        key: _Optional[str] = ...,
-        entry_dir: _Optional[str] = ...,
-        library: _Optional[str] = ...,
-        library_sha256: _Optional[str] = ...,
-        library_size: _Optional[int] = ...,
-        abi_json: _Optional[str] = ...,
-        canonical_spec: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, key: _Optional[str] = ..., entry_dir: _Optional[str] = ..., library: _Optional[str] = ..., library_sha256: _Optional[str] = ..., library_size: _Optional[int] = ..., abi_json: _Optional[str] = ..., canonical_spec: _Optional[str] = ...) -> None: ...
 
 class GetKernelResponse(_message.Message):
     __slots__ = ("artifact", "cached_result", "outcome", "compile_seconds", "shared_build")
@@ -108,14 +90,7 @@ class GetKernelResponse(_message.Message):
     outcome: Outcome
     compile_seconds: float
     shared_build: SharedBuild
-    def __init__(
-        self,
-        artifact: _Optional[_Union[KernelArtifact, _Mapping]] = ...,
-        cached_result: _Optional[bool] = ...,
-        outcome: _Optional[_Union[Outcome, str]] = ...,
-        compile_seconds: _Optional[float] = ...,
-        shared_build: _Optional[_Union[SharedBuild, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, artifact: _Optional[_Union[KernelArtifact, _Mapping]] = ..., cached_result: _Optional[bool] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., compile_seconds: _Optional[float] = ..., shared_build: _Optional[_Union[SharedBuild, _Mapping]] = ...) -> None: ...
 
 class SharedBuild(_message.Message):
     __slots__ = ("key", "canonical_spec", "compile_seconds")
@@ -135,9 +110,7 @@ class PrefetchRequest(_message.Message):
     specs: _containers.RepeatedCompositeFieldContainer[KernelSpec]
     app: str
     no_compile: bool
-    def __init__(
-        self, specs: _Optional[_Iterable[_Union[KernelSpec, _Mapping]]] = ..., app: _Optional[str] = ..., no_compile: _Optional[bool] = ...
-    ) -> None: ...
+    def __init__(self, specs: _Optional[_Iterable[_Union[KernelSpec, _Mapping]]] = ..., app: _Optional[str] = ..., no_compile: _Optional[bool] = ...) -> None: ...
 
 class PrefetchEvent(_message.Message):
     __slots__ = ("index", "done", "total", "kernel", "error_code", "error_message")
@@ -153,15 +126,7 @@ class PrefetchEvent(_message.Message):
     kernel: GetKernelResponse
     error_code: str
     error_message: str
-    def __init__(
-        self,
-        index: _Optional[int] = ...,
-        done: _Optional[int] = ...,
-        total: _Optional[int] = ...,
-        kernel: _Optional[_Union[GetKernelResponse, _Mapping]] = ...,
-        error_code: _Optional[str] = ...,
-        error_message: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., kernel: _Optional[_Union[GetKernelResponse, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class ReportCorruptRequest(_message.Message):
     __slots__ = ("key",)
@@ -182,50 +147,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = (
-        "compiles",
-        "hits",
-        "misses",
-        "failures",
-        "in_flight",
-        "workers",
-        "entries",
-        "bytes",
-        "joined",
-        "corrupt",
-        "invalid",
-        "compile_seconds",
-        "cpu_quota",
-        "cache_dir",
-        "address",
-        "uptime_seconds",
-        "version",
-        "toolchain",
-        "inductor_dir",
-        "inductor_entries",
-        "inductor_bytes",
-        "evictions",
-        "failures_cached",
-        "cuda_compiler",
-        "device_compile_seconds",
-        "derived",
-        "stats_since",
-        "workers_ready",
-        "running",
-        "queued",
-        "not_ready",
-        "remote",
-        "remote_state",
-        "remote_read_only",
-        "remote_hits",
-        "remote_misses",
-        "remote_bytes_in",
-        "remote_bytes_out",
-        "remote_lease_waits",
-        "remote_takeovers",
-        "remote_errors",
-        "remote_corrupt",
-    )
+    __slots__ = ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes", "joined", "corrupt", "invalid", "compile_seconds", "cpu_quota", "cache_dir", "address", "uptime_seconds", "version", "toolchain", "inductor_dir", "inductor_entries", "inductor_bytes", "evictions", "failures_cached", "cuda_compiler", "device_compile_seconds", "derived", "stats_since", "workers_ready", "running", "queued", "not_ready", "remote", "remote_state", "remote_read_only", "remote_hits", "remote_misses", "remote_bytes_in", "remote_bytes_out", "remote_lease_waits", "remote_takeovers", "remote_errors", "remote_corrupt")
     COMPILES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -310,51 +232,7 @@ class Stats(_message.Message):
     remote_takeovers: int
     remote_errors: int
     remote_corrupt: int
-    def __init__(
-        self,
-        compiles: _Optional[int] = ...,
-        hits: _Optional[int] = ...,
-        misses: _Optional[int] = ...,
-        failures: _Optional[int] = ...,
-        in_flight: _Optional[int] = ...,
-        workers: _Optional[int] = ...,
-        entries: _Optional[int] = ...,
-        bytes: _Optional[int] = ...,
-        joined: _Optional[int] = ...,
-        corrupt: _Optional[int] = ...,
-        invalid: _Optional[int] = ...,
-        compile_seconds: _Optional[float] = ...,
-        cpu_quota: _Optional[int] = ...,
-        cache_dir: _Optional[str] = ...,
-        address: _Optional[str] = ...,
-        uptime_seconds: _Optional[float] = ...,
-        version: _Optional[str] = ...,
-        toolchain: _Optional[str] = ...,
-        inductor_dir: _Optional[str] = ...,
-        inductor_entries: _Optional[int] = ...,
-        inductor_bytes: _Optional[int] = ...,
-        evictions: _Optional[int] = ...,
-        failures_cached: _Optional[int] = ...,
-        cuda_compiler: _Optional[str] = ...,
-        device_compile_seconds: _Optional[float] = ...,
-        derived: _Optional[int] = ...,
-        stats_since: _Optional[float] = ...,
-        workers_ready: _Optional[int] = ...,
-        running: _Optional[int] = ...,
-        queued: _Optional[int] = ...,
-        not_ready: _Optional[int] = ...,
-        remote: _Optional[str] = ...,
-        remote_state: _Optional[str] = ...,
-        remote_read_only: _Optional[bool] = ...,
-        remote_hits: _Optional[int] = ...,
-        remote_misses: _Optional[int] = ...,
-        remote_bytes_in: _Optional[int] = ...,
-        remote_bytes_out: _Optional[int] = ...,
-        remote_lease_waits: _Optional[int] = ...,
-        remote_takeovers: _Optional[int] = ...,
-        remote_errors: _Optional[int] = ...,
-        remote_corrupt: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, compiles: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., failures: _Optional[int] = ..., in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., joined: _Optional[int] = ..., corrupt: _Optional[int] = ..., invalid: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., cpu_quota: _Optional[int] = ..., cache_dir: _Optional[str] = ..., address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., inductor_entries: _Optional[int] = ..., inductor_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., failures_cached: _Optional[int] = ..., cuda_compiler: _Optional[str] = ..., device_compile_seconds: _Optional[float] = ..., derived: _Optional[int] = ..., stats_since: _Optional[float] = ..., workers_ready: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., not_ready: _Optional[int] = ..., remote: _Optional[str] = ..., remote_state: _Optional[str] = ..., remote_read_only: _Optional[bool] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_bytes_in: _Optional[int] = ..., remote_bytes_out: _Optional[int] = ..., remote_lease_waits: _Optional[int] = ..., remote_takeovers: _Optional[int] = ..., remote_errors: _Optional[int] = ..., remote_corrupt: _Optional[int] = ...) -> None: ...
 
 class ZeroStatsRequest(_message.Message):
     __slots__ = ()
@@ -382,17 +260,7 @@ class ServiceInfo(_message.Message):
     cuda_compiler: str
     key_fingerprint_json: str
     config_json: str
-    def __init__(
-        self,
-        cache_dir: _Optional[str] = ...,
-        inductor_dir: _Optional[str] = ...,
-        version: _Optional[str] = ...,
-        toolchain: _Optional[str] = ...,
-        default_target: _Optional[str] = ...,
-        cuda_compiler: _Optional[str] = ...,
-        key_fingerprint_json: _Optional[str] = ...,
-        config_json: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, cache_dir: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., default_target: _Optional[str] = ..., cuda_compiler: _Optional[str] = ..., key_fingerprint_json: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class ListKindsRequest(_message.Message):
     __slots__ = ()
@@ -414,13 +282,7 @@ class KindInfo(_message.Message):
     doc: str
     params: _containers.RepeatedCompositeFieldContainer[ParamInfo]
     origin: str
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        doc: _Optional[str] = ...,
-        params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ...,
-        origin: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., doc: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class ParamInfo(_message.Message):
     __slots__ = ("name", "type", "doc", "required", "default_json", "nullable", "choices_json", "min", "max")
@@ -442,18 +304,7 @@ class ParamInfo(_message.Message):
     choices_json: str
     min: float
     max: float
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        type: _Optional[str] = ...,
-        doc: _Optional[str] = ...,
-        required: _Optional[bool] = ...,
-        default_json: _Optional[str] = ...,
-        nullable: _Optional[bool] = ...,
-        choices_json: _Optional[str] = ...,
-        min: _Optional[float] = ...,
-        max: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., doc: _Optional[str] = ..., required: _Optional[bool] = ..., default_json: _Optional[str] = ..., nullable: _Optional[bool] = ..., choices_json: _Optional[str] = ..., min: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
 
 class ExplainRequest(_message.Message):
     __slots__ = ("spec",)
@@ -470,7 +321,6 @@ class ExplainResponse(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
-
     HIT_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     CANONICAL_SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -483,15 +333,7 @@ class ExplainResponse(_message.Message):
     toolchain: _containers.ScalarMap[str, str]
     nearest: _containers.RepeatedCompositeFieldContainer[NearEntry]
     reason: str
-    def __init__(
-        self,
-        hit: _Optional[bool] = ...,
-        key: _Optional[str] = ...,
-        canonical_spec: _Optional[str] = ...,
-        toolchain: _Optional[_Mapping[str, str]] = ...,
-        nearest: _Optional[_Iterable[_Union[NearEntry, _Mapping]]] = ...,
-        reason: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, hit: _Optional[bool] = ..., key: _Optional[str] = ..., canonical_spec: _Optional[str] = ..., toolchain: _Optional[_Mapping[str, str]] = ..., nearest: _Optional[_Iterable[_Union[NearEntry, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NearEntry(_message.Message):
     __slots__ = ("key", "canonical_spec", "differences")
@@ -501,9 +343,7 @@ class NearEntry(_message.Message):
     key: str
     canonical_spec: str
     differences: _containers.RepeatedCompositeFieldContainer[FieldDifference]
-    def __init__(
-        self, key: _Optional[str] = ..., canonical_spec: _Optional[str] = ..., differences: _Optional[_Iterable[_Union[FieldDifference, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, key: _Optional[str] = ..., canonical_spec: _Optional[str] = ..., differences: _Optional[_Iterable[_Union[FieldDifference, _Mapping]]] = ...) -> None: ...
 
 class FieldDifference(_message.Message):
     __slots__ = ("part", "field", "wanted", "found", "text")
@@ -517,6 +357,4 @@ class FieldDifference(_message.Message):
     wanted: str
     found: str
     text: str
-    def __init__(
-        self, part: _Optional[str] = ..., field: _Optional[str] = ..., wanted: _Optional[str] = ..., found: _Optional[str] = ..., text: _Optional[str] = ...
-    ) -> None: ...
+    def __init__(self, part: _Optional[str] = ..., field: _Optional[str] = ..., wanted: _Optional[str] = ..., found: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
