@@ -260,11 +260,12 @@ def signature(path: Path, names) -> tuple:
     the entry's directory or its shard is replaced (by a link, say). Linking a file to another
     entry changes its ctime as well: that costs one re-hash, never a wrong answer. Raises
     OSError when one is gone."""
+    entry = os.fspath(path)  # strings, not Paths: this runs on every direct hit
     out = []
-    for p in (path.parent, path):
+    for p in (os.path.dirname(entry), entry):
         st = os.lstat(p)
         out.append((st.st_ino, st.st_mode, st.st_uid))
     for name in (MANIFEST, *names):
-        st = os.lstat(path / name)
+        st = os.lstat(f"{entry}/{name}")
         out.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid))
     return tuple(out)
