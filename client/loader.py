@@ -195,6 +195,7 @@ class Kernel:
         self.writes = [params[i]["name"] for i in abi.get("writes", [])]  # inputs updated in place
         self.inplace = self._inplace_slots()
         self.__doc__, self.__signature__ = self._describe()
+        self._fast = _FastPlan.of(self)  # None: every call takes the checked path
         self._op = self._op_out = None  # kernel_service::<kind> and its .out: bound by the client after loading (torch_ops.bind)
 
     def __repr__(self) -> str:
@@ -383,8 +384,19 @@ class Kernel:
 
         if torch.compiler.is_compiling() or not all(type(t) in _plain_types() for t in inputs):
             return self._call_op(inputs, out)  # traced: the torch op, whose fake derives shapes from the ABI
+        if out is None and self._fast is not None:
+            result = self._fast.call(self, inputs)
+            if result is not _CHECKED:
+                return result
         self.check_grad(inputs)
         return self.run(inputs, out)
+
+    def _own_outputs(self) -> RuntimeError:
+        # A library that allocated its outputs itself (TileLang's callee-allocated ABI) left the
+        # buffers it was given unwritten: never hand those back.
+        return RuntimeError(
+            f"{self.kind}: the library returned tensors of its own instead of writing its outputs; its entry was built for another call ABI (rebuild it)"
+        )
 
     def _call_op(self, inputs, out):
         if self._op is None:
@@ -430,15 +442,101 @@ class Kernel:
             if rc != 0:
                 raise RuntimeError(f"{self.kind} kernel returned error {rc}")
         elif self._fn(*args) is not None:  # TVM-FFI launches on torch's current stream
-            # A library that allocated its outputs itself (TileLang's callee-allocated ABI) left
-            # the buffers above unwritten: never hand those back.
-            raise RuntimeError(
-                f"{self.kind}: the library returned tensors of its own instead of writing its outputs; its entry was built for another call ABI (rebuild it)"
-            )
+            raise self._own_outputs()
         if out is not None:
             return out
         outs = [args[i] for i in self._outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+_CHECKED = object()  # the fast path's answer when a call must take the checked path
+
+
+class _FastPlan:
+    """A TVM-FFI kernel's call on plain CUDA tensors with out=None, checked by the library itself.
+
+    TileLang's generated host code checks every argument in C++ before it launches (count,
+    dtype, rank, each size against the others, strides, device), and TileLang's own adapter
+    relies on that. This path checks in Python only what that code cannot see: grad mode, that
+    the inputs are CUDA tensors (a host pointer never reaches a launch), and the sizes a shared
+    build's spec fixes. It reads the runtime sizes from (input, axis) places found once, and
+    allocates the outputs. When the library refuses the arguments, `check_inputs` names the
+    problem as on every other path.
+    """
+
+    __slots__ = ("arity", "route", "places", "fixed", "checks", "allocs", "slots", "width", "outputs")
+
+    @classmethod
+    def of(cls, kernel: "Kernel") -> "_FastPlan | None":
+        abi = kernel.abi
+        if abi["loader"] != "tvm_ffi" or kernel.writes or not kernel._inputs:
+            return None  # C kernels check nothing themselves; in-place updates need the overlap check
+        params, fixed = abi["params"], abi.get("fixed", {})
+        places: dict[str, tuple[int, int]] = {}
+        for pos, slot in enumerate(kernel._inputs):
+            for axis, d in enumerate(params[slot]["shape"]):
+                if isinstance(d, str):
+                    places.setdefault(d, (pos, axis))
+        plan = cls()
+        plan.arity = len(kernel._inputs)
+        plan.route = None
+        if "dispatch" in abi:  # a router: the dispatch dim picks the build, whose own plan runs the call
+            dim = abi["dispatch"]["dim"]
+            if dim not in places or dim in fixed:
+                return None
+            plan.route = places[dim]
+            return plan
+        allocs = []
+        for slot in (*kernel._outputs, *kernel._scratch):
+            shape = params[slot]["shape"]
+            if any(isinstance(d, str) and d not in places and d not in fixed for d in shape):
+                return None  # a size no input carries
+            allocs.append((slot, tuple(shape), kernel._dtypes[slot]))
+        sized = {d for _, shape, _ in allocs for d in shape if isinstance(d, str)}
+        plan.places = tuple((d, pos, axis) for d, (pos, axis) in places.items() if d in sized and d not in fixed)
+        plan.fixed = dict(fixed)
+        plan.checks = tuple((*places[d], v) for d, v in fixed.items() if d in places)
+        plan.allocs = tuple(allocs)
+        plan.slots = tuple(kernel._inputs)
+        plan.width = len(params)
+        plan.outputs = tuple(kernel._outputs)
+        return plan
+
+    def call(self, kernel: "Kernel", inputs):
+        import torch
+
+        if len(inputs) != self.arity or not all(t.is_cuda for t in inputs) or (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+            return _CHECKED
+        if self.route is not None:
+            pos, axis = self.route
+            if kernel.routes is None or inputs[pos].dim() <= axis:
+                return _CHECKED
+            build = kernel.route(inputs[pos].shape[axis])
+            return _CHECKED if build._fast is None else build._fast.call(build, inputs)
+        try:
+            if any(inputs[pos].shape[axis] != value for pos, axis, value in self.checks):
+                return _CHECKED
+            dims = dict(self.fixed)
+            for d, pos, axis in self.places:
+                dims[d] = inputs[pos].shape[axis]
+        except IndexError:  # fewer dims than the ABI says
+            return _CHECKED
+        args = [None] * self.width
+        for slot, t in zip(self.slots, inputs):
+            args[slot] = t
+        device = inputs[0].device
+        for slot, shape, dtype in self.allocs:
+            args[slot] = torch.empty([dims[d] if isinstance(d, str) else d for d in shape], dtype=dtype, device=device)
+        try:
+            returned = kernel._fn(*args)
+        except Exception:
+            kernel.check_inputs(inputs)  # raises the checked path's error for what the library refused
+            raise
+        if returned is not None:
+            raise kernel._own_outputs()
+        if len(self.outputs) == 1:
+            return args[self.outputs[0]]
+        return tuple(args[i] for i in self.outputs)
 
 
 def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec: dict, key: str, *, root: Path, owner: int) -> Kernel:

@@ -370,14 +370,19 @@ SMALL_LLAMA = BlockConfig(hidden=256, heads=4, kv_heads=2, ffn=512, seq_len=128,
 
 
 @pytest.fixture(scope="module")
-def gpu_block(tmp_path_factory):
+def gpu_client(tmp_path_factory):
     from devtools.launch import DaemonProcess
 
     base = tmp_path_factory.mktemp("gpu-daemon")
     with DaemonProcess(base / "cache", "--target", "sm_90a", workers=4, log_path=base / "daemon.log") as d:
         c = d.client()
-        yield ServedBlock(c, SMALL_LLAMA)
+        yield c
         c.close()
+
+
+@pytest.fixture(scope="module")
+def gpu_block(gpu_client):
+    return ServedBlock(gpu_client, SMALL_LLAMA)
 
 
 @needs_gpu
@@ -421,3 +426,33 @@ def test_served_ops_run_on_the_current_stream(gpu_block):
             got = compiled(y)
         torch.cuda.current_stream().wait_stream(side)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@needs_gpu
+def test_cuda_calls_refuse_bad_inputs_as_the_checked_path_does(gpu_client):
+    """A plain CUDA call with out=None lets TileLang's generated host code check the arguments
+    (the fast path); every input it refuses still raises the error the checked path names,
+    and a shared build's fixed size is still enforced."""
+    c = gpu_client
+    k = c.get_kernel("gemm", M=None, N=64, K=128, dtype="float16", trans_b=True, target="sm_90a")
+    fixed = c.get_kernel("gemm", M=32, N=64, K=128, dtype="float16", trans_b=True, target="sm_90a")
+    a = torch.randn(32, 128, device="cuda", dtype=torch.float16)
+    w = torch.randn(64, 128, device="cuda", dtype=torch.float16)
+    with torch.inference_mode():
+        torch.testing.assert_close(k(a, w), a @ w.T, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(fixed(a, w), a @ w.T, rtol=1e-2, atol=1e-2)
+        for call, err, match in (
+            (lambda: k(a.float(), w), TypeError, "input A must be float16"),
+            (lambda: k(a, w[:, :64]), ValueError, r"input B must have shape"),
+            (lambda: k(a[:, None], w), ValueError, "input A must have 2 dims"),
+            (lambda: k(torch.randn(128, 32, device="cuda", dtype=torch.float16).T, w), ValueError, "input A must be contiguous"),
+            (lambda: k(a.cpu(), w), ValueError, "all inputs must be on one device"),
+            (lambda: k(a, w.cpu()), ValueError, "all inputs must be on one device"),
+            (lambda: k(a.cpu(), w.cpu()), ValueError, "built for cuda, inputs are on cpu"),
+            (lambda: k(a), TypeError, "gemm takes 2 tensors"),
+            (lambda: fixed(a[:16], w), ValueError, "this kernel was asked for with M=32"),
+        ):
+            with pytest.raises(err, match=match):
+                call()
+    with pytest.raises(RuntimeError, match="inference-only"):
+        k(a, torch.nn.Parameter(w))
