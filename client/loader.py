@@ -197,6 +197,7 @@ class Kernel:
         self.__doc__, self.__signature__ = self._describe()
         self._fast = _FastPlan.of(self)  # None: every call takes the checked path
         self._op = self._op_out = None  # kernel_service::<kind> and its .out: bound by the client after loading (torch_ops.bind)
+        self.op_unbound = "a kernel from client.get_kernel has one"  # why no op is bound, when none is
 
     def __repr__(self) -> str:
         return f"<Kernel {self.kind} {json.dumps(self.spec['params'], sort_keys=True)} target={self.spec['target']}>"
@@ -400,7 +401,7 @@ class Kernel:
 
     def _call_op(self, inputs, out):
         if self._op is None:
-            raise RuntimeError(f"{self.kind}: this kernel has no torch op bound (a kernel from client.get_kernel has); it runs on plain tensors only")
+            raise RuntimeError(f"{self.kind}: this kernel has no torch op bound ({self.op_unbound}); it runs on plain tensors only")
         if out is None:
             result = self._op(self.spec_json, list(inputs))
             if not isinstance(result, (list, tuple)):

@@ -151,9 +151,14 @@ def register_kind(kind: str, n_outputs: int = 1, multi: bool | None = None) -> t
 
 def bind(kernel: Kernel) -> Kernel:
     """Gives a freshly loaded kernel its kind's two overloads (registering them on first use)
-    and makes it its spec's kernel here, unless one was loaded first; returns it."""
+    and makes it its spec's kernel here, unless one was loaded first; returns it. A kernel
+    whose outputs the op of its name cannot return (a same-named kind of another daemon
+    registered it first) loads without an op: plain calls run, traced ones say why not."""
     known = kernels.kinds().get(kernel.kind)
-    kernel._op, kernel._op_out = register_kind(kernel.kind, len(kernel._outputs), known.multi_output if known is not None else None)
+    try:
+        kernel._op, kernel._op_out = register_kind(kernel.kind, len(kernel._outputs), known.multi_output if known is not None else None)
+    except ValueError as exc:  # another kind of the same name (another daemon's plugin) holds the op: plain calls still run
+        kernel.op_unbound = str(exc)
     remember(kernel)
     return kernel
 

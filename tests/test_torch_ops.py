@@ -456,3 +456,20 @@ def test_cuda_calls_refuse_bad_inputs_as_the_checked_path_does(gpu_client):
                 call()
     with pytest.raises(RuntimeError, match="inference-only"):
         k(a, torch.nn.Parameter(w))
+
+
+def test_same_named_kinds_of_two_daemons_both_load_and_only_the_op_is_refused(make_daemon):
+    """Two daemons' plugins name a kind alike with other output counts: the torch op of that
+    name is the first one's, and the second kernel still loads and runs on plain tensors;
+    traced, it says which op holds the name."""
+    one = make_daemon("--kernel-module", "tests.twin_kinds").client()
+    pair = make_daemon("--kernel-module", "tests.twin_kinds", env={"TWIN_OUTPUTS": "2"}).client()
+    single, double = one.get_kernel("twin", N=8), pair.get_kernel("twin", N=8)
+    x = torch.randn(8)
+    torch.testing.assert_close(single(x), 2 * x)
+    y, z = double(x)
+    torch.testing.assert_close(y, 2 * x)
+    torch.testing.assert_close(z, 3 * x)
+    torch.testing.assert_close(torch.compile(single, fullgraph=True)(x), 2 * x)
+    with pytest.raises(RuntimeError, match=r"no torch op bound \(kernel_service::twin was registered for 1 output, this kernel has 2\)"):
+        torch.compile(double, fullgraph=True)(x)
