@@ -381,14 +381,14 @@ class Kernel:
 
     # ----- calls
     def __call__(self, *inputs, out=None):
-        import torch
-
-        if torch.compiler.is_compiling() or not all(type(t) in _plain_types() for t in inputs):
-            return self._call_op(inputs, out)  # traced: the torch op, whose fake derives shapes from the ABI
         if out is None and self._fast is not None:
             result = self._fast.call(self, inputs)
             if result is not _CHECKED:
                 return result
+        import torch
+
+        if torch.compiler.is_compiling() or not all(type(t) in _plain_types() for t in inputs):
+            return self._call_op(inputs, out)  # traced: the torch op, whose fake derives shapes from the ABI
         self.check_grad(inputs)
         return self.run(inputs, out)
 
@@ -458,27 +458,31 @@ class _FastPlan:
 
     TileLang's generated host code checks every argument in C++ before it launches (count,
     dtype, rank, each size against the others, strides, device), and TileLang's own adapter
-    relies on that. This path checks in Python only what that code cannot see: grad mode, that
-    the inputs are CUDA tensors (a host pointer never reaches a launch), and the sizes a shared
-    build's spec fixes. It reads the runtime sizes from (input, axis) places found once, and
+    relies on that. This path checks in Python only what that code cannot see: tracing, plain
+    tensors, grad mode, that the inputs are CUDA tensors (a host pointer never reaches a
+    launch), the sizes a shared build's spec fixes, and that an input the kernel updates
+    shares no memory with another. It reads the runtime sizes from (input, axis) places found once, and
     allocates the outputs. When the library refuses the arguments, `check_inputs` names the
     problem as on every other path.
     """
 
-    __slots__ = ("arity", "route", "places", "fixed", "checks", "allocs", "slots", "width", "outputs")
+    __slots__ = ("torch", "plain", "arity", "route", "places", "fixed", "checks", "allocs", "slots", "width", "outputs")
 
     @classmethod
     def of(cls, kernel: "Kernel") -> "_FastPlan | None":
         abi = kernel.abi
-        if abi["loader"] != "tvm_ffi" or kernel.writes or not kernel._inputs:
-            return None  # C kernels check nothing themselves; in-place updates need the overlap check
+        if abi["loader"] != "tvm_ffi" or not kernel._inputs:
+            return None  # C kernels check nothing themselves
         params, fixed = abi["params"], abi.get("fixed", {})
         places: dict[str, tuple[int, int]] = {}
         for pos, slot in enumerate(kernel._inputs):
             for axis, d in enumerate(params[slot]["shape"]):
                 if isinstance(d, str):
                     places.setdefault(d, (pos, axis))
+        import torch
+
         plan = cls()
+        plan.torch, plan.plain = torch, _plain_types()
         plan.arity = len(kernel._inputs)
         plan.route = None
         if "dispatch" in abi:  # a router: the dispatch dim picks the build, whose own plan runs the call
@@ -504,10 +508,14 @@ class _FastPlan:
         return plan
 
     def call(self, kernel: "Kernel", inputs):
-        import torch
-
-        if len(inputs) != self.arity or not all(t.is_cuda for t in inputs) or (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        # Plain loops, no generator expressions: this runs on every call, and a generator
+        # costs more than the checks it makes.
+        if len(inputs) != self.arity or self.torch.compiler.is_compiling():
             return _CHECKED
+        grad, plain = self.torch.is_grad_enabled(), self.plain
+        for t in inputs:
+            if type(t) not in plain or not t.is_cuda or (grad and t.requires_grad):
+                return _CHECKED
         if self.route is not None:
             pos, axis = self.route
             if kernel.routes is None or inputs[pos].dim() <= axis:
@@ -515,19 +523,22 @@ class _FastPlan:
             build = kernel.route(inputs[pos].shape[axis])
             return _CHECKED if build._fast is None else build._fast.call(build, inputs)
         try:
-            if any(inputs[pos].shape[axis] != value for pos, axis, value in self.checks):
-                return _CHECKED
+            for pos, axis, value in self.checks:
+                if inputs[pos].shape[axis] != value:
+                    return _CHECKED
             dims = dict(self.fixed)
             for d, pos, axis in self.places:
                 dims[d] = inputs[pos].shape[axis]
         except IndexError:  # fewer dims than the ABI says
             return _CHECKED
+        if kernel.writes:
+            kernel.check_overlap(inputs, [])  # an updated input may not alias another: nothing below sees that
         args = [None] * self.width
         for slot, t in zip(self.slots, inputs):
             args[slot] = t
         device = inputs[0].device
         for slot, shape, dtype in self.allocs:
-            args[slot] = torch.empty([dims[d] if isinstance(d, str) else d for d in shape], dtype=dtype, device=device)
+            args[slot] = self.torch.empty([dims[d] if isinstance(d, str) else d for d in shape], dtype=dtype, device=device)
         try:
             returned = kernel._fn(*args)
         except Exception:

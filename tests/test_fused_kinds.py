@@ -478,6 +478,9 @@ def test_gpu_rope_writes_the_cache(gpu_client, heads, kv_heads, d, rot):
         _assert_close(got_k, want_k, "bfloat16")
         want_kc, want_vc = cache_rows_reference(got_k, v, slots, k_before, v_before)
         assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
+    # The caches it updates may not alias another input, on the plain CUDA call as everywhere.
+    with pytest.raises(ValueError, match="which the kernel updates, overlaps input"):
+        k(pos, qkv, cache, slots, k_cache, k_cache)
 
 
 @needs_gpu
