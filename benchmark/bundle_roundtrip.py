@@ -191,9 +191,7 @@ def sizes(out: Path, cache: Path, manifest: Path, target: str, cuda_compiler: st
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=("build", "serve", "sizes"))
-    parser.add_argument(
-        "--dir", type=Path, required=True, help=f"where build writes manifest.json, {BUNDLE}, builder.pub, build.json; where serve reads them"
-    )
+    parser.add_argument("--dir", type=Path, required=True, help=f"where build writes manifest.json, {BUNDLE}, builder.pub, build.json; where serve reads them")
     parser.add_argument("--cache-dir", type=Path, help="sizes: the built cache to export from")
     parser.add_argument("--manifest", type=Path, help="sizes: the kernels to export")
     parser.add_argument("--target", default="sm_90a", help="sizes: the arch to export (default sm_90a)")

@@ -121,9 +121,7 @@ def shared_toolchain(cuda_compiler: str) -> dict:
 # ----- export
 
 
-def export(
-    store: LocalStore, specs: list[CanonicalSpec], cuda_compiler: str, out: Path, signing_key=None, target: str | None = None
-) -> dict:
+def export(store: LocalStore, specs: list[CanonicalSpec], cuda_compiler: str, out: Path, signing_key=None, target: str | None = None) -> dict:
     """Packs the entries of `specs` (keyed with device compiler id `cuda_compiler`; only those
     for `target` when given) into `out`, signed with `signing_key` (an Ed25519 private key) when
     given, written whole or not at all. Returns {entries, blobs, bytes, signed_by}. Raises

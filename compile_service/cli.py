@@ -1006,7 +1006,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead, lay the entries out at PATH (new or empty) as a read-only cache layer (dirs 0555, files 0444) for `serve --cache-layer`, e.g. in an image",
     )
     import_.set_defaults(run=_bundle_import)
-    verify_ = bundle.add_parser("verify", parents=[keying, trusting], help="make every check import makes (signature, digests, toolchain, arches); publish nothing")
+    verify_ = bundle.add_parser(
+        "verify", parents=[keying, trusting], help="make every check import makes (signature, digests, toolchain, arches); publish nothing"
+    )
     verify_.add_argument("bundle", metavar="BUNDLE", help="a file made by `kernel-service bundle export`")
     verify_.set_defaults(run=_bundle_verify)
     info_ = bundle.add_parser("info", help="list a bundle's entries and its size by kind and arch, from its index (nothing is checked)")

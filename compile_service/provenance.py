@@ -219,4 +219,3 @@ def _raw(public_key) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
     return public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-

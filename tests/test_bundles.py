@@ -417,7 +417,10 @@ def _with_index(change) -> list:
 
 ILL_TYPED = {
     "nested bundle.json": (lambda: [file("bundle.json", b"[" * 100_000 + b"]" * 100_000), *good()[1:]], "nested more than 32 levels deep"),
-    "nested entry": (lambda: _with_index(lambda i: i["entries"][0].update(spec={"kind": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]})), "nested more than"),
+    "nested entry": (
+        lambda: _with_index(lambda i: i["entries"][0].update(spec={"kind": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]})),
+        "nested more than",
+    ),
     "entries an object": (lambda: _with_index(lambda i: i.update(entries={"0": i["entries"][0]})), "lacks its entries or toolchain"),
     "an entry a list": (lambda: _with_index(lambda i: i["entries"].__setitem__(0, [1, 2])), r"entries\[0\]: no key"),
     "version a string": (lambda: _with_index(lambda i: i.update(version="1")), "bundle version '1'"),

@@ -858,7 +858,13 @@ def test_bundle_import_refuses_a_file_others_may_write(world, builder_bundle):
     bundle, pub = builder_bundle
     for mode in (0o666, 0o664):
         mine = world.shared / f"owners-{mode:o}.tar"
-        copied = world.python(OWNER, "import shutil, os, sys; shutil.copyfile(sys.argv[1], sys.argv[2]); os.chmod(sys.argv[2], int(sys.argv[3], 8))", str(bundle), str(mine), f"{mode:o}")
+        copied = world.python(
+            OWNER,
+            "import shutil, os, sys; shutil.copyfile(sys.argv[1], sys.argv[2]); os.chmod(sys.argv[2], int(sys.argv[3], 8))",
+            str(bundle),
+            str(mine),
+            f"{mode:o}",
+        )
         assert copied.returncode == 0, copied.stderr
         refused = _import(str(mine), "--cache-dir", str(world.home[OWNER] / "bundle-cache"), "--trust-unsigned", as_user=OWNER, world=world)
         assert refused.returncode == 1 and f"is writable by group or others (mode {mode:04o})" in refused.stderr, refused.stderr
