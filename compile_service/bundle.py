@@ -291,8 +291,9 @@ def verify(bundle: Path, cuda_compiler: str, policy: Policy = Policy(), max_memb
 
 def info(bundle: Path) -> dict:
     """What bundle.json says a bundle holds, without checking its files or who made it:
-    {format, version, compression, bytes, signed_by, toolchain, entries: [{kind, target,
-    params, bytes}], by_kind, by_arch} (bytes of each entry's files; by_*: entries and bytes)."""
+    {format, version, compression, bytes, signed_by, toolchain, files, file_bytes (distinct
+    files), entries: [{kind, target, params, bytes}], by_kind, by_arch} (an entry's bytes: all
+    its files, so a file entries share counts in each; by_*: entries and bytes)."""
     path = Path(bundle)
     try:
         raw = open(path, "rb")
@@ -308,12 +309,13 @@ def info(bundle: Path) -> dict:
             signed_by = prov.key_id(prov.signer(signature, index_bytes))
         except prov.ProvenanceError as exc:
             signed_by = f"INVALID: {exc}"
-    rows = []
+    rows, distinct = [], {}
     for i, e in enumerate(index["entries"]):
         try:
             read_bundle_entry(e)
         except EntryRefused as exc:
             raise BundleError(f"{path.name}: entries[{i}]: {exc}") from None
+        distinct.update((f["sha256"], f["size"]) for f in e["files"].values())
         spec = e.get("spec") if isinstance(e.get("spec"), dict) else {}
         rows.append(
             {
@@ -332,6 +334,8 @@ def info(bundle: Path) -> dict:
         "bytes": path.stat().st_size,
         "signed_by": signed_by,
         "toolchain": index["toolchain"],
+        "files": len(distinct),
+        "file_bytes": sum(distinct.values()),
         "entries": rows,
     }
     for group in ("kind", "target"):
@@ -381,7 +385,7 @@ def _provenance(index: bytes, signature: bytes | None, policy: Policy, path: Pat
         key = prov.signer(signature, index)
     except prov.ProvenanceError as exc:
         raise BundleError(f"{path}: {exc}") from None
-    if any(prov.key_id(t) == prov.key_id(key) for t in policy.trusted_keys):
+    if prov.is_trusted(key, policy.trusted_keys):
         return f"signed by {prov.key_id(key)}, a trusted key"
     if policy.trust_unsigned:
         return f"signed by {prov.key_id(key)}, not a trusted key; accepted by --trust-unsigned"

@@ -642,12 +642,13 @@ def _bundle_info(args) -> int:
     signed = about["signed_by"] or "unsigned"
     print(
         f"{about['path']}: bundle version {about['version']}, {about['compression']} compression, {_human_bytes(about['bytes'])}, "
-        f"{len(about['entries'])} entries, {signed} (not checked against trusted keys: `bundle verify` does)"
+        f"{len(about['entries'])} entries, {about['files']} files ({_human_bytes(about['file_bytes'])} unpacked), "
+        f"{signed} (not checked against trusted keys: `bundle verify` does)"
     )
     print("toolchain  " + " ".join(f"{k}={v}" for k, v in sorted(about["toolchain"].items())))
     for title, group in (("kind", "by_kind"), ("arch", "by_arch")):
         for name, t in about[group].items():
-            print(f"{title:<5} {name:<16} {t['entries']:>5} entries  {_human_bytes(t['bytes']):>10}")
+            print(f"{title:<5} {name:<16} {t['entries']:>5} entries  {_human_bytes(t['bytes']):>10}")  # shared files in each entry
     for row in about["entries"]:
         params = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(row["params"].items()))
         print(f"  {row['kind']:<10} {row['target']:<7} {_human_bytes(row['bytes']):>10}  {params}")

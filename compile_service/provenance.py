@@ -79,6 +79,11 @@ def _read_trusted(path: Path | str, what: str) -> bytes:
 # ----- keys
 
 
+def is_trusted(public_key, trusted) -> bool:
+    """Whether `public_key` is one of `trusted`, compared whole (a key id is only a name)."""
+    return any(_raw(t) == _raw(public_key) for t in trusted)
+
+
 def key_id(public_key) -> str:
     """How messages name a key: "ed25519:" and the first 16 hex digits of the sha256 of its raw bytes."""
     return "ed25519:" + hashlib.sha256(_raw(public_key)).hexdigest()[:16]

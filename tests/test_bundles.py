@@ -489,6 +489,7 @@ def test_info_lists_the_contents_by_kind_and_arch_and_verify_publishes_nothing(t
     bundle = write(tmp_path / "b.tar.xz", items, "w:xz")
     about = info(bundle)
     assert about["signed_by"] == provenance.key_id(key.public_key()) and about["compression"] == "xz" and len(about["entries"]) == 3
+    assert about["files"] == 7  # kernel.c shared by all three
     assert {k: v["entries"] for k, v in about["by_kind"].items()} == {"rmsnorm": 2, "softmax": 1}
     assert {k: v["entries"] for k, v in about["by_arch"].items()} == {"c": 2, "sm_90a": 1}
     shown = cli("bundle", "info", str(bundle))
@@ -527,3 +528,15 @@ def test_import_as_a_layer_lays_a_read_only_cache_root(tmp_path):
     (tmp_path / "key.pub").write_text(provenance.public_pem(key))
     made = cli("bundle", "import", str(bundle), "--layer", str(tmp_path / "empty"), "--cuda-compiler-id", CC, "--trusted-key", str(tmp_path / "key.pub"))
     assert made.returncode == 0 and "into a read-only layer at" in made.stdout, made.stderr
+
+
+def test_a_signing_key_others_may_read_is_refused(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+
+    path = tmp_path / "signing.pem"
+    path.write_bytes(new_key().private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    os.chmod(path, 0o644)
+    with pytest.raises(provenance.ProvenanceError, match="that no one else may read or write .*mode 0644"):
+        provenance.load_signing_key(path)
+    os.chmod(path, 0o600)
+    assert provenance.load_signing_key(path) is not None
