@@ -2,6 +2,7 @@
 
     python benchmark/bundle_roundtrip.py build --dir DIR     # the builder: no GPU needed (cross-compiles)
     python benchmark/bundle_roundtrip.py serve --dir DIR     # the GPU host: no nvcc, NVRTC never used
+    python benchmark/bundle_roundtrip.py sizes --dir DIR --cache-dir CACHE --manifest FILE [--target sm_90a]
 
 `build` starts a daemon on a fresh cache, has an application ("gpu-demo") prefetch
 the kernels (recorded as it asks), writes the application's manifest
@@ -13,7 +14,13 @@ bundle export`) into DIR, with the device compiler id the keys were made with.
 --cuda-compiler-id ID`, both with every PATH entry holding an nvcc removed and
 CUDA_HOME empty; a strict client then gets every kernel of the manifest (a miss
 would raise KernelNotReady), runs each on the GPU at two runtime sizes on a side
-stream behind a busy-wait, and compares it with the torch reference.
+stream behind a busy-wait, and compares it with the torch reference. The bundle
+is signed by the builder's cache key; `serve` trusts exactly that key
+(builder.pub, from `kernel-service bundle key`).
+
+`sizes` exports one arch of a built cache (say the zoo, prewarmed with `serve
+--target sm_90a`) as plain tar, gzip and xz, then imports the xz bundle as a
+read-only layer (`bundle import --layer`), timing each step.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from devtools.launch import DaemonProcess  # noqa: E402
 
 APP = "gpu-demo"
+BUNDLE = "kernels.tar.xz"
 SPECS = [
     {"kind": "gemm", "M": None, "N": 4096, "K": 4096, "dtype": "float16", "trans_b": True},
     {"kind": "gemm", "M": 2048, "N": 4096, "K": 4096, "dtype": "float16", "trans_b": True},  # served as a copy of the one above
@@ -65,8 +73,9 @@ def build(out: Path, workers: int) -> dict:
     built = time.perf_counter() - start
     _, manifest_s = cli("manifest", "--app", APP, "--cache-dir", str(cache), "-o", str(out / "manifest.json"))
     exported, export_s = cli(
-        "bundle", "export", "--manifest", str(out / "manifest.json"), "--cache-dir", str(cache), "--cuda-compiler", "nvrtc", "-o", str(out / "kernels.tar.gz")
+        "bundle", "export", "--manifest", str(out / "manifest.json"), "--cache-dir", str(cache), "--cuda-compiler", "nvrtc", "-o", str(out / BUNDLE)
     )
+    (out / "builder.pub").write_text(cli("bundle", "key", "--cache-dir", str(cache))[0] + "\n")
     summary = {
         "cuda_compiler": stats["cuda_compiler"],
         "outcomes": outcomes,
@@ -76,7 +85,7 @@ def build(out: Path, workers: int) -> dict:
         "manifest_s": round(manifest_s, 2),
         "export_s": round(export_s, 2),
         "export": exported,
-        "bundle_bytes": (out / "kernels.tar.gz").stat().st_size,
+        "bundle_bytes": (out / BUNDLE).stat().st_size,
     }
     (out / "build.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -100,7 +109,8 @@ def serve(bundle_dir: Path, sizes: list[int]) -> dict:
     env = without_compilers()
     assert shutil.which("nvcc", path=env["PATH"]) is None
     cache = Path(tempfile.mkdtemp(prefix="ks-gpu-")) / "cache"
-    imported, import_s = cli("bundle", "import", str(bundle_dir / "kernels.tar.gz"), "--cache-dir", str(cache), "--cuda-compiler-id", cc, env=env)
+    trust = ("--trusted-key", str(bundle_dir / "builder.pub"), *(() if sizes else ("--target", "sm_90a")))  # no GPU: only loaded
+    imported, import_s = cli("bundle", "import", str(bundle_dir / BUNDLE), "--cache-dir", str(cache), "--cuda-compiler-id", cc, *trust, env=env)
     daemon = DaemonProcess(cache, "--no-compile", "--cuda-compiler-id", cc, env={k: env[k] for k in ("PATH", "CUDA_HOME", "CUDA_PATH")})
     start = time.perf_counter()
     daemon.start()
@@ -149,20 +159,56 @@ def serve(bundle_dir: Path, sizes: list[int]) -> dict:
     }
 
 
+def sizes(out: Path, cache: Path, manifest: Path, target: str, cuda_compiler: str) -> dict:
+    """One arch of `cache`'s entries for `manifest`, exported three ways, and the xz one laid out as a layer."""
+    out.mkdir(parents=True, exist_ok=True)
+    exporting = ("bundle", "export", "--manifest", str(manifest), "--cache-dir", str(cache), "--cuda-compiler", cuda_compiler, "--target", target)
+    rows = {}
+    for name in ("kernels.tar", "kernels.tar.gz", BUNDLE):
+        shutil.rmtree(out / name, ignore_errors=True)
+        text, seconds = cli(*exporting, "-o", str(out / name))
+        rows[name] = {"bytes": (out / name).stat().st_size, "export_s": round(seconds, 2), "export": text}
+    (out / "builder.pub").write_text(cli("bundle", "key", "--cache-dir", str(cache))[0] + "\n")
+    layer = out / "layer"
+    if layer.exists():  # a layer of an earlier run: read-only, so made writable to be replaced
+        for path in [layer, *layer.rglob("*")]:
+            if path.is_dir():
+                path.chmod(0o755)
+        shutil.rmtree(layer)
+    trust = ("--trusted-key", str(out / "builder.pub"), "--target", target, "--cuda-compiler", cuda_compiler)
+    imported, import_s = cli("bundle", "import", str(out / BUNDLE), "--layer", str(layer), *trust)
+    gz = rows["kernels.tar.gz"]["bytes"]
+    return {
+        "target": target,
+        "rows": rows,
+        "xz_vs_gzip": round(1 - rows[BUNDLE]["bytes"] / gz, 3),
+        "layer_import_s": round(import_s, 2),
+        "layer_import": imported,
+        "layer_files": sum(1 for p in layer.rglob("*") if p.is_file()),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=("build", "serve"))
-    parser.add_argument("--dir", type=Path, required=True, help="where build writes manifest.json, kernels.tar.gz, build.json; where serve reads them")
+    parser.add_argument("step", choices=("build", "serve", "sizes"))
+    parser.add_argument("--dir", type=Path, required=True, help=f"where build writes manifest.json, {BUNDLE}, builder.pub, build.json; where serve reads them")
+    parser.add_argument("--cache-dir", type=Path, help="sizes: the built cache to export from")
+    parser.add_argument("--manifest", type=Path, help="sizes: the kernels to export")
+    parser.add_argument("--target", default="sm_90a", help="sizes: the arch to export (default sm_90a)")
+    parser.add_argument("--cuda-compiler", default="nvrtc", help="sizes: the compiler the cache's keys were made with (default nvrtc)")
     parser.add_argument("--workers", type=int, default=2, help="build: compile workers (default 2)")
     parser.add_argument("--no-run", action="store_true", help="serve: only load the kernels (a host without a GPU)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
-    result = build(args.dir, args.workers) if args.step == "build" else serve(args.dir, [] if args.no_run else [4096, 1000])
+    if args.step == "sizes":
+        result = sizes(args.dir, args.cache_dir, args.manifest, args.target, args.cuda_compiler)
+    else:
+        result = build(args.dir, args.workers) if args.step == "build" else serve(args.dir, [] if args.no_run else [4096, 1000])
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:
         args.json.write_text(text)
-    return 0 if args.step == "build" or result["ok"] else 1
+    return 0 if args.step != "serve" or result["ok"] else 1
 
 
 if __name__ == "__main__":

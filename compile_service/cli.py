@@ -528,6 +528,7 @@ def _bundle_export(args) -> int:
     from kernels import plugins
     from proto.paths import default_cache_dir
 
+    from . import provenance
     from .bundle import BundleError, export
     from .store import LocalStore
 
@@ -536,43 +537,143 @@ def _bundle_export(args) -> int:
         compiler = _keying_compiler(args)
         plugins.load(tuple(args.kernel_module), entry_points=True)
         specs = _load_manifests([args.manifest])
-    except ValueError as exc:  # a bad --cuda-compiler(-id), or no manifest (ManifestError)
+        if args.target is not None:
+            kernels.parse_target(args.target)
+    except ValueError as exc:  # a bad --cuda-compiler(-id) or --target, or no manifest (ManifestError)
         return _fail(str(exc), 2)
     try:
         canonical = [kernels.canonicalize(s["kind"], _params(s), s["target"]) for s in specs]
     except ValueError as exc:  # InvalidSpec: "<field>: <message>"
         return _fail(f"{args.manifest}: {exc}", 2)
     try:
-        summary = export(LocalStore(cache_dir, create=False), canonical, compiler, Path(args.output))
-    except BundleError as exc:
+        store = LocalStore(cache_dir, create=False)
+        key = None
+        if not args.no_sign:
+            key = provenance.load_signing_key(args.signing_key) if args.signing_key else provenance.cache_signing_key(cache_dir)
+        summary = export(store, canonical, compiler, Path(args.output), key, args.target)
+    except (BundleError, provenance.ProvenanceError) as exc:
         return _fail(str(exc))
     except OSError as exc:  # no cache there
         return _fail(_os_error(exc))
-    print(f"wrote {args.output}: {summary['entries']} entries, {summary['blobs']} files, {_human_bytes(summary['bytes'])}")
+    signed = f"signed by {summary['signed_by']}" if summary["signed_by"] else "unsigned"
+    print(f"wrote {args.output}: {summary['entries']} entries, {summary['blobs']} files, {_human_bytes(summary['bytes'])}, {signed}")
     return 0
+
+
+def _bundle_policy(args):
+    """What import and verify accept, from --trusted-key (else $KERNEL_SERVICE_TRUSTED_KEYS),
+    --trust-unsigned, --target and --any-arch; raises ProvenanceError, or ValueError for --target."""
+    import kernels
+
+    from . import provenance
+    from .bundle import Policy
+
+    if args.target is not None:
+        kernels.parse_target(args.target)
+    keys = provenance.load_trusted_keys(provenance.trusted_key_paths(args.trusted_key))
+    return Policy(trusted_keys=keys, trust_unsigned=args.trust_unsigned, host_target=args.target, any_arch=args.any_arch)
 
 
 def _bundle_import(args) -> int:
     from kernels import plugins
     from proto.paths import default_cache_dir
 
-    from .bundle import BundleError, import_
+    from . import provenance
+    from .bundle import BundleError, import_, import_layer
     from .store import LocalStore, existing_mode
 
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     try:
         plugins.load(tuple(args.kernel_module), entry_points=True)
         compiler = _keying_compiler(args)
-        report = import_(LocalStore(cache_dir, existing_mode(cache_dir)), Path(args.bundle), compiler)
+        policy = _bundle_policy(args)
+        if args.layer:
+            where = Path(args.layer)
+            report = import_layer(where, Path(args.bundle), compiler, policy)
+        else:
+            where = cache_dir
+            report = import_(LocalStore(cache_dir, existing_mode(cache_dir)), Path(args.bundle), compiler, policy)
+    except (BundleError, provenance.ProvenanceError) as exc:
+        return _fail(str(exc))
     except ValueError as exc:
         return _fail(str(exc), 2)
-    except BundleError as exc:
-        return _fail(str(exc))
     except OSError as exc:  # the cache refused a write (StoreError), or cannot be created
         return _fail(_os_error(exc))
+    what = "a read-only layer at" if args.layer else "the cache"
     print(
-        f"imported {report.imported} entries into {cache_dir} ({report.present} already there; {report.digests_checked} files' sha256 checked, {_human_bytes(report.bytes)})"
+        f"imported {report.imported} entries into {what} {where} ({report.present} already there; {report.digests_checked} files' sha256 checked, "
+        f"{_human_bytes(report.bytes)}; {report.provenance})"
     )
+    return 0
+
+
+def _bundle_verify(args) -> int:
+    from kernels import plugins
+
+    from . import provenance
+    from .bundle import BundleError, verify
+
+    try:
+        plugins.load(tuple(args.kernel_module), entry_points=True)
+        compiler = _keying_compiler(args)
+        report = verify(Path(args.bundle), compiler, _bundle_policy(args))
+    except (BundleError, provenance.ProvenanceError) as exc:
+        return _fail(str(exc))
+    except ValueError as exc:
+        return _fail(str(exc), 2)
+    arches = ", ".join(f"{arch} {n}" for arch, n in sorted(report.arches.items()))
+    print(
+        f"{args.bundle}: would import: {report.entries} entries ({arches}), {report.digests_checked} files' sha256 checked, "
+        f"{_human_bytes(report.bytes)}; toolchain and keys match this host; {report.provenance}"
+    )
+    return 0
+
+
+def _bundle_info(args) -> int:
+    from .bundle import BundleError, info
+
+    try:
+        about = info(Path(args.bundle))
+    except BundleError as exc:
+        return _fail(str(exc))
+    if args.json:
+        print(json.dumps(about, indent=1))
+        return 0
+    signed = about["signed_by"] or "unsigned"
+    print(
+        f"{about['path']}: bundle version {about['version']}, {about['compression']} compression, {_human_bytes(about['bytes'])}, "
+        f"{len(about['entries'])} entries, {about['files']} files ({_human_bytes(about['file_bytes'])} unpacked), "
+        f"{signed} (not checked against trusted keys: `bundle verify` does)"
+    )
+    print("toolchain  " + " ".join(f"{k}={v}" for k, v in sorted(about["toolchain"].items())))
+    for title, group in (("kind", "by_kind"), ("arch", "by_arch")):
+        for name, t in about[group].items():
+            print(f"{title:<5} {name:<16} {t['entries']:>5} entries  {_human_bytes(t['bytes']):>10}")  # shared files in each entry
+    for row in about["entries"]:
+        params = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(row["params"].items()))
+        print(f"  {row['kind']:<10} {row['target']:<7} {_human_bytes(row['bytes']):>10}  {params}")
+    return 0
+
+
+def _bundle_key(args) -> int:
+    from proto.paths import default_cache_dir
+
+    from . import provenance
+    from .store import LocalStore
+
+    try:
+        if args.signing_key:
+            key = provenance.load_signing_key(args.signing_key)
+        else:
+            cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+            LocalStore(cache_dir, create=False)  # the cache's owner, on a cache that exists: its root is trusted
+            key = provenance.cache_signing_key(cache_dir)
+    except provenance.ProvenanceError as exc:
+        return _fail(str(exc))
+    except OSError as exc:
+        return _fail(_os_error(exc))
+    print(provenance.public_pem(key), end="")
+    print(f"# {provenance.key_id(key.public_key())}: pass this file to `bundle import --trusted-key`", file=sys.stderr)
     return 0
 
 
@@ -850,7 +951,11 @@ def build_parser() -> argparse.ArgumentParser:
     prewarm.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole prewarm may take (default 3600)")
     prewarm.set_defaults(run=_prewarm)
 
-    bundle = sub.add_parser("bundle", help="pack cache entries for another host, or import such a pack").add_subparsers(dest="bundle_command", required=True)
+    from .provenance import SIGNING_KEY as SIGNING_KEY_NAME  # light: names only
+
+    bundle = sub.add_parser(
+        "bundle", help="pack cache entries for another host (signed, per arch, compressed), inspect such a pack, check it, or import it"
+    ).add_subparsers(dest="bundle_command", required=True)
     keying = argparse.ArgumentParser(add_help=False)
     keying.add_argument("--cache-dir", help=cache_help)
     keying.add_argument("--cuda-compiler", choices=("auto", "nvrtc", "nvcc"), help="the CUDA compiler whose keys to use, as for serve (default auto)")
@@ -858,13 +963,63 @@ def build_parser() -> argparse.ArgumentParser:
         "--cuda-compiler-id", metavar="ID", help="key CUDA kernels as if built by this compiler (e.g. nvrtc-13.0): for a host that does not compile"
     )
     keying.add_argument("--kernel-module", action="append", default=[], metavar="MODULE[:ATTR]", help="also know these modules' kinds (repeatable)")
-    export = bundle.add_parser("export", parents=[keying], help="pack exactly the manifest's entries, with their digests and toolchain, into one file")
+    trusting = argparse.ArgumentParser(add_help=False)
+    trusting.add_argument(
+        "--trusted-key",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="accept bundles signed by this Ed25519 public key (PEM, as `bundle key` prints it; repeatable); "
+        "default: the files $KERNEL_SERVICE_TRUSTED_KEYS lists, ':'-separated",
+    )
+    trusting.add_argument("--trust-unsigned", action="store_true", help="also accept a bundle that no trusted key signed: only from a builder you trust")
+    trusting.add_argument(
+        "--target",
+        metavar="ARCH",
+        help="the CUDA arch this host serves (as its daemon's serve --target), for a host whose GPU nvidia-smi does not show: "
+        "a CPU-only builder, an image build; default: the local GPU's, else only target c",
+    )
+    trusting.add_argument("--any-arch", action="store_true", help="accept kernels for arches this host cannot run")
+    export = bundle.add_parser(
+        "export", parents=[keying], help="pack exactly the manifest's entries, with their digests and toolchain, into one file signed by this cache's key"
+    )
     export.add_argument("--manifest", required=True, metavar="FILE", help="the kernels to pack (`kernel-service manifest -o FILE`)")
-    export.add_argument("-o", "--output", required=True, metavar="BUNDLE", help="the bundle to write (.tar, or .tar.gz/.tgz compressed)")
+    export.add_argument(
+        "-o", "--output", required=True, metavar="BUNDLE", help="the bundle to write: .tar.xz/.txz xz-compressed (smallest), .tar.gz/.tgz gzip, else plain tar"
+    )
+    export.add_argument("--target", metavar="ARCH", help="pack only the manifest's kernels for this target (sm_90a, c, ...); default: all of them")
+    export.add_argument(
+        "--signing-key",
+        metavar="PATH",
+        help=f"sign with this Ed25519 private key (PEM, mode 0600); default: the cache's own, <cache dir>/{SIGNING_KEY_NAME}, made on first use",
+    )
+    export.add_argument("--no-sign", action="store_true", help="write an unsigned bundle (importers then need --trust-unsigned)")
     export.set_defaults(run=_bundle_export)
-    import_ = bundle.add_parser("import", parents=[keying], help="check every digest and the toolchain, then publish the bundle's entries into the cache")
-    import_.add_argument("bundle", metavar="BUNDLE", help="a file made by `kernel-service bundle export`")
+    import_ = bundle.add_parser(
+        "import",
+        parents=[keying, trusting],
+        help="check who wrote and signed the bundle, every digest, the toolchain and the arches, then publish its entries into the cache",
+    )
+    import_.add_argument("bundle", metavar="BUNDLE", help="a file made by `kernel-service bundle export`, owned by you or root and writable by no one else")
+    import_.add_argument(
+        "--layer",
+        metavar="PATH",
+        help="instead, lay the entries out at PATH (new or empty) as a read-only cache layer (dirs 0555, files 0444) for `serve --cache-layer`, e.g. in an image",
+    )
     import_.set_defaults(run=_bundle_import)
+    verify_ = bundle.add_parser(
+        "verify", parents=[keying, trusting], help="make every check import makes (signature, digests, toolchain, arches); publish nothing"
+    )
+    verify_.add_argument("bundle", metavar="BUNDLE", help="a file made by `kernel-service bundle export`")
+    verify_.set_defaults(run=_bundle_verify)
+    info_ = bundle.add_parser("info", help="list a bundle's entries and its size by kind and arch, from its index (nothing is checked)")
+    info_.add_argument("bundle", metavar="BUNDLE", help="a file made by `kernel-service bundle export`")
+    info_.add_argument("--json", action="store_true", help="machine-readable output")
+    info_.set_defaults(run=_bundle_info)
+    key_ = bundle.add_parser("key", help="print the public key bundles exported here are signed with, for importers' --trusted-key")
+    key_.add_argument("--cache-dir", help=cache_help + "; its key is made on first use")
+    key_.add_argument("--signing-key", metavar="PATH", help="the public half of this private key instead")
+    key_.set_defaults(run=_bundle_key)
 
     explain = sub.add_parser(
         "explain",

@@ -67,7 +67,7 @@ def test_a_bundle_of_a_router_carries_every_build_it_routes_to(routed, tmp_path,
     out = tmp_path / "b.tar"
     assert bundle.export(LocalStore(routed.cache_dir), [spec], "none", out)["entries"] == 3
     serving = make_daemon("--no-compile", "--kernel-module", "tests.routed_kind", cache_dir=tmp_path / "fresh")
-    bundle.import_(LocalStore(serving.cache_dir), out, "none")
+    bundle.import_(LocalStore(serving.cache_dir), out, "none", bundle.Policy(trust_unsigned=True))
     k = serving.client(strict=True).get_kernel("routed_scale", target="c", M=None, N=N)
     x = torch.randn(2, N)
     torch.testing.assert_close(k(x), x * 2)

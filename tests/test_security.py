@@ -774,3 +774,131 @@ def test_everything_the_daemon_creates_is_owner_only_whatever_the_umask(world, v
     failed = world.daemon("--tcp", victim.tcp, cache=world.home[OWNER] / "cache-14", socket=world.home[OWNER] / "run-14" / "ks.sock", umask=0, wait=False)
     assert "cannot listen on tcp" in failed.refused()
     assert not os.path.lexists(failed.socket)
+
+
+# ----------------------------------------------------------------------------- bundles: who wrote the file, who signed it
+# (issue 32, item 1: root imported a bundle another user wrote, re-sealed around their own .so)
+
+# Run by the attacker: the bundle at argv[1] with every kernel.so swapped for the attacker's
+# library and bundle.json's digests re-sealed around it (keys do not depend on a library's
+# bytes), its signature kept, stripped or replaced by the attacker's own; written to argv[2].
+RESEAL = r"""
+import hashlib, io, json, os, sys, tarfile
+source, out, how = sys.argv[1:4]
+evil = b"\x7fELF the attacker's library"
+with tarfile.open(source) as tar:
+    members = [(m.name, tar.extractfile(m).read()) for m in tar]
+index = json.loads(members[0][1])
+sha = hashlib.sha256(evil).hexdigest()
+for e in index["entries"]:
+    e["files"]["kernel.so"] = {"size": len(evil), "sha256": sha}
+used = {f["sha256"] for e in index["entries"] for f in e["files"].values()}
+raw = json.dumps(index).encode()
+keep = [(n, d) for n, d in members[1:] if n.startswith("blobs/") and n[6:] in used]
+sig = [m for m in members if m[0] == "bundle.sig"]
+if how == "resigned":
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from compile_service import provenance
+    sig = [("bundle.sig", provenance.sign(Ed25519PrivateKey.generate(), raw))]
+elif how == "stripped":
+    sig = []
+with tarfile.open(out, "w") as tar:
+    for name, data in [("bundle.json", raw), *sig, *keep, ("blobs/" + sha, evil)]:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+os.chmod(out, 0o666)
+"""
+
+
+@pytest.fixture(scope="module")
+def builder_bundle(world):
+    """A bundle signed by a builder root trusts (its key and public key in root's directory),
+    readable by everyone in the shared directory."""
+    from tests.test_bundles import good, new_key, signed, write
+
+    from compile_service import provenance
+
+    key = new_key()
+    trusted = world.base / "root-only"
+    trusted.mkdir(mode=0o755)
+    (trusted / "builder.pub").write_text(provenance.public_pem(key))
+    bundle = write(world.shared / "builder.tar", signed(good(), key))
+    os.chmod(bundle, 0o644)
+    return bundle, trusted / "builder.pub"
+
+
+def _import(*args: str, as_user: str | None = None, world=None) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "compile_service.cli", "bundle", "import", *args, "--cuda-compiler-id", "nvrtc-13.0"]
+    if as_user is None:
+        return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = world.popen(as_user, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def test_bundle_import_refuses_a_file_another_user_wrote(world, builder_bundle):
+    """The attack as reported: the attacker's re-sealed bundle, theirs and mode 0666, imported by
+    root (and by the daemon's owner): refused for who wrote it, before anything is read."""
+    bundle, pub = builder_bundle
+    evil = world.shared / "evil.tar"
+    made = world.python(ATTACKER, RESEAL, str(bundle), str(evil), "kept")
+    assert made.returncode == 0 and os.stat(evil).st_uid == world.attacker.pw_uid, made.stderr
+    cache = world.base / "root-cache-owner-check"
+    refused = _import(str(evil), "--cache-dir", str(cache), "--trusted-key", str(pub), "--trust-unsigned")
+    assert refused.returncode == 1 and f"is owned by uid {world.attacker.pw_uid}, neither you (uid 0) nor root" in refused.stderr, refused.stderr
+    as_owner = _import(str(evil), "--cache-dir", str(world.home[OWNER] / "bundle-cache"), "--trust-unsigned", as_user=OWNER, world=world)
+    assert as_owner.returncode == 1 and f"is owned by uid {world.attacker.pw_uid}, neither you (uid {world.owner.pw_uid}) nor root" in as_owner.stderr
+    assert not (cache / "entries").exists() or not any((cache / "entries").iterdir())
+
+
+def test_bundle_import_refuses_a_file_others_may_write(world, builder_bundle):
+    """The owner's own bundle, left writable by group or others (umask 0, a shared directory):
+    anyone of them could have swapped its bytes. A key file is held to the same rule."""
+    bundle, pub = builder_bundle
+    for mode in (0o666, 0o664):
+        mine = world.shared / f"owners-{mode:o}.tar"
+        copied = world.python(
+            OWNER,
+            "import shutil, os, sys; shutil.copyfile(sys.argv[1], sys.argv[2]); os.chmod(sys.argv[2], int(sys.argv[3], 8))",
+            str(bundle),
+            str(mine),
+            f"{mode:o}",
+        )
+        assert copied.returncode == 0, copied.stderr
+        refused = _import(str(mine), "--cache-dir", str(world.home[OWNER] / "bundle-cache"), "--trust-unsigned", as_user=OWNER, world=world)
+        assert refused.returncode == 1 and f"is writable by group or others (mode {mode:04o})" in refused.stderr, refused.stderr
+    os.chmod(mine, 0o644)
+    accepted = _import(str(mine), "--cache-dir", str(world.home[OWNER] / "bundle-cache"), "--trust-unsigned", as_user=OWNER, world=world)
+    assert accepted.returncode == 0 and "imported 2 entries" in accepted.stdout, accepted.stderr
+
+    attackers_key = world.shared / "attackers.pub"
+    assert world.python(ATTACKER, "import shutil, sys; shutil.copyfile(sys.argv[1], sys.argv[2])", str(pub), str(attackers_key)).returncode == 0
+    loose_key = world.base / "root-only" / "loose.pub"
+    shutil.copyfile(pub, loose_key)
+    os.chmod(loose_key, 0o666)
+    for key, why in ((attackers_key, f"owned by uid {world.attacker.pw_uid}"), (loose_key, "writable by group or others")):
+        refused = _import(str(bundle), "--cache-dir", str(world.base / "root-cache-keys"), "--trusted-key", str(key))
+        assert refused.returncode == 1 and f"trusted key {key} is" in refused.stderr and why in refused.stderr, refused.stderr
+
+
+def test_bundle_import_refuses_a_library_no_trusted_key_signed(world, builder_bundle):
+    """Root copies the attacker's bundle (now root's file, so only the signature can tell): the
+    re-sealed index with the builder's signature kept, re-signed by the attacker, or unsigned,
+    is refused; nothing is published. The builder's own bundle imports."""
+    bundle, pub = builder_bundle
+    cache = world.base / "root-cache-signatures"
+    for how, why in (("kept", "bundle.sig does not match bundle.json"), ("resigned", "which is not a trusted key"), ("stripped", "not signed")):
+        theirs = world.shared / f"evil-{how}.tar"
+        made = world.python(ATTACKER, RESEAL, str(bundle), str(theirs), how)
+        assert made.returncode == 0, made.stderr
+        copy = world.base / "root-only" / f"evil-{how}.tar"
+        shutil.copyfile(theirs, copy)
+        os.chmod(copy, 0o644)
+        refused = _import(str(copy), "--cache-dir", str(cache), "--trusted-key", str(pub))
+        assert refused.returncode == 1 and why in refused.stderr, (how, refused.stderr)
+    assert not (cache / "entries").exists() or not any((cache / "entries").iterdir())
+    no_key = _import(str(bundle), "--cache-dir", str(cache))
+    assert no_key.returncode == 1 and "not a trusted key (no trusted key was given)" in no_key.stderr
+    trusted = _import(str(bundle), "--cache-dir", str(cache), "--trusted-key", str(pub))
+    assert trusted.returncode == 0 and "imported 2 entries" in trusted.stdout and "a trusted key" in trusted.stdout, trusted.stderr
