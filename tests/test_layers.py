@@ -85,6 +85,7 @@ def test_a_read_only_layer_serves_hits_where_they_lie_and_is_never_written(make_
     asking = d.client(direct_hits=False)
     hit = norm(asking, 8)
     assert hit.outcome == "hit" and in_dir(hit, layer)  # the reply's entry_dir is the layer's: no copy
+    assert asking.explain("rmsnorm", target="c", N=8, **NORM)["hit"]
     x = torch.randn(5, 8)
     doubled = asking.get_kernel("row_double", target="c", M=None, N=8)
     assert in_dir(doubled, layer)
