@@ -19,8 +19,7 @@ import kernels
 from proto import channel, keys, manifest, wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-from proto.paths import default_cache_dir, default_socket, socket_address
-from proto.paths import entry_dir
+from proto.paths import default_cache_dir, default_socket, entry_dir, socket_address
 from proto.trust import layer_owner, peer_uid, problem
 from proto.wire import Outcome, Status
 
@@ -385,7 +384,7 @@ class Client:
             pass  # best effort: the retry then reports what it finds
 
     def _load(self, reply: pb.GetKernelResponse, spec: kernels.CanonicalSpec | None) -> loader.Kernel:
-        """Loads what the daemon named, from its cache root only, as the spec asked for (a kind
+        """Loads what the daemon named, from its cache root or a layer only, as the spec asked for (a kind
         this process does not know is checked against the spec the daemon sent)."""
         a = reply.artifact
         roots = self._roots()

@@ -295,10 +295,10 @@ class Daemon:
         self.metrics.load(cfg.cache_dir / STATS_FILE)  # totals go on from the last daemon's
         # Every directory of the cache is checked before any work: a refusal costs no compile workers.
         self.local = LocalStore(cfg.cache_dir, cfg.mode, metrics=self.metrics, extra_usage=(cfg.cache_dir / DEVICE_BINARIES,))
-        tier = _fleet_tier(self.local, cfg, self.metrics)
         layers = [Layer(path, self.metrics) for path in cfg.cache_layers]  # refused here, as the cache root is
         if layers:
             log.info("read-only cache layers, searched after the cache: %s", ", ".join(str(layer.root) for layer in layers))
+        tier = _fleet_tier(self.local, cfg, self.metrics)
         self.store = store = Layered(self.local, layers) if layers else self.local
         for d in (cfg.cache_dir / DEVICE_BINARIES, device_binary_dir(cfg.cache_dir, device.id)):
             private_dir(d, cfg.mode, "cache directory", CACHE_FIX)
