@@ -19,8 +19,8 @@ import kernels
 from proto import channel, keys, manifest, wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-from proto.paths import default_cache_dir, default_socket, socket_address
-from proto.trust import peer_uid, problem
+from proto.paths import default_cache_dir, default_socket, entry_dir, socket_address
+from proto.trust import layer_owner, peer_uid, problem
 from proto.wire import Outcome, Status
 
 from . import loader, resolver
@@ -111,7 +111,6 @@ class Client:
         self.token_file = Path(token_file) if token_file else None
         self._metadata: tuple | None = None  # TCP: the authorization header, read once
         self._trusted = False  # Unix socket: directory and peer uid checked
-        self._cache_root: Path | None = None  # as the daemon reports it, asked once before the first load
         self._channel = grpc.insecure_channel(self.address, options=wire.channel_options())
         self._stub = pb_grpc.KernelServiceStub(self._channel)
         self._memo: dict[str, loader.Kernel] = {}
@@ -339,12 +338,36 @@ class Client:
             known[text] = keys.cache_key(text, keys.toolchain(fingerprint, spec.kind, spec.target.kind)) if covered else None
         return known[text]
 
+    def _roots(self) -> tuple[tuple[Path, int], ...]:
+        """Where the daemon's entries lie, in the order it looks them up, each with the uid its files
+        belong to: the cache root (the daemon's uid), then each read-only layer (its root's owner:
+        root or the daemon's uid). A layer that fails that check is left out: nothing is loaded
+        from it."""
+        info = self._info()
+        if "_roots" not in info:
+            roots = [(Path(info["cache_dir"]), self.daemon_uid)]
+            for layer in info.get("cache_layers", ()):
+                try:
+                    roots.append((Path(layer), layer_owner(layer, self.daemon_uid, "not loading from it")))
+                except OSError as exc:
+                    log.warning("%s", exc.strerror or exc)
+            info["_roots"] = tuple(roots)
+        return info["_roots"]
+
     def _from_cache(self, key: str, spec: kernels.CanonicalSpec) -> loader.Kernel | None:
         """A hit without a round trip: the entry the daemon published under `key`, found and checked
-        here, its directory's mtime set so the daemon's eviction counts the use. None: ask the daemon."""
-        kernel = loader.load_published(Path(self._info()["cache_dir"]), key, json.loads(spec.to_json()), self.daemon_uid)
-        if kernel is None:
+        here in the cache root, then in each layer; in the cache root, its directory's mtime is set
+        so the daemon's eviction counts the use (a layer is never written). None: ask the daemon."""
+        wanted = json.loads(spec.to_json())
+        roots = self._roots()
+        for root, owner in roots:
+            kernel = loader.load_published(root, key, wanted, owner)
+            if kernel is not None:
+                break
+        else:
             return None
+        if root != roots[0][0]:
+            return kernel
         try:
             os.utime(kernel.path.parent)  # the clock eviction reads: this entry is in use
         except PermissionError:  # a group member cannot: the daemon must see this process's uses
@@ -361,11 +384,12 @@ class Client:
             pass  # best effort: the retry then reports what it finds
 
     def _load(self, reply: pb.GetKernelResponse, spec: kernels.CanonicalSpec | None) -> loader.Kernel:
-        """Loads what the daemon named, from its cache root only, as the spec asked for (a kind
+        """Loads what the daemon named, from its cache root or a layer only, as the spec asked for (a kind
         this process does not know is checked against the spec the daemon sent)."""
         a = reply.artifact
-        if self._cache_root is None:
-            self._cache_root = Path(self.service_info()["cache_dir"])
+        roots = self._roots()
+        # The root it lies in (the cache root or a layer); elsewhere, the load refuses it.
+        root, owner = next(((r, o) for r, o in roots if Path(a.entry_dir) == entry_dir(r, a.key)), roots[0])
         asked = json.loads(spec.to_json() if spec is not None else a.canonical_spec)
         kernel = loader.load(
             Path(a.entry_dir),
@@ -375,8 +399,8 @@ class Client:
             json.loads(a.abi_json),
             asked,
             a.key,
-            root=self._cache_root,
-            owner=self.daemon_uid,
+            root=root,
+            owner=owner,
         )
         kernel.outcome = Outcome.from_proto(reply.outcome)
         kernel.compile_seconds = reply.compile_seconds
@@ -507,7 +531,7 @@ class Client:
         default_target, cuda_compiler. `timeout`: seconds to wait (default 10; a daemon builds this
         answer once, after it starts, which can take seconds on a busy machine)."""
         reply = self._call(self._stub.GetServiceInfo, pb.GetServiceInfoRequest(), timeout or STATS_TIMEOUT, "service info")
-        return {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
+        return {f.name: list(getattr(reply, f.name)) if f.is_repeated else getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
 
     def use_shared_inductor_cache(self) -> InductorCache:
         """Points this process's torch.compile at the daemon's persistent Inductor directory

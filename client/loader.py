@@ -2,8 +2,10 @@
 
 The entry's rules are the contract's (proto.entry), and so are the safe reads
 (proto.trust); a refusal they raise reaches the caller as CorruptArtifact. Only
-what the daemon's uid wrote under the cache root the daemon reported is loaded: the entry directory must be <root>/entries/<key[:2]>/<key>, each of
-those directories a real one (lstat: no symlink) owned by the daemon's uid and
+what the daemon's uid wrote under the cache root the daemon reported is loaded (or what a
+read-only cache layer it reported holds, whose files are all its root's owner's: root or the
+daemon's uid): the entry directory must be <root>/entries/<key[:2]>/<key>, each of
+those directories a real one (lstat: no symlink) owned by that uid and
 not writable by group or others. entry.json there must record the spec asked
 for and the ABI the daemon sent (so a server that lies cannot make a client
 call a real library with another kernel's shapes). The shared object is opened
@@ -554,7 +556,8 @@ class _FastPlan:
 def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec: dict, key: str, *, root: Path, owner: int) -> Kernel:
     """Verifies and loads one entry's shared object; raises CorruptArtifact on a failed check.
 
-    `root`: the cache root the daemon reported; `owner`: the daemon's uid. `abi` and `spec`
+    `root`: the cache root (or a layer) the daemon reported; `owner`: the uid its files belong
+    to (the daemon's; a layer's owner). `abi` and `spec`
     (the spec asked for) must be what the entry's entry.json records.
     """
     with _as_corrupt():
@@ -586,7 +589,7 @@ def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec:
 
 Published = Entry  # a published entry found on disk, its record checked: what a GetKernel reply would say
 
-_found: dict[str, tuple[Entry, tuple]] = {}  # key -> (entry, its records' stat signature when checked)
+_found: dict[Path, tuple[Entry, tuple]] = {}  # entry directory -> (entry, its records' stat signature when checked)
 
 
 def find_published(cache_root: Path, key: str, spec: dict, owner: int) -> Entry | None:
@@ -601,8 +604,8 @@ def find_published(cache_root: Path, key: str, spec: dict, owner: int) -> Entry 
     its records' stat signature (a few lstat calls), and read again when that changed."""
     entry = entry_dir(cache_root, key)
     try:
-        known = _found.get(key)
-        if known is not None and known[0].path == entry and known[0].meta["spec"] == spec:
+        known = _found.get(entry)  # by directory: a key may be looked for in the cache root, then in layers
+        if known is not None and known[0].meta["spec"] == spec:
             return known[0] if signature(entry, (ENTRY_META,)) == known[1] else _check_published(cache_root, entry, key, spec, owner)
         return _check_published(cache_root, entry, key, spec, owner)
     except OSError:  # gone
@@ -618,11 +621,11 @@ def _check_published(cache_root: Path, entry: Path, key: str, spec: dict, owner:
         meta = read_meta(read_verified(entry / ENTRY_META, record["sha256"], record["size"], owner=owner), spec)
         found = Entry.of(key, entry, library, files, meta)
     except (OSError, ValueError, KeyError, TypeError):  # missing, refused (EntryRefused), garbage
-        _found.pop(key, None)
+        _found.pop(entry, None)
         return None
     if len(_found) >= 4096:
         _found.clear()
-    _found[key] = (found, sig)
+    _found[entry] = (found, sig)
     return found
 
 

@@ -60,7 +60,7 @@ def _serve(args) -> int:
 def _verify(args) -> int:
     from .store.check import verify
 
-    store = _open_store(args)
+    store = _open_store(args, changes="verify --repair" if args.repair else None)
     cache_dir = store.root
     report = verify(store, repair=args.repair)
     if args.json:
@@ -258,13 +258,17 @@ def _info(args) -> int:
     return 0
 
 
-def _open_store(args):
-    """The cache at --cache-dir (default: the daemon's default), for the commands that work on disk."""
+def _open_store(args, changes: str | None = None):
+    """The cache at --cache-dir (default: the daemon's default), for the commands that work on disk;
+    `changes`: the command, when it may remove things (never from a read-only layer)."""
     from proto.paths import default_cache_dir
 
     from .store import LocalStore
+    from .store.layers import is_layer
 
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    if changes and is_layer(cache_dir):
+        raise SystemExit(_fail(f"{cache_dir} is a read-only cache layer (its owner may not write it): `kernel-service {changes}` never changes one", 2))
     try:
         return LocalStore(cache_dir, create=False)
     except OSError as exc:
@@ -297,7 +301,7 @@ def _prune(args) -> int:
         max_bytes = parse_size(args.max_size)
     except ValueError as exc:
         return _fail(f"--max-size: {exc}", 2)
-    store = _open_store(args)
+    store = _open_store(args, changes="prune")
     before = store.usage()
     removed = store.evict(Budget(max_bytes=max_bytes, min_age=args.min_age))
     entries, total = store.usage()
@@ -312,7 +316,7 @@ def _prune(args) -> int:
 def _clear(args) -> int:
     from .store import Budget
 
-    store = _open_store(args)
+    store = _open_store(args, changes="clear")
     before = store.usage()
     removed = store.evict(Budget(max_bytes=0, max_entries=0, min_age=float("-inf")))  # nothing is kept
     print(f"removed {removed} entries and the device binaries from {store.root} ({_human_bytes(before[1] - store.usage()[1])} freed)")

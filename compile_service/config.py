@@ -23,6 +23,7 @@ from .build import devices
 from .cpus import usable_cpus
 
 REMOTE_ENV = "KERNEL_SERVICE_REMOTE"
+CACHE_LAYERS_ENV = "KERNEL_SERVICE_CACHE_LAYERS"
 
 
 def remote_url(text: str | None) -> str | None:
@@ -101,6 +102,11 @@ def tcp_address(text: str, allow_remote: bool = False, flag: str = "--tcp") -> s
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def absolute_path(text: str) -> Path:
+    """A path made absolute against the working directory (not resolved: a link stays one, and is refused)."""
+    return Path(os.path.abspath(text))
+
+
 def octal_mode(text: str) -> int:
     """A directory mode from its octal text: "0750" -> 0o750."""
     try:
@@ -153,6 +159,7 @@ class Setting:
     check: Callable[[Any, str], None] | None = None  # (value, flag): raises ValueError naming the flag
     choices: tuple[str, ...] | None = None
     form: str = "value"  # "value"; "switch": no argument, sets the opposite of the default; "repeat": one item per flag
+    split: str | None = None  # a "repeat" setting's variable: its items, joined by this (":" for paths)
     computed: Callable[[Any], Any] | None = None  # env -> the default, when it depends on the host (socket, workers)
     default_text: str | None = None  # how a computed default is named (in `info`, --help and docs/cli.md)
     group: str | None = None  # a heading in --help ("fleet tier")
@@ -229,6 +236,11 @@ class ServiceConfig:
         None, flag="--tcp", metavar="HOST:PORT", default_text="off",
         help="also listen on TCP (host defaults to 127.0.0.1; loopback only unless --allow-remote); clients must present the token the daemon writes to <cache dir>/tcp-token",
     )  # fmt: skip
+    cache_layers: tuple[Path, ...] = setting(
+        (), flag="--cache-layer", env=CACHE_LAYERS_ENV, metavar="PATH", parse=absolute_path, form="repeat", split=":",
+        help="a read-only cache (one baked into an image: `bundle import --layer`), searched after --cache-dir, in order, and served from as it is, "
+        f"never written; owned by root or the daemon's uid, writable by no one else; ${CACHE_LAYERS_ENV} holds them ':'-separated, and --cache-layer flags replace it",
+    )  # fmt: skip
     cuda_compiler: str = setting(
         "auto", flag="--cuda-compiler", env=devices.ENV, choices=("auto", devices.NVRTC, devices.NVCC),
         help="how CUDA device code is compiled: nvrtc in process (fast), nvcc as a subprocess; auto takes NVRTC where it can run",
@@ -300,7 +312,7 @@ class ServiceConfig:
             if f.name == "sources":
                 continue
             value = getattr(self, f.name)
-            value = f"{value:04o}" if f.name == "mode" else str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
+            value = f"{value:04o}" if f.name == "mode" else str(value) if isinstance(value, Path) else [str(v) if isinstance(v, Path) else v for v in value] if isinstance(value, tuple) else value
             if f.name == "remote" and value:
                 value = without_password(value)
             out[f.name] = {"value": value, "source": self.sources.get(f.name, "default")}
@@ -324,14 +336,14 @@ class ServiceConfig:
             if value is None and s.env and env.get(s.env):
                 value, source = env[s.env], f"${s.env}"
                 try:
-                    value = s.parse(value)
+                    value = [s.parse(item) for item in value.split(s.split) if item] if s.form == "repeat" else s.parse(value)
                 except ValueError as exc:
                     raise ValueError(f"${s.env}: {exc}") from None
             if value is None:
                 default = _DEFAULTS[name]
                 value, source = (s.computed(env), s.default_text) if s.computed else (default, "default")
             elif s.form == "repeat":
-                value = tuple(value) or _DEFAULTS[name]  # no item given: the default (all plugins)
+                value = tuple(s.parse(v) if isinstance(v, str) else v for v in value) or _DEFAULTS[name]  # no item given: the default (all plugins)
             if value is not None and s.check and source != "default":
                 s.check(value, s.flag)
             values[name] = value
@@ -354,6 +366,9 @@ class ServiceConfig:
             values["cuda_compiler"] = devices.choose(requested, env).name
             if requested == "auto":
                 sources["cuda_compiler"] = f"{sources.get('cuda_compiler', 'default')} (auto: NVRTC where it can run)"
+        for layer in values["cache_layers"]:
+            if layer == Path(os.path.abspath(values["cache_dir"])):
+                raise ValueError(f"--cache-layer {layer} is the cache directory itself; a layer is another, read-only cache")
         check_socket_path(values["socket"])
         return cls(**values, sources=sources)
 

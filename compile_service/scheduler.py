@@ -742,10 +742,13 @@ def _derive(base: Entry, spec: CanonicalSpec, fixed: dict, staging: Path) -> tup
     recorded in the ABI for the loader to enforce. The files are hard links to `base`'s: the
     store keeps their bytes once (store.blobs)."""
     start = time.perf_counter()
+    # The writable cache's files are linked (its blobs keep the bytes once); a read-only layer's
+    # (store.layers) are copied: publishing chmods and links what it is given, and a layer is never written.
+    share = os.link if staging.parent.parent in base.path.parents else shutil.copyfile
     try:
         for name in (base.library, *SOURCES):
             if (base.path / name).is_file():
-                os.link(base.path / name, staging / name)
+                share(base.path / name, staging / name)
     except OSError as exc:  # a full disk, or the shared build evicted under a zero min-age budget
         raise StoreError(exc.errno, f"cannot copy the shared build {base.key[:16]} into {staging}: {exc.strerror or exc}") from exc
     meta = {

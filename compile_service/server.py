@@ -62,6 +62,7 @@ from .metrics import SAVE_EVERY, STATS_FILE, Metrics
 from .scheduler import Scheduler
 from .servicer import KernelServicer
 from .store import Budget, LocalStore
+from .store.layers import Layer, Layered
 
 log = logging.getLogger(__name__)
 
@@ -294,8 +295,11 @@ class Daemon:
         self.metrics.load(cfg.cache_dir / STATS_FILE)  # totals go on from the last daemon's
         # Every directory of the cache is checked before any work: a refusal costs no compile workers.
         self.local = LocalStore(cfg.cache_dir, cfg.mode, metrics=self.metrics, extra_usage=(cfg.cache_dir / DEVICE_BINARIES,))
+        layers = [Layer(path, self.metrics) for path in cfg.cache_layers]  # refused here, as the cache root is
+        if layers:
+            log.info("read-only cache layers, searched after the cache: %s", ", ".join(str(layer.root) for layer in layers))
         tier = _fleet_tier(self.local, cfg, self.metrics)
-        self.store = store = self.local
+        self.store = store = Layered(self.local, layers) if layers else self.local
         for d in (cfg.cache_dir / DEVICE_BINARIES, device_binary_dir(cfg.cache_dir, device.id)):
             private_dir(d, cfg.mode, "cache directory", CACHE_FIX)
         inductor_dir = inductor.ensure(cfg.cache_dir)
@@ -353,6 +357,7 @@ class Daemon:
             raise RuntimeError(f"no metric feeds the Stats fields {sorted(missing)}")
         info = {
             "cache_dir": str(cfg.cache_dir),
+            "cache_layers": [str(path) for path in cfg.cache_layers],
             "inductor_dir": str(inductor_dir),
             "default_target": cfg.target,
             "config_json": json.dumps(cfg.describe(), sort_keys=True),

@@ -62,6 +62,15 @@ def check_dir(path: Path | str, uid: int, what: str, fix: str) -> os.stat_result
     return st
 
 
+def layer_owner(path: Path | str, uid: int, fix: str) -> int:
+    """The uid a read-only cache layer at `path` belongs to: root or `uid` (the daemon's), whichever
+    owns its root directory, which must be a real directory no one else may write; else
+    UntrustedPath. Every directory and file of the layer must then be that uid's, as every one
+    of the cache root's must be the daemon's: root owns a layer baked into an image."""
+    st = os.lstat(path)
+    return check_dir(path, st.st_uid if st.st_uid in (0, uid) else uid, "cache layer", fix).st_uid
+
+
 def private_dir(path: Path | str, mode: int, what: str, fix: str, chmod: bool = True) -> None:
     """Creates `path` with `mode`, or reuses it if it is a real directory of ours that no one
     else may write, and then (when `chmod`) gives it exactly `mode`; else UntrustedPath.

@@ -6,6 +6,7 @@
     budget   usage and least-recently-used eviction (device binaries included)
     check    verify and repair, without the index
     listing  what the store holds, entry by entry (`kernel-service ls`)
+    layers   read-only cache layers (serve --cache-layer), looked up after the local store, never written
     tiered   the fleet form of claims: fleet-wide single flight over a shared Redis, read-through,
              and write-behind as the local store's publish hook; imported only with --remote
     remote   the Redis side of it: key layout, leases, the circuit breaker

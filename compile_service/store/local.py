@@ -158,27 +158,7 @@ class LocalStore(Storage):
         return self._check(key, self.entry_path(key))[0]
 
     def _check(self, key: str, path: Path, trusted: tuple | None = None, spec: dict | None = None) -> tuple[Entry, tuple, tuple]:
-        """Reads and checks one entry against its manifest (proto.entry's rules); raises OSError.
-
-        Files whose stat signature equals `trusted` are not re-hashed.
-        """
-        check_dirs((path.parent, path), self.owner)  # a shard or entry dir replaced by a link is never followed
-        library, files = read_manifest(read_owned(path / MANIFEST, self.owner), key)
-        names = tuple(sorted(files))
-        for name in names:
-            st = os.lstat(path / name)
-            why = problem(st, self.owner, stat.S_IFREG)
-            if why:
-                raise EntryRefused(f"{name} {why}")
-            if st.st_size != files[name]["size"]:
-                raise EntryRefused(f"{name} has {st.st_size} bytes, manifest says {files[name]['size']}")
-        sig = signature(path, names)
-        if sig != trusted:
-            for name in names:
-                if sha256_file(path / name) != files[name]["sha256"]:
-                    raise EntryRefused(f"{name} does not match its sha256 in the manifest")
-        meta = read_meta(read_owned(path / ENTRY_META, self.owner, files[ENTRY_META]["size"]), spec)
-        return Entry.of(key, path, library, files, meta), names, sig
+        return read_entry(key, path, self.owner, trusted, spec)
 
     def _mark_used(self, key: str, path: Path) -> None:
         now = time.time()
@@ -408,6 +388,32 @@ class LocalStore(Storage):
             remove_tree(item)
             removed += 1
         return removed
+
+
+def read_entry(key: str, path: Path, owner: int, trusted: tuple | None = None, spec: dict | None = None) -> tuple[Entry, tuple, tuple]:
+    """(entry, its file names, their stat signature) of the entry at `path`, checked against its
+    manifest (proto.entry's rules), its directories and files `owner`'s; raises OSError. It only
+    reads: the read-only layers (store.layers) are checked by it too.
+
+    Files whose stat signature equals `trusted` are not re-hashed.
+    """
+    check_dirs((path.parent, path), owner)  # a shard or entry dir replaced by a link is never followed
+    library, files = read_manifest(read_owned(path / MANIFEST, owner), key)
+    names = tuple(sorted(files))
+    for name in names:
+        st = os.lstat(path / name)
+        why = problem(st, owner, stat.S_IFREG)
+        if why:
+            raise EntryRefused(f"{name} {why}")
+        if st.st_size != files[name]["size"]:
+            raise EntryRefused(f"{name} has {st.st_size} bytes, manifest says {files[name]['size']}")
+    sig = signature(path, names)
+    if sig != trusted:
+        for name in names:
+            if sha256_file(path / name) != files[name]["sha256"]:
+                raise EntryRefused(f"{name} does not match its sha256 in the manifest")
+    meta = read_meta(read_owned(path / ENTRY_META, owner, files[ENTRY_META]["size"]), spec)
+    return Entry.of(key, path, library, files, meta), names, sig
 
 
 def existing_mode(root: Path | str) -> int:

@@ -243,7 +243,7 @@ class GetServiceInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServiceInfo(_message.Message):
-    __slots__ = ("cache_dir", "inductor_dir", "version", "toolchain", "default_target", "cuda_compiler", "key_fingerprint_json", "config_json")
+    __slots__ = ("cache_dir", "inductor_dir", "version", "toolchain", "default_target", "cuda_compiler", "key_fingerprint_json", "config_json", "cache_layers")
     CACHE_DIR_FIELD_NUMBER: _ClassVar[int]
     INDUCTOR_DIR_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class ServiceInfo(_message.Message):
     CUDA_COMPILER_FIELD_NUMBER: _ClassVar[int]
     KEY_FINGERPRINT_JSON_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     cache_dir: str
     inductor_dir: str
     version: str
@@ -260,7 +261,8 @@ class ServiceInfo(_message.Message):
     cuda_compiler: str
     key_fingerprint_json: str
     config_json: str
-    def __init__(self, cache_dir: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., default_target: _Optional[str] = ..., cuda_compiler: _Optional[str] = ..., key_fingerprint_json: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
+    cache_layers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cache_dir: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., default_target: _Optional[str] = ..., cuda_compiler: _Optional[str] = ..., key_fingerprint_json: _Optional[str] = ..., config_json: _Optional[str] = ..., cache_layers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListKindsRequest(_message.Message):
     __slots__ = ()

@@ -156,9 +156,10 @@ class KernelServiceServicer:
         """Tells the daemon that a client found entry `key` corrupt when it loaded
         it (its library failed the size or sha256 check). The daemon checks the
         entry again in full, re-hashing every file whatever it remembered, and
-        removes it if the check fails, so that the next GetKernel rebuilds it. An
-        entry that passes is left alone; clients then report the artifact as
-        corrupt and retry no further.
+        removes it if the check fails, so that the next GetKernel rebuilds it (an
+        entry of a read-only layer is not removed but refused from then on, and
+        the rebuild goes to the writable cache). An entry that passes is left
+        alone; clients then report the artifact as corrupt and retry no further.
 
         Errors:
         INVALID_ARGUMENT: key is not 64 lowercase hex characters.
