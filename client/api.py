@@ -20,11 +20,10 @@ from proto import channel, keys, manifest, wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 from proto.paths import default_cache_dir, default_socket, socket_address
-from proto.trust import peer_uid, problem
 from proto.wire import Outcome, Status
 
 from . import loader, resolver
-from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable, UntrustedService
+from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable
 from .inductor import InductorCache, use_shared_inductor_cache
 
 log = logging.getLogger(__name__)
@@ -44,10 +43,6 @@ def spec_to_proto(spec: kernels.CanonicalSpec) -> pb.KernelSpec:
 
 def _raise_for(err: grpc.RpcError, what: str, address: str = "", waited: float | None = None):
     raise channel.error_for(err, what, address, waited) from None
-
-
-class _NotListening(Exception):
-    """Nothing accepts connections on the socket (yet): retried like UNAVAILABLE."""
 
 
 class Client:
@@ -105,9 +100,7 @@ class Client:
         self.reconnect_window = reconnect_window
         self.direct_hits = direct_hits and not self.app  # a recorded application's every kernel goes by the daemon
         self._service: dict | None = None  # GetServiceInfo, asked once: default target, cache root, key fingerprint
-        if daemon_uid is None and os.environ.get("KERNEL_SERVICE_DAEMON_UID"):
-            daemon_uid = int(os.environ["KERNEL_SERVICE_DAEMON_UID"])
-        self.daemon_uid = os.getuid() if daemon_uid is None else daemon_uid
+        self.daemon_uid = channel.daemon_uid(daemon_uid)
         self.token_file = Path(token_file) if token_file else None
         self._metadata: tuple | None = None  # TCP: the authorization header, read once
         self._trusted = False  # Unix socket: directory and peer uid checked
@@ -133,27 +126,10 @@ class Client:
             raise ServiceUnavailable(f"no kernel service at {self.socket_path} (start one with `kernel-service serve`)")
 
     def _verify_daemon(self) -> None:
-        """Before the first call on a Unix socket: the socket's directory must be one only the
-        daemon's uid controls (so no one else can swap the socket later, and reconnects need
-        no new check), and the process listening there must run as that uid."""
+        """Before the first call on a Unix socket: the daemon's checks (proto.channel.verify_daemon)."""
         if self._trusted or self.socket_path is None:
             return
-        directory = self.socket_path.parent
-        try:
-            why = problem(os.lstat(directory), self.daemon_uid)
-        except FileNotFoundError:
-            raise ServiceUnavailable(f"no kernel service at {self.socket_path} (start one with `kernel-service serve`)") from None
-        if why:
-            raise UntrustedService(f"the socket directory {directory} {why}: another user could put their own server there; refusing to use {self.socket_path}")
-        try:
-            uid = peer_uid(self.socket_path)
-        except OSError as exc:
-            raise _NotListening(str(exc)) from None
-        if uid != self.daemon_uid:
-            raise UntrustedService(
-                f"the process serving {self.socket_path} runs as uid {uid}, not as the daemon's uid {self.daemon_uid}: "
-                f"refusing to use it (if you trust it, pass daemon_uid={uid} or set KERNEL_SERVICE_DAEMON_UID={uid})"
-            )
+        channel.verify_daemon(self.socket_path, self.daemon_uid)
         self._trusted = True
 
     def _auth(self) -> tuple | None:
@@ -179,13 +155,13 @@ class Client:
                 result = method(request, timeout=max(0.001, deadline - time.monotonic()), metadata=self._auth())
                 self._answered = True
                 return result
-            except (grpc.RpcError, _NotListening) as err:
+            except (grpc.RpcError, channel.NotListening) as err:
                 now = time.monotonic()
                 if retry_until is None:  # the window opens at the first failure and never slides
                     retry_until = min(deadline, now + (self.reconnect_window if self._answered else NO_DAEMON_WINDOW))
                 code = err.code() if isinstance(err, grpc.RpcError) else Status.UNAVAILABLE
                 if code not in Status.RETRYABLE or now + delay >= retry_until:
-                    if isinstance(err, _NotListening):
+                    if isinstance(err, channel.NotListening):
                         tried = f" (retried for {now - start:.1f} s)" if now - start > 0.01 else ""
                         raise ServiceUnavailable(
                             f"no kernel service answers at {self.socket_path}{tried}: nothing accepts connections ({err}); start one with `kernel-service serve`"
@@ -437,7 +413,7 @@ class Client:
         self._check_socket()
         try:
             self._verify_daemon()
-        except _NotListening as exc:
+        except channel.NotListening as exc:
             raise ServiceUnavailable(
                 f"no kernel service answers at {self.socket_path}: nothing accepts connections ({exc}); start one with `kernel-service serve`"
             ) from None

@@ -3,13 +3,8 @@
 from proto.errors import EntryRefused, InvalidSpec  # InvalidSpec: a ValueError whose `field` names the bad parameter
 
 # The errors a failed call raises are the contract's (proto/channel.py maps each status to one).
-from proto.channel import NOT_READY_FIX, CompileError, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable
-
-
-class UntrustedService(ServiceUnavailable):
-    """The service found is not the trusted daemon: its process runs as another uid than
-    expected (SO_PEERCRED), or its socket sits in a directory another user controls. Nothing
-    is asked of it and nothing it names is loaded."""
+# UntrustedService: the daemon found is not the trusted one (proto.channel.verify_daemon).
+from proto.channel import NOT_READY_FIX, CompileError, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable, UntrustedService
 
 
 class CorruptArtifact(KernelServiceError, EntryRefused):
