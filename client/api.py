@@ -472,8 +472,10 @@ class Client:
 
     def explain(self, kind: str, *, target: str | None = None, **params) -> dict:
         """Whether the kernel is in the cache, and why not: {"hit", "key", "spec", "toolchain"
-        (each part of the fingerprint), "reason", "nearest": [{"key", "spec", "differences":
-        [{"part", "field", "wanted", "found", "text"}]}]}. Compiles nothing."""
+        (each part of the fingerprint), "reason", "failure" (the full text of a compile failure
+        the daemon remembers for it, which a CompileError may carry cut; "" if none), "nearest":
+        [{"key", "spec", "differences": [{"part", "field", "wanted", "found", "text"}]}]}.
+        Compiles nothing."""
         _, proto, _ = self._request(kind, params, target)
         reply = self._call(self._stub.Explain, pb.ExplainRequest(spec=proto), STATS_TIMEOUT, f"explain {kind}")
         return wire.explanation_from_proto(reply)

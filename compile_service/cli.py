@@ -626,6 +626,8 @@ def _explain(args) -> int:
         print(f"  why        {answer['reason']}")
         for near in answer["nearest"]:
             print(f"  near       {near['key'][:16]}  differs in {', '.join(d['text'] for d in near['differences']) or 'nothing (keyed by another version)'}")
+    if answer["failure"]:  # in full: the error a GetKernel gets may be cut to fit gRPC's metadata
+        print("  failure    " + answer["failure"].replace("\n", "\n             "))
     return 0 if answer["hit"] else 1
 
 

@@ -169,3 +169,54 @@ def test_ls_prune_and_stop_agree_with_the_cache_and_the_process(make_daemon):
     assert stopped.returncode == 0 and f"pid {pid}" in stopped.stdout
     assert _exited(pid)  # gone (or a zombie awaiting its parent's wait) by the time stop returns
     assert d.proc.wait(10) == 0
+
+
+# ----- #32 item 5: long errors reach the client as what they are, and Explain has them whole
+
+
+def test_a_long_compile_error_is_a_compile_error_and_explain_has_it_whole(make_daemon):
+    """A compile error of 8-12 KB (newlines and non-ASCII cost 3 bytes each in gRPC's metadata,
+    whose limit is 8 KB) reaches the client as CompileError, cut in the middle; the client's and
+    the CLI's explain give its full text, and the daemon's log has it."""
+    import client
+
+    d = make_daemon("--kernel-module", "tests.failing_kind", workers=1)
+    c = d.client()
+    for size, accents in ((8_500, False), (12_000, True)):
+        try:
+            c.get_kernel("verbose_failure", N=size // 100, size=size, accents=accents, target="c")
+            raise AssertionError("it compiled")
+        except client.CompileError as exc:
+            message = str(exc)
+        assert "characters cut" in message and "`kernel-service explain`" in message and "line 000000" in message, message[:300]
+        full = c.explain("verbose_failure", N=size // 100, size=size, accents=accents, target="c")["failure"]
+        middle = f"line {size // 2 // (37 if accents else 29):06d}"  # cut from the client's copy
+        assert full.startswith("RuntimeError: e") and middle in full and middle not in message, full[:200]
+        assert len(full) > size and "characters cut" not in full
+    shown = cli("explain", "verbose_failure", f"N={120}", "size=12000", "accents=true", "--target", "c", "--socket", str(d.socket))
+    assert shown.returncode == 1 and "failure    RuntimeError: error" in shown.stdout and shown.stdout.count("échec") > 300, shown.stdout[-500:]
+    assert d.log().count("échec") > 300  # the daemon's log has it whole too
+
+
+def test_a_long_fleet_failure_record_is_a_compile_error(make_daemon, tmp_path):
+    """A failure record of 10 KB another host left in the fleet tier: a CompileError here too."""
+    import client
+    from compile_service.store.remote import failed_key
+    from devtools import redis_server
+    from tests.marks import require_redis_server
+
+    require_redis_server()
+    with redis_server.RedisProcess(log_path=tmp_path / "redis.log") as redis:
+        d = make_daemon("--remote", redis.url(), workers=1)
+        c = d.client()
+        spec = dict(M=None, N=136, dtype="float32", target="c")
+        key = c.explain("rmsnorm", **spec)["key"]
+        error = "".join(f"nvcc: error at line {i}: ☠\n" for i in range(400))
+        with redis.admin() as r:
+            r.set(failed_key(key), json.dumps({"host": "builder-7", "error": error, "at": time.time()}), px=60_000)
+        try:
+            c.get_kernel("rmsnorm", **spec)
+            raise AssertionError("it compiled")
+        except client.CompileError as exc:
+            assert "failed on builder-7" in str(exc) and "characters cut" in str(exc), str(exc)[-300:]
+        assert error in c.explain("rmsnorm", **spec)["failure"]
