@@ -267,14 +267,16 @@ def _info(args) -> int:
 
 
 def _open_store(args):
-    """The cache at --cache-dir (default: the daemon's default), for the commands that work on disk."""
+    """The cache at --cache-dir (default: the daemon's default), for the commands that work on disk:
+    its entries and blobs, and the device binaries the compile workers keep under it, as a daemon counts them."""
     from proto.paths import default_cache_dir
 
+    from .build.compiler import DEVICE_BINARIES
     from .store import LocalStore
 
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     try:
-        return LocalStore(cache_dir, create=False)
+        return LocalStore(cache_dir, create=False, extra_usage=(cache_dir / DEVICE_BINARIES,))
     except OSError as exc:
         raise SystemExit(_fail(f"{exc.strerror or exc}; pass --cache-dir the cache root a daemon uses (see `kernel-service info`)", 2))
 
@@ -319,11 +321,18 @@ def _prune(args) -> int:
 
 def _clear(args) -> int:
     from .store import Budget
+    from .store.budget import extra_files
 
     store = _open_store(args)
-    before = store.usage()
+    before, binaries = store.usage(), len(extra_files(store))
     removed = store.evict(Budget(max_bytes=0, max_entries=0, min_age=float("-inf")))  # nothing is kept
-    print(f"removed {removed} entries and the device binaries from {store.root} ({_human_bytes(before[1] - store.usage()[1])} freed)")
+    after, binaries_left = store.usage(), len(extra_files(store))
+    print(
+        f"removed {removed} entries and {binaries - binaries_left} device binaries from {store.root} ({_human_bytes(before[1] - after[1])} freed)"
+    )
+    if after[0] or binaries_left:  # published or built meanwhile by a daemon serving this cache
+        print(f"left {after[0]} entries and {binaries_left} device binaries made while this ran ({_human_bytes(after[1])})")
+        return 1
     return 0
 
 

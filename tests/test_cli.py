@@ -220,3 +220,58 @@ def test_a_long_fleet_failure_record_is_a_compile_error(make_daemon, tmp_path):
         except client.CompileError as exc:
             assert "failed on builder-7" in str(exc) and "characters cut" in str(exc), str(exc)[-300:]
         assert error in c.explain("rmsnorm", **spec)["failure"]
+
+
+# ----- #32 items 5 and 6: clear removes what it says, and follows no link planted in the cache root
+
+
+def _cache_with_device_binaries(root: Path) -> list[Path]:
+    """A cache root as a daemon leaves it, with two device binaries (and a lock) the compile workers kept."""
+    from compile_service.store import LocalStore
+
+    LocalStore(root)
+    binaries = root / "device-binaries" / "nvrtc-13.0"
+    binaries.mkdir(parents=True, mode=0o700)
+    os.chmod(root / "device-binaries", 0o700)
+    files = [binaries / "ab12.cubin", binaries / "cd34.cubin"]
+    for f in files:
+        f.write_bytes(b"\0" * 1000)
+    (binaries / "ab12.cubin.lock").write_bytes(b"")
+    return files
+
+
+def test_clear_removes_the_device_binaries_it_says_it_removes(tmp_path):
+    files = _cache_with_device_binaries(tmp_path / "cache")
+    listed = cli("ls", "--cache-dir", str(tmp_path / "cache"))
+    assert "2.0 KiB in all" in listed.stdout, listed.stdout  # counted, as a daemon counts them
+    done = cli("clear", "--cache-dir", str(tmp_path / "cache"))
+    assert done.returncode == 0 and "removed 0 entries and 2 device binaries" in done.stdout and "2.0 KiB freed" in done.stdout, done
+    assert not any(f.exists() for f in files)
+
+
+def test_clear_and_eviction_follow_no_link_planted_in_the_cache_root(tmp_path):
+    """`blobs/` and `device-binaries/` replaced by links to another directory: `clear` and a
+    daemon's eviction (LocalStore.evict) neither count nor delete what those links point to."""
+    from compile_service.store import Budget, LocalStore
+    from tests.plant import host_toolchain, plant, spec_of
+
+    precious = tmp_path / "precious"
+    (precious / "ab").mkdir(parents=True)
+    kept = [precious / "ab" / ("ab" * 32), precious / "notes.cubin"]
+    for f in kept:
+        f.write_bytes(b"mine" * 100)
+    everything = Budget(max_bytes=0, max_entries=0, min_age=float("-inf"))
+    for i, how in enumerate(("clear", "evict")):
+        cache = tmp_path / f"cache-{i}"
+        _cache_with_device_binaries(cache)
+        spec = spec_of("rmsnorm", "c", M=None, N=64, dtype="float32")
+        plant(LocalStore(cache), spec, host_toolchain(spec, "nvrtc-13.0"))  # an entry: its removal collects blobs
+        for name in ("blobs", "device-binaries"):
+            subprocess.run(["rm", "-rf", str(cache / name)], check=True)
+            (cache / name).symlink_to(precious, target_is_directory=True)
+        if how == "clear":
+            done = cli("clear", "--cache-dir", str(cache))
+            assert done.returncode == 0 and "removed 1 entries and 0 device binaries" in done.stdout, done
+        else:
+            assert LocalStore(cache, create=False, extra_usage=(cache / "device-binaries",)).evict(everything) == 1
+        assert all(f.read_bytes() == b"mine" * 100 for f in kept), how
