@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -141,24 +142,30 @@ class Client:
         return self._metadata
 
     def _call(self, method: Callable, request, timeout: float, what: str):
-        """One RPC with a deadline; retries UNAVAILABLE (and a drain's CANCELLED) with backoff, and nothing else.
+        """One RPC; retries UNAVAILABLE (and a drain's CANCELLED) with backoff, and nothing else.
 
+        The retry window (reconnect_window once a daemon answered this client, else 2 s) opens
+        at the first failure and is not cut by `timeout`: each attempt may wait `timeout` seconds
+        for its answer, or until the window closes if that is later (a restarted daemon is slow
+        to give its first answers), so a call takes at most the window plus `timeout`. (Cut by
+        a 10 s stats or service-info deadline, the documented 30 s window held about 9 s.)
         With no socket at all and no daemon ever seen, fails fast.
         """
         start = time.monotonic()
-        deadline, retry_until = start + timeout, None
+        retry_until = None
         delay = 0.05
         while True:
             self._check_socket()
             try:
                 self._verify_daemon()
-                result = method(request, timeout=max(0.001, deadline - time.monotonic()), metadata=self._auth())
+                wait = timeout if retry_until is None else max(timeout, retry_until - time.monotonic())
+                result = method(request, timeout=wait, metadata=self._auth())
                 self._answered = True
                 return result
             except (grpc.RpcError, channel.NotListening) as err:
                 now = time.monotonic()
                 if retry_until is None:  # the window opens at the first failure and never slides
-                    retry_until = min(deadline, now + (self.reconnect_window if self._answered else NO_DAEMON_WINDOW))
+                    retry_until = now + (self.reconnect_window if self._answered else NO_DAEMON_WINDOW)
                 code = err.code() if isinstance(err, grpc.RpcError) else Status.UNAVAILABLE
                 if code not in Status.RETRYABLE or now + delay >= retry_until:
                     if isinstance(err, channel.NotListening):
@@ -340,8 +347,8 @@ class Client:
         """Loads what the daemon named, from its cache root only, as the spec asked for (a kind
         this process does not know is checked against the spec the daemon sent)."""
         a = reply.artifact
-        if self._cache_root is None:
-            self._cache_root = Path(self.service_info()["cache_dir"])
+        if self._cache_root is None:  # the one GetServiceInfo, asked with get_kernel's timeout
+            self._cache_root = Path(self._info()["cache_dir"])
         asked = json.loads(spec.to_json() if spec is not None else a.canonical_spec)
         kernel = loader.load(
             Path(a.entry_dir),
@@ -410,13 +417,6 @@ class Client:
                 wanted.append((i, *self._request(raw.pop("kind", None), raw, raw.pop("target", None))))
             except InvalidSpec as exc:
                 refuse(i, _in_batch(exc, i))
-        self._check_socket()
-        try:
-            self._verify_daemon()
-        except channel.NotListening as exc:
-            raise ServiceUnavailable(
-                f"no kernel service answers at {self.socket_path}: nothing accepts connections ({exc}); start one with `kernel-service serve`"
-            ) from None
         # The daemon refuses a whole batch for one spec it finds invalid (a kind only it knows):
         # that spec leaves the batch, which is sent again.
         while (refused := self._prefetch_batch(wanted, results, done, timeout, report, load)) is not None:
@@ -437,8 +437,21 @@ class Client:
         batch for that one spec before answering any, else None; raises for the whole batch."""
         request = pb.PrefetchRequest(specs=[proto for _, _, proto, _ in wanted], app=self.app, no_compile=self.strict)
         answered = 0
+
+        def opened(request, timeout, metadata):  # retried by _call until the daemon answers (its first event, or a refusal)
+            stream = self._stub.Prefetch(request, timeout=timeout, metadata=metadata)
+            try:
+                return next(stream, None), stream, None
+            except grpc.RpcError as err:
+                if err.code() in Status.RETRYABLE:
+                    raise
+                return None, stream, err
+
+        first, stream, refusal = self._call(opened, request, timeout or self.timeout, "prefetch")
         try:
-            for event in self._stub.Prefetch(request, timeout=timeout or self.timeout, metadata=self._auth()):
+            if refusal is not None:
+                raise refusal
+            for event in itertools.chain([first] if first is not None else [], stream):
                 answered += 1
                 slot, memo_key, proto, spec = wanted[event.index]
                 if event.error_code:

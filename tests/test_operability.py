@@ -63,6 +63,27 @@ def test_a_killed_daemon_fails_clients_within_the_window(make_daemon):
     assert time.monotonic() - t < 10 and "left by a daemon that was killed" in line
 
 
+def test_the_reconnect_window_holds_for_a_daemon_started_late(make_daemon):
+    """#32 item 6: once a daemon has answered, calls wait for a restarted one for the whole
+    reconnect window, whatever their own timeout (service_info's 10 s cut the 30 s window to
+    about 9 s) and a Prefetch too (it was not retried at all)."""
+    import threading
+
+    d = make_daemon("--no-compile")  # no workers: quick to stop and start
+    c = d.client()
+    c.stats()
+    for call in (lambda: c.service_info(timeout=3), lambda: c.prefetch([{"kind": "rmsnorm", **RMSNORM}], load=False)):
+        d.stop()
+        late = threading.Timer(4, d.start, kwargs={"wait": False})
+        late.start()
+        t = time.monotonic()
+        try:
+            answer = call()
+        finally:
+            late.join()
+        assert answer and time.monotonic() - t > 4, answer
+
+
 # ----- fault 3: bad input to the CLI is one line and a non-zero exit
 
 
