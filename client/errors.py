@@ -12,6 +12,11 @@ class CorruptArtifact(KernelServiceError, EntryRefused):
     An OSError, and the client's form of the contract's EntryRefused (proto.entry's rules)."""
 
 
+class LoadError(KernelServiceError, OSError):
+    """A kernel that passed every check could not be loaded into this process (no directory
+    lets its library be executed: a noexec TMPDIR); the message names the fix."""
+
+
 __all__ = [
     "NOT_READY_FIX",
     "CompileError",
@@ -19,6 +24,7 @@ __all__ = [
     "InvalidSpec",
     "KernelNotReady",
     "KernelServiceError",
+    "LoadError",
     "ServiceError",
     "ServiceUnavailable",
     "UntrustedService",
