@@ -275,3 +275,27 @@ def test_clear_and_eviction_follow_no_link_planted_in_the_cache_root(tmp_path):
         else:
             assert LocalStore(cache, create=False, extra_usage=(cache / "device-binaries",)).evict(everything) == 1
         assert all(f.read_bytes() == b"mine" * 100 for f in kept), how
+
+
+def test_stop_recognises_every_way_a_daemon_is_started():
+    """The command lines `kernel-service stop` takes for a daemon (stopping._serve_args): the
+    console script (run directly or by its interpreter), the module (devtools/launch.py and the
+    tests start it so), with or without --log-level; anything else is not a daemon."""
+    from compile_service.stopping import _serve_args
+
+    daemons = (
+        ["/venv/bin/kernel-service", "serve", "--socket", "s"],
+        ["/venv/bin/python3.11", "/venv/bin/kernel-service", "--log-level", "DEBUG", "serve", "--socket", "s"],
+        ["python", "-u", "-m", "compile_service.cli", "serve", "--socket", "s"],
+        ["python", "-mcompile_service.cli", "--log-level=INFO", "serve", "--socket", "s"],
+    )
+    for argv in daemons:
+        assert _serve_args(argv) == ["--socket", "s"], argv
+    for argv in (
+        ["python", "-m", "compile_service.cli", "stats", "--socket", "s"],
+        ["python", "-c", "import x", "kernel-service", "serve"],
+        ["sleep", "100", "kernel-service", "serve"],
+        ["python", "-m", "other.cli", "serve"],
+        [],
+    ):
+        assert _serve_args(argv) is None, argv
