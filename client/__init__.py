@@ -13,7 +13,9 @@ import sys
 from .api import Client, connect, default_client, explain, get_kernel, kinds, prefetch, stats
 from .api import use_shared_inductor_cache_default as use_shared_inductor_cache
 from .inductor import InductorCache
-from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable, UntrustedService
+from .errors import (
+    CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, KernelServiceError, LoadError, ServiceError, ServiceUnavailable, UntrustedService,
+)  # fmt: skip
 from .loader import Kernel
 
 if "torch" in sys.modules:  # the kernels' torch ops (torch.compile, torch.export); else when a kernel loads
@@ -28,6 +30,7 @@ __all__ = [
     "Kernel",
     "KernelNotReady",
     "KernelServiceError",
+    "LoadError",
     "ServiceError",
     "ServiceUnavailable",
     "UntrustedService",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -20,11 +21,11 @@ from proto import channel, keys, manifest, wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 from proto.paths import default_cache_dir, default_socket, entry_dir, socket_address
-from proto.trust import layer_owner, peer_uid, problem
+from proto.trust import layer_owner
 from proto.wire import Outcome, Status
 
 from . import loader, resolver
-from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable, UntrustedService
+from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable
 from .inductor import InductorCache, use_shared_inductor_cache
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,6 @@ def spec_to_proto(spec: kernels.CanonicalSpec) -> pb.KernelSpec:
 
 def _raise_for(err: grpc.RpcError, what: str, address: str = "", waited: float | None = None):
     raise channel.error_for(err, what, address, waited) from None
-
-
-class _NotListening(Exception):
-    """Nothing accepts connections on the socket (yet): retried like UNAVAILABLE."""
 
 
 class Client:
@@ -105,9 +102,7 @@ class Client:
         self.reconnect_window = reconnect_window
         self.direct_hits = direct_hits and not self.app  # a recorded application's every kernel goes by the daemon
         self._service: dict | None = None  # GetServiceInfo, asked once: default target, cache root, key fingerprint
-        if daemon_uid is None and os.environ.get("KERNEL_SERVICE_DAEMON_UID"):
-            daemon_uid = int(os.environ["KERNEL_SERVICE_DAEMON_UID"])
-        self.daemon_uid = os.getuid() if daemon_uid is None else daemon_uid
+        self.daemon_uid = channel.daemon_uid(daemon_uid)
         self.token_file = Path(token_file) if token_file else None
         self._metadata: tuple | None = None  # TCP: the authorization header, read once
         self._trusted = False  # Unix socket: directory and peer uid checked
@@ -132,27 +127,10 @@ class Client:
             raise ServiceUnavailable(f"no kernel service at {self.socket_path} (start one with `kernel-service serve`)")
 
     def _verify_daemon(self) -> None:
-        """Before the first call on a Unix socket: the socket's directory must be one only the
-        daemon's uid controls (so no one else can swap the socket later, and reconnects need
-        no new check), and the process listening there must run as that uid."""
+        """Before the first call on a Unix socket: the daemon's checks (proto.channel.verify_daemon)."""
         if self._trusted or self.socket_path is None:
             return
-        directory = self.socket_path.parent
-        try:
-            why = problem(os.lstat(directory), self.daemon_uid)
-        except FileNotFoundError:
-            raise ServiceUnavailable(f"no kernel service at {self.socket_path} (start one with `kernel-service serve`)") from None
-        if why:
-            raise UntrustedService(f"the socket directory {directory} {why}: another user could put their own server there; refusing to use {self.socket_path}")
-        try:
-            uid = peer_uid(self.socket_path)
-        except OSError as exc:
-            raise _NotListening(str(exc)) from None
-        if uid != self.daemon_uid:
-            raise UntrustedService(
-                f"the process serving {self.socket_path} runs as uid {uid}, not as the daemon's uid {self.daemon_uid}: "
-                f"refusing to use it (if you trust it, pass daemon_uid={uid} or set KERNEL_SERVICE_DAEMON_UID={uid})"
-            )
+        channel.verify_daemon(self.socket_path, self.daemon_uid)
         self._trusted = True
 
     def _auth(self) -> tuple | None:
@@ -164,27 +142,33 @@ class Client:
         return self._metadata
 
     def _call(self, method: Callable, request, timeout: float, what: str):
-        """One RPC with a deadline; retries UNAVAILABLE (and a drain's CANCELLED) with backoff, and nothing else.
+        """One RPC; retries UNAVAILABLE (and a drain's CANCELLED) with backoff, and nothing else.
 
+        The retry window (reconnect_window once a daemon answered this client, else 2 s) opens
+        at the first failure and is not cut by `timeout`: each attempt may wait `timeout` seconds
+        for its answer, or until the window closes if that is later (a restarted daemon is slow
+        to give its first answers), so a call takes at most the window plus `timeout`. (Cut by
+        a 10 s stats or service-info deadline, the documented 30 s window held about 9 s.)
         With no socket at all and no daemon ever seen, fails fast.
         """
         start = time.monotonic()
-        deadline, retry_until = start + timeout, None
+        retry_until = None
         delay = 0.05
         while True:
             self._check_socket()
             try:
                 self._verify_daemon()
-                result = method(request, timeout=max(0.001, deadline - time.monotonic()), metadata=self._auth())
+                wait = timeout if retry_until is None else max(timeout, retry_until - time.monotonic())
+                result = method(request, timeout=wait, metadata=self._auth())
                 self._answered = True
                 return result
-            except (grpc.RpcError, _NotListening) as err:
+            except (grpc.RpcError, channel.NotListening) as err:
                 now = time.monotonic()
                 if retry_until is None:  # the window opens at the first failure and never slides
-                    retry_until = min(deadline, now + (self.reconnect_window if self._answered else NO_DAEMON_WINDOW))
+                    retry_until = now + (self.reconnect_window if self._answered else NO_DAEMON_WINDOW)
                 code = err.code() if isinstance(err, grpc.RpcError) else Status.UNAVAILABLE
                 if code not in Status.RETRYABLE or now + delay >= retry_until:
-                    if isinstance(err, _NotListening):
+                    if isinstance(err, channel.NotListening):
                         tried = f" (retried for {now - start:.1f} s)" if now - start > 0.01 else ""
                         raise ServiceUnavailable(
                             f"no kernel service answers at {self.socket_path}{tried}: nothing accepts connections ({err}); start one with `kernel-service serve`"
@@ -458,13 +442,6 @@ class Client:
                 wanted.append((i, *self._request(raw.pop("kind", None), raw, raw.pop("target", None))))
             except InvalidSpec as exc:
                 refuse(i, _in_batch(exc, i))
-        self._check_socket()
-        try:
-            self._verify_daemon()
-        except _NotListening as exc:
-            raise ServiceUnavailable(
-                f"no kernel service answers at {self.socket_path}: nothing accepts connections ({exc}); start one with `kernel-service serve`"
-            ) from None
         # The daemon refuses a whole batch for one spec it finds invalid (a kind only it knows):
         # that spec leaves the batch, which is sent again.
         while (refused := self._prefetch_batch(wanted, results, done, timeout, report, load)) is not None:
@@ -485,8 +462,21 @@ class Client:
         batch for that one spec before answering any, else None; raises for the whole batch."""
         request = pb.PrefetchRequest(specs=[proto for _, _, proto, _ in wanted], app=self.app, no_compile=self.strict)
         answered = 0
+
+        def opened(request, timeout, metadata):  # retried by _call until the daemon answers (its first event, or a refusal)
+            stream = self._stub.Prefetch(request, timeout=timeout, metadata=metadata)
+            try:
+                return next(stream, None), stream, None
+            except grpc.RpcError as err:
+                if err.code() in Status.RETRYABLE:
+                    raise
+                return None, stream, err
+
+        first, stream, refusal = self._call(opened, request, timeout or self.timeout, "prefetch")
         try:
-            for event in self._stub.Prefetch(request, timeout=timeout or self.timeout, metadata=self._auth()):
+            if refusal is not None:
+                raise refusal
+            for event in itertools.chain([first] if first is not None else [], stream):
                 answered += 1
                 slot, memo_key, proto, spec = wanted[event.index]
                 if event.error_code:
@@ -520,8 +510,10 @@ class Client:
 
     def explain(self, kind: str, *, target: str | None = None, **params) -> dict:
         """Whether the kernel is in the cache, and why not: {"hit", "key", "spec", "toolchain"
-        (each part of the fingerprint), "reason", "nearest": [{"key", "spec", "differences":
-        [{"part", "field", "wanted", "found", "text"}]}]}. Compiles nothing."""
+        (each part of the fingerprint), "reason", "failure" (the full text of a compile failure
+        the daemon remembers for it, which a CompileError may carry cut; "" if none), "nearest":
+        [{"key", "spec", "differences": [{"part", "field", "wanted", "found", "text"}]}]}.
+        Compiles nothing."""
         _, proto, _ = self._request(kind, params, target)
         reply = self._call(self._stub.Explain, pb.ExplainRequest(spec=proto), STATS_TIMEOUT, f"explain {kind}")
         return wire.explanation_from_proto(reply)

@@ -3,18 +3,18 @@
 from proto.errors import EntryRefused, InvalidSpec  # InvalidSpec: a ValueError whose `field` names the bad parameter
 
 # The errors a failed call raises are the contract's (proto/channel.py maps each status to one).
-from proto.channel import NOT_READY_FIX, CompileError, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable
-
-
-class UntrustedService(ServiceUnavailable):
-    """The service found is not the trusted daemon: its process runs as another uid than
-    expected (SO_PEERCRED), or its socket sits in a directory another user controls. Nothing
-    is asked of it and nothing it names is loaded."""
+# UntrustedService: the daemon found is not the trusted one (proto.channel.verify_daemon).
+from proto.channel import NOT_READY_FIX, CompileError, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable, UntrustedService
 
 
 class CorruptArtifact(KernelServiceError, EntryRefused):
     """A cache file failed its checks (digest, size, owner, permissions, symlink); it is not loaded.
     An OSError, and the client's form of the contract's EntryRefused (proto.entry's rules)."""
+
+
+class LoadError(KernelServiceError, OSError):
+    """A kernel that passed every check could not be loaded into this process (no directory
+    lets its library be executed: a noexec TMPDIR); the message names the fix."""
 
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "InvalidSpec",
     "KernelNotReady",
     "KernelServiceError",
+    "LoadError",
     "ServiceError",
     "ServiceUnavailable",
     "UntrustedService",

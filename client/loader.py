@@ -44,10 +44,10 @@ from pathlib import Path
 
 from proto import abi as abi_schema
 from proto.entry import ENTRY_META, MANIFEST, Entry, EntryRefused, check_location, is_file_name, read_manifest, read_meta, signature
-from proto.paths import entry_dir
+from proto.paths import entry_dir, xdg_cache_home
 from proto.trust import read_owned, read_verified  # noqa: F401  (importable from here, as before)
 
-from .errors import CorruptArtifact
+from .errors import CorruptArtifact, LoadError
 
 _DTYPES = {
     "float32": "float32",
@@ -98,11 +98,40 @@ def entry_directory(root: Path, entry_dir: Path, key: str, owner: int) -> Path:
         return check_location(root, entry_dir, key, owner)
 
 
+def _exec_candidates() -> list[Path]:
+    """Where a private copy may go, in order: the temporary directory ($TMPDIR), then
+    $XDG_RUNTIME_DIR, then the user's cache directory (~/.cache): containers often mount
+    /tmp noexec, and a library there cannot be mapped."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    out = [Path(tempfile.gettempdir())]
+    if runtime and os.path.isabs(runtime):
+        out.append(Path(runtime))
+    out.append(xdg_cache_home())
+    return list(dict.fromkeys(out))
+
+
+NOEXEC_FIX = "set TMPDIR to a directory on a filesystem mounted without noexec (e.g. TMPDIR=$HOME/.cache/tmp), or remount it with exec"
+
+
 @functools.cache
 def _private_dir() -> Path:
-    path = Path(tempfile.mkdtemp(prefix=f"kernel-service-load-{os.getpid()}-"))
-    atexit.register(shutil.rmtree, path, True)  # each loaded copy is unlinked at once; this removes the directory
-    return path
+    """A private (0700) directory of this process, on a filesystem that lets a library in it be
+    mapped executable: found at the first load, the first of _exec_candidates that is not
+    mounted noexec. Raises LoadError, naming the fix, when none is."""
+    tried = []
+    for base in _exec_candidates():
+        try:
+            base.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if os.statvfs(base).f_flag & os.ST_NOEXEC:
+                tried.append(f"{base} (mounted noexec)")
+                continue
+            path = Path(tempfile.mkdtemp(prefix=f"kernel-service-load-{os.getpid()}-", dir=base))
+        except OSError as exc:
+            tried.append(f"{base} ({exc.strerror or exc})")
+            continue
+        atexit.register(shutil.rmtree, path, True)  # each loaded copy is unlinked at once; this removes the directory
+        return path
+    raise LoadError(f"cannot load kernels: no directory to copy them to lets a library be executed, tried {', '.join(tried)}; {NOEXEC_FIX}")
 
 
 _names = itertools.count()
@@ -116,6 +145,10 @@ def _dlopen_bytes(data: bytes, key: str, opener):
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         return opener(str(path))
+    except OSError as exc:  # mapped executable refused on a filesystem statvfs did not flag (a policy, an overlay)
+        if "failed to map segment" in str(exc):
+            raise LoadError(f"cannot load kernel {key[:16]} from {path}: {exc}; {NOEXEC_FIX}") from None
+        raise
     finally:
         path.unlink(missing_ok=True)  # the mapping outlives the name
 

@@ -91,8 +91,11 @@ class NoDaemon(ConnectionError):
 
 def _ask(socket: str | None, rpc: str, request, timeout: float = 10):
     """One call to the daemon at `socket` (default: the default socket) through the contract's
-    stubs. Raises NoDaemon at once when none answers, InvalidSpec (a ValueError) when it refuses
-    the request as invalid, ConnectionError on any other failure (its message from proto/channel.py)."""
+    stubs, after the client's own trust checks (proto.channel.verify_daemon: the socket's
+    directory and the peer's uid; the uid expected is $KERNEL_SERVICE_DAEMON_UID, else ours).
+    Raises NoDaemon at once when none answers, UntrustedService (a ConnectionError) when the
+    one answering is not to be trusted, InvalidSpec (a ValueError) when it refuses the request
+    as invalid, ConnectionError on any other failure (its message from proto/channel.py)."""
     import grpc
 
     from proto import channel
@@ -101,16 +104,25 @@ def _ask(socket: str | None, rpc: str, request, timeout: float = 10):
     address = channel.target(socket)
     where = address.removeprefix("unix:")
     path = channel.socket_path(address)
-    if path is not None and not path.exists():
-        raise NoDaemon(f"no kernel-service daemon at {where}; start one with `kernel-service serve`")
+    gone = f"no kernel-service daemon answers at {where} (its socket file is there, left by a daemon that was killed); start one with `kernel-service serve`"
+    if path is not None:
+        if not path.exists():
+            raise NoDaemon(f"no kernel-service daemon at {where}; start one with `kernel-service serve`")
+        try:
+            channel.verify_daemon(path, channel.daemon_uid())
+        except channel.NotListening:
+            raise NoDaemon(gone) from None
+        except channel.UntrustedService:
+            raise
+        except channel.ServiceUnavailable as exc:
+            raise NoDaemon(str(exc)) from None
     with channel.open_channel(address) as ch:
         try:
             return getattr(pb_grpc.KernelServiceStub(ch), rpc)(request, timeout=timeout, metadata=channel.auth_metadata(address))
         except grpc.RpcError as err:
             exc = channel.error_for(err, f"the daemon at {where}", where)
     if isinstance(exc, channel.ServiceUnavailable):
-        gone = " (its socket file is there, left by a daemon that was killed)" if path is not None else ""
-        raise NoDaemon(f"no kernel-service daemon answers at {where}{gone}; start one with `kernel-service serve`")
+        raise NoDaemon(gone if path is not None else f"no kernel-service daemon answers at {where}; start one with `kernel-service serve`")
     if isinstance(exc, ValueError):
         raise exc
     raise ConnectionError(str(exc))  # one line for the caller to print, whatever the status
@@ -202,29 +214,25 @@ def _exited(pid: int) -> bool:
 
 
 def _stop(args) -> int:
-    import signal
-
     from proto.paths import default_socket
 
-    from .server import running_daemon
+    from .stopping import NotTheDaemon, terminate
 
     socket = Path(args.socket) if args.socket else default_socket()
-    pid = running_daemon(socket)
+    refuse = "refusing to signal it; stop the daemon as its owner, or with the supervisor that started it"
+    try:
+        pid = terminate(socket)
+    except NotTheDaemon as exc:
+        return _fail(f"{exc}: {refuse}")
+    except PermissionError:
+        return _fail(f"the daemon on {socket} belongs to another user; stop it as that user")
     if pid is None:
         print(f"no kernel-service daemon is running on {socket}")
         return 0
-    if pid < 0:
-        return _fail(f"a daemon holds {socket}'s lock but its pid file is unreadable; stop it with your supervisor")
-    try:
-        os.kill(pid, signal.SIGTERM)  # the daemon drains: in-flight compiles get its --grace seconds
-    except ProcessLookupError:
-        return 0
-    except PermissionError:
-        return _fail(f"the daemon on {socket} (pid {pid}) belongs to another user; stop it as that user")
     deadline = time.monotonic() + args.timeout
-    while running_daemon(socket) is not None or not _exited(pid):  # it drains, then it exits
+    while not _exited(pid):  # it drains, then it exits
         if time.monotonic() > deadline:
-            return _fail(f"the daemon (pid {pid}) is still draining after {args.timeout:.0f} s; wait, or `kill -9 {pid}` to stop it at once")
+            return _fail(f"the daemon (pid {pid}) is still draining after {args.timeout:.0f} s; wait, or `kill -9 {pid}` to stop it at once (checked: the daemon serving {socket})")
         time.sleep(0.1)
     print(f"stopped the daemon on {socket} (pid {pid})")
     return 0
@@ -263,6 +271,7 @@ def _open_store(args, changes: str | None = None):
     `changes`: the command, when it may remove things (never from a read-only layer)."""
     from proto.paths import default_cache_dir
 
+    from .build.compiler import DEVICE_BINARIES
     from .store import LocalStore
     from .store.layers import is_layer
 
@@ -270,7 +279,7 @@ def _open_store(args, changes: str | None = None):
     if changes and is_layer(cache_dir):
         raise SystemExit(_fail(f"{cache_dir} is a read-only cache layer (its owner may not write it): `kernel-service {changes}` never changes one", 2))
     try:
-        return LocalStore(cache_dir, create=False)
+        return LocalStore(cache_dir, create=False, extra_usage=(cache_dir / DEVICE_BINARIES,))
     except OSError as exc:
         raise SystemExit(_fail(f"{exc.strerror or exc}; pass --cache-dir the cache root a daemon uses (see `kernel-service info`)", 2))
 
@@ -315,11 +324,18 @@ def _prune(args) -> int:
 
 def _clear(args) -> int:
     from .store import Budget
+    from .store.budget import extra_files
 
     store = _open_store(args, changes="clear")
-    before = store.usage()
+    before, binaries = store.usage(), len(extra_files(store))
     removed = store.evict(Budget(max_bytes=0, max_entries=0, min_age=float("-inf")))  # nothing is kept
-    print(f"removed {removed} entries and the device binaries from {store.root} ({_human_bytes(before[1] - store.usage()[1])} freed)")
+    after, binaries_left = store.usage(), len(extra_files(store))
+    print(
+        f"removed {removed} entries and {binaries - binaries_left} device binaries from {store.root} ({_human_bytes(before[1] - after[1])} freed)"
+    )
+    if after[0] or binaries_left:  # published or built meanwhile by a daemon serving this cache
+        print(f"left {after[0]} entries and {binaries_left} device binaries made while this ran ({_human_bytes(after[1])})")
+        return 1
     return 0
 
 
@@ -340,7 +356,7 @@ def _kinds(args) -> int:
         kinds = [wire.kind_from_proto(k) for k in _ask(args.socket, "ListKinds", pb.ListKindsRequest()).kinds]
         source = "the running daemon"
     except ConnectionError as exc:
-        if args.socket:  # a daemon was named: say it is not there rather than guess
+        if args.socket or not isinstance(exc, NoDaemon):  # a daemon was named, or one not to be trusted answers: say so rather than guess
             return _fail(str(exc))
         try:
             kinds, source = _local_kinds(args), "this installation (no daemon running)"
@@ -723,6 +739,8 @@ def _explain(args) -> int:
         print(f"  why        {answer['reason']}")
         for near in answer["nearest"]:
             print(f"  near       {near['key'][:16]}  differs in {', '.join(d['text'] for d in near['differences']) or 'nothing (keyed by another version)'}")
+    if answer["failure"]:  # in full: the error a GetKernel gets may be cut to fit gRPC's metadata
+        print("  failure    " + answer["failure"].replace("\n", "\n             "))
     return 0 if answer["hit"] else 1
 
 

@@ -473,6 +473,12 @@ class Scheduler:
     def key_of(self, spec: CanonicalSpec) -> str:
         return self._key_of(spec)[0]
 
+    def remembered_failure(self, key: str) -> str | None:
+        """The full text of the compile failure remembered for `key` (Explain's), or None."""
+        with self._lock:
+            failure = self._failures.recall(key)
+        return None if failure is None else str(failure)
+
     def _key_of(self, spec: CanonicalSpec) -> tuple[str, dict]:
         """The key, and the spec the entry must record (a key collision or a planted entry is
         corrupt); remembered per spec, since hits repeat the same few."""
@@ -555,6 +561,7 @@ class Scheduler:
             return
         if claim.failure is not None:
             self.metrics.add(failures_cached=1)
+            log.warning("compile of %s failed on another host: %s", flight.spec.to_json(), claim.failure)
             self._finish(flight, compiler.CompileFailed(claim.failure), remember=claim.failure_ttl)
             return
         self._publish(self._settle, flight, self._build(flight))
@@ -659,7 +666,7 @@ class Scheduler:
         if isinstance(outcome, BaseException) and not isinstance(outcome, (ShuttingDown, Cancelled)):
             if not flight.derived:
                 self.metrics.add(failures=1)
-            log.warning("compile of %s failed: %s", spec.to_json(), str(outcome)[:500])
+            log.warning("compile of %s failed: %s", spec.to_json(), outcome)  # in full: the client's copy may be cut (proto.wire.clip)
         if isinstance(outcome, BaseException):
             try:  # the fleet remembers compile failures; a crash or a full disk is this host's
                 self.store.abandon(key, str(outcome) if isinstance(outcome, compiler.CompileFailed) else None, self.failure_ttl)

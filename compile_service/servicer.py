@@ -279,7 +279,10 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
             spec = self._validate(request.spec)
         except Exception as exc:  # noqa: BLE001
             context.abort(*status_of(exc))
-        return explanation_to_proto(self._explain(spec, self.scheduler.key_of(spec)))
+        key = self.scheduler.key_of(spec)
+        reply = explanation_to_proto(self._explain(spec, key))
+        reply.failure = self.scheduler.remembered_failure(key) or ""  # in full: GetKernel's details are cut (wire.clip)
+        return reply
 
     def ListKinds(self, request, context):
         return pb.ListKindsResponse(kinds=[wire.kind_to_proto(kind.describe(), kernels.origin(name)) for name, kind in sorted(kernels.kinds().items())])

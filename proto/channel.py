@@ -8,6 +8,7 @@ re-exports the exceptions (client.CompileError is CompileError here).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import grpc
@@ -15,7 +16,10 @@ from google.protobuf import json_format
 
 from . import wire
 from .paths import TOKEN_FILE_ENV, default_socket, default_token_file, socket_address
+from .trust import peer_uid, problem
 from .wire import Status
+
+DAEMON_UID_ENV = "KERNEL_SERVICE_DAEMON_UID"  # the uid the daemon must run as, when the caller names none
 
 # ----- where and how
 
@@ -32,6 +36,42 @@ def socket_path(address: str) -> Path | None:
 
 def open_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=wire.channel_options())
+
+
+def daemon_uid(given: int | None = None) -> int:
+    """The uid a daemon must run as to be trusted: `given`, else $KERNEL_SERVICE_DAEMON_UID, else ours."""
+    if given is not None:
+        return given
+    return int(os.environ[DAEMON_UID_ENV]) if os.environ.get(DAEMON_UID_ENV) else os.getuid()
+
+
+class NotListening(OSError):
+    """A socket file with nothing accepting connections on it (yet): the caller may retry."""
+
+
+def verify_daemon(socket: Path, uid: int) -> None:
+    """The check before the first call on a Unix socket, for the client and the CLI alike: the
+    socket's directory must be a real directory of `uid` that no one else may write (so no one
+    else can swap the socket later, and reconnects need no new check), and the process
+    listening there must run as `uid` (SO_PEERCRED, which the server cannot fake).
+
+    Raises UntrustedService, ServiceUnavailable (no such directory) or NotListening."""
+    directory = socket.parent
+    try:
+        why = problem(os.lstat(directory), uid)
+    except FileNotFoundError:
+        raise ServiceUnavailable(f"no kernel service at {socket} (start one with `kernel-service serve`)") from None
+    if why:
+        raise UntrustedService(f"the socket directory {directory} {why}: another user could put their own server there; refusing to use {socket}")
+    try:
+        served_by = peer_uid(socket)
+    except OSError as exc:
+        raise NotListening(exc.errno, exc.strerror or str(exc)) from None
+    if served_by != uid:
+        raise UntrustedService(
+            f"the process serving {socket} runs as uid {served_by}, not as the daemon's uid {uid}: refusing to use it "
+            f"(if you trust it, set {DAEMON_UID_ENV}={served_by}, or pass daemon_uid={served_by} to client.connect)"
+        )
 
 
 def auth_metadata(address: str, token_file: str | Path | None = None) -> tuple | None:
@@ -78,6 +118,12 @@ class CompileError(KernelServiceError, RuntimeError):
 
 class ServiceUnavailable(KernelServiceError, ConnectionError):
     """No daemon answers on the socket (and no fallback was asked for)."""
+
+
+class UntrustedService(ServiceUnavailable):
+    """The service found is not the trusted daemon: its process runs as another uid than
+    expected (SO_PEERCRED), or its socket sits in a directory another user controls. Nothing
+    is asked of it and nothing it names is loaded."""
 
 
 class ServiceError(KernelServiceError, RuntimeError):

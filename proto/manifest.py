@@ -23,6 +23,10 @@ from .errors import InvalidSpec
 FORMAT = "kernel-service-manifest"
 VERSION = 1
 MAX_KERNELS = 100_000  # per manifest, and per recorded application
+MAX_DEPTH = 32  # levels of [] and {} in JSON read from outside: a manifest has 4, Python's parser recurses per level
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_A_BRACKET = re.compile(r"[^\[\]{}]+")
+_INNERMOST = re.compile(r"\[\]|\{\}")
 _APP = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
 
@@ -50,17 +54,45 @@ def dumps(manifest: dict) -> str:
     return f'{{\n{head}  "kernels": [\n{kernels}\n  ]\n}}\n'
 
 
+def load_json(text: str, where: str, max_depth: int = MAX_DEPTH):
+    """`text` parsed as JSON once it is known to nest at most `max_depth` levels (deeper input would
+    exhaust the parser's recursion); raises ManifestError naming `where`. Fast on large input: the
+    depth is found by regular expressions, each pass peeling the innermost level."""
+    brackets = _NOT_A_BRACKET.sub("", _STRING.sub('""', text))
+    for _ in range(max_depth):
+        if not brackets:
+            break
+        brackets = _INNERMOST.sub("", brackets)
+    too_deep = ManifestError(f"{where}: not JSON this reads: nested more than {max_depth} levels deep")
+    if len(brackets) > max_depth:  # too deep, or unmatched beyond what the parser may safely be given
+        raise too_deep
+    try:  # what is left nests at most 2 * max_depth levels: safe to parse, and the parser says where it is wrong
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ManifestError(f"{where}: not JSON ({exc})") from None
+    if brackets:
+        raise too_deep
+    return data
+
+
+PARAM_TYPES = (bool, int, float, str, type(None))  # what a parameter's value may be (proto.wire sends these)
+
+
 def load(source: str | os.PathLike | dict) -> dict:
     """A manifest from a path or an already loaded dict, checked; raises ManifestError."""
     where = "manifest"
     if not isinstance(source, dict):
         where = str(source)
         try:
-            source = json.loads(Path(source).read_text())
+            text = Path(source).read_text()
         except OSError as exc:
             raise ManifestError(f"{where}: cannot read it: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise ManifestError(f"{where}: not JSON ({exc}); write one with `kernel-service manifest --app NAME -o FILE`") from None
+        except ValueError as exc:  # not UTF-8
+            raise ManifestError(f"{where}: not a text file ({exc})") from None
+        try:
+            source = load_json(text, where)
+        except ManifestError as exc:
+            raise ManifestError(f"{exc}; write one with `kernel-service manifest --app NAME -o FILE`") from None
     if not isinstance(source, dict) or source.get("format") != FORMAT:
         raise ManifestError(f'{where}: not a kernel-service manifest (no "format": "{FORMAT}"); write one with `kernel-service manifest --app NAME -o FILE`')
     if source.get("version") != VERSION:
@@ -73,6 +105,11 @@ def load(source: str | os.PathLike | dict) -> dict:
     for i, k in enumerate(kernels):
         if not (isinstance(k, dict) and isinstance(k.get("kind"), str) and isinstance(k.get("target"), str) and isinstance(k.get("params"), dict)):
             raise ManifestError(f"{where}: kernels[{i}] must be an object with a string kind and target and a params object")
+        for name, value in k["params"].items():
+            if not isinstance(value, PARAM_TYPES):
+                raise ManifestError(
+                    f"{where}: kernels[{i}].params.{name} is a {type(value).__name__}; parameter values are numbers, strings, true/false or null"
+                )
     return source
 
 

@@ -23,13 +23,13 @@ def _absolute_env(name: str, env) -> Path | None:
     return Path(value) if value and os.path.isabs(value) else None
 
 
-def default_socket(env=os.environ) -> Path:
+def default_socket(env=os.environ, uid: int | None = None) -> Path:
     """$KERNEL_SERVICE_SOCKET, else $XDG_RUNTIME_DIR/kernel-service/kernel-service.sock,
-    else /tmp/kernel-service-<uid>/kernel-service.sock."""
+    else /tmp/kernel-service-<uid>/kernel-service.sock (`uid`: ours unless given)."""
     if env.get(SOCKET_ENV):
         return Path(env[SOCKET_ENV])
     runtime = _absolute_env("XDG_RUNTIME_DIR", env)
-    base = runtime / APP if runtime else Path("/tmp") / f"{APP}-{os.getuid()}"
+    base = runtime / APP if runtime else Path("/tmp") / f"{APP}-{os.getuid() if uid is None else uid}"
     return base / f"{APP}.sock"
 
 

@@ -26,7 +26,11 @@ MAX_NAME = 64  # kind, target and parameter names
 MAX_STRING = 256  # string parameter values
 MAX_BATCH = 4096  # specs in one Prefetch; the compiles it may queue are bounded apart (a share of the queue)
 MAX_MESSAGE = 16 << 20  # bytes of one gRPC message, both ways
-MAX_ERROR_TEXT = 12_000  # characters of a compile error sent back
+# Bytes of an error's text in a status's details, as sent: gRPC percent-encodes them into the
+# grpc-message header (a newline or a non-ASCII byte takes 3), and all of a reply's metadata must
+# fit in 8 KiB, or the caller gets RESOURCE_EXHAUSTED instead of the error. The full text is in the
+# daemon's log and, for a compile failure, in Explain's `failure`.
+MAX_ERROR_BYTES = 4096
 
 
 class Outcome(enum.Enum):
@@ -132,12 +136,35 @@ def invalid_spec_from_details(details: str) -> InvalidSpec:
     return InvalidSpec(field, message or details)
 
 
+def _sent_bytes(char: str) -> int:
+    """What one character costs in a grpc-message header: printable ASCII but '%' as is, the
+    rest percent-encoded byte by byte."""
+    if " " <= char <= "~" and char != "%":
+        return 1
+    return 3 * len(char.encode("utf-8", "surrogatepass"))
+
+
+def _fitting(chars, budget: int) -> int:
+    """How many of `chars` fit in `budget` sent bytes."""
+    count = 0
+    for char in chars:
+        budget -= _sent_bytes(char)
+        if budget < 0:
+            break
+        count += 1
+    return count
+
+
 def clip(text: str) -> str:
-    """A long compiler message cut in the middle to MAX_ERROR_TEXT characters."""
-    if len(text) <= MAX_ERROR_TEXT:
+    """An error's text cut in the middle to fit MAX_ERROR_BYTES as sent in a status's details
+    (the one rule for every error the daemon sends back)."""
+    if len(text) * 12 <= MAX_ERROR_BYTES or sum(map(_sent_bytes, text)) <= MAX_ERROR_BYTES:
         return text
-    half = MAX_ERROR_TEXT // 2
-    return f"{text[:half]}\n... [{len(text) - MAX_ERROR_TEXT} characters cut] ...\n{text[-half:]}"
+    marker = "\n... [{} characters cut: the daemon's log and `kernel-service explain` have the full text] ...\n"
+    half = (MAX_ERROR_BYTES - sum(map(_sent_bytes, marker.format(len(text))))) // 2
+    head = _fitting(text, half)
+    tail = _fitting(reversed(text), half)
+    return f"{text[:head]}{marker.format(len(text) - head - tail)}{text[len(text) - tail :]}"
 
 
 # A sidecar starts beside its agents: a channel that tried before the daemon listened must try
@@ -191,13 +218,15 @@ def kind_from_proto(info: pb.KindInfo) -> dict:
 
 def explanation_from_proto(reply: pb.ExplainResponse) -> dict:
     """An Explain answer as plain data: hit, key, spec, toolchain (parts as values), reason,
-    and nearest: [{key, spec, differences: [{part, field, wanted, found, text}]}]."""
+    failure (the remembered compile failure's full text, "" if none), and nearest:
+    [{key, spec, differences: [{part, field, wanted, found, text}]}]."""
     return {
         "hit": reply.hit,
         "key": reply.key,
         "spec": json.loads(reply.canonical_spec),
         "toolchain": {name: json.loads(value) for name, value in sorted(reply.toolchain.items())},
         "reason": reply.reason,
+        "failure": reply.failure,
         "nearest": [
             {
                 "key": n.key,

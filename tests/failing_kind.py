@@ -67,3 +67,17 @@ class Crashing(KernelKind):
                     Y[i] = X[i]
 
         return main
+
+
+@register
+class Verbose(KernelKind):
+    """Fails to build with a message of `size` characters over many lines, as a compiler's long
+    output would be (`accents` puts non-ASCII in it): what a client gets must be a CompileError."""
+
+    name = "verbose_failure"
+    params = (dim("N"), Param("size", int, default=10_000, min=1, max=100_000), Param("accents", bool, default=False))
+
+    def build_cpu(self, p):
+        line = "error: failed at line {:06d}" + (" (échec)" if p["accents"] else "") + "\n"
+        lines = [line.format(i) for i in range(p["size"] // len(line.format(0)) + 1)]
+        raise RuntimeError("".join(lines)[: p["size"]])

@@ -171,3 +171,133 @@ def test_ls_prune_and_stop_agree_with_the_cache_and_the_process(make_daemon):
     assert stopped.returncode == 0 and f"pid {pid}" in stopped.stdout
     assert _exited(pid)  # gone (or a zombie awaiting its parent's wait) by the time stop returns
     assert d.proc.wait(10) == 0
+
+
+# ----- #32 item 5: long errors reach the client as what they are, and Explain has them whole
+
+
+def test_a_long_compile_error_is_a_compile_error_and_explain_has_it_whole(make_daemon):
+    """A compile error of 8-12 KB (newlines and non-ASCII cost 3 bytes each in gRPC's metadata,
+    whose limit is 8 KB) reaches the client as CompileError, cut in the middle; the client's and
+    the CLI's explain give its full text, and the daemon's log has it."""
+    import client
+
+    d = make_daemon("--kernel-module", "tests.failing_kind", workers=1)
+    c = d.client()
+    for size, accents in ((8_500, False), (12_000, True)):
+        try:
+            c.get_kernel("verbose_failure", N=size // 100, size=size, accents=accents, target="c")
+            raise AssertionError("it compiled")
+        except client.CompileError as exc:
+            message = str(exc)
+        assert "characters cut" in message and "`kernel-service explain`" in message and "line 000000" in message, message[:300]
+        full = c.explain("verbose_failure", N=size // 100, size=size, accents=accents, target="c")["failure"]
+        middle = f"line {size // 2 // (37 if accents else 29):06d}"  # cut from the client's copy
+        assert full.startswith("RuntimeError: e") and middle in full and middle not in message, full[:200]
+        assert len(full) > size and "characters cut" not in full
+    shown = cli("explain", "verbose_failure", f"N={120}", "size=12000", "accents=true", "--target", "c", "--socket", str(d.socket))
+    assert shown.returncode == 1 and "failure    RuntimeError: error" in shown.stdout and shown.stdout.count("échec") > 300, shown.stdout[-500:]
+    assert d.log().count("échec") > 300  # the daemon's log has it whole too
+
+
+def test_a_long_fleet_failure_record_is_a_compile_error(make_daemon, tmp_path):
+    """A failure record of 10 KB another host left in the fleet tier: a CompileError here too."""
+    import client
+    from compile_service.store.remote import failed_key
+    from devtools import redis_server
+    from tests.marks import require_redis_server
+
+    require_redis_server()
+    with redis_server.RedisProcess(log_path=tmp_path / "redis.log") as redis:
+        d = make_daemon("--remote", redis.url(), workers=1)
+        c = d.client()
+        spec = dict(M=None, N=136, dtype="float32", target="c")
+        key = c.explain("rmsnorm", **spec)["key"]
+        error = "".join(f"nvcc: error at line {i}: ☠\n" for i in range(400))
+        with redis.admin() as r:
+            r.set(failed_key(key), json.dumps({"host": "builder-7", "error": error, "at": time.time()}), px=60_000)
+        try:
+            c.get_kernel("rmsnorm", **spec)
+            raise AssertionError("it compiled")
+        except client.CompileError as exc:
+            assert "failed on builder-7" in str(exc) and "characters cut" in str(exc), str(exc)[-300:]
+        assert error in c.explain("rmsnorm", **spec)["failure"]
+
+
+# ----- #32 items 5 and 6: clear removes what it says, and follows no link planted in the cache root
+
+
+def _cache_with_device_binaries(root: Path) -> list[Path]:
+    """A cache root as a daemon leaves it, with two device binaries (and a lock) the compile workers kept."""
+    from compile_service.store import LocalStore
+
+    LocalStore(root)
+    binaries = root / "device-binaries" / "nvrtc-13.0"
+    binaries.mkdir(parents=True, mode=0o700)
+    os.chmod(root / "device-binaries", 0o700)
+    files = [binaries / "ab12.cubin", binaries / "cd34.cubin"]
+    for f in files:
+        f.write_bytes(b"\0" * 1000)
+    (binaries / "ab12.cubin.lock").write_bytes(b"")
+    return files
+
+
+def test_clear_removes_the_device_binaries_it_says_it_removes(tmp_path):
+    files = _cache_with_device_binaries(tmp_path / "cache")
+    listed = cli("ls", "--cache-dir", str(tmp_path / "cache"))
+    assert "2.0 KiB in all" in listed.stdout, listed.stdout  # counted, as a daemon counts them
+    done = cli("clear", "--cache-dir", str(tmp_path / "cache"))
+    assert done.returncode == 0 and "removed 0 entries and 2 device binaries" in done.stdout and "2.0 KiB freed" in done.stdout, done
+    assert not any(f.exists() for f in files)
+
+
+def test_clear_and_eviction_follow_no_link_planted_in_the_cache_root(tmp_path):
+    """`blobs/` and `device-binaries/` replaced by links to another directory: `clear` and a
+    daemon's eviction (LocalStore.evict) neither count nor delete what those links point to."""
+    from compile_service.store import Budget, LocalStore
+    from tests.plant import host_toolchain, plant, spec_of
+
+    precious = tmp_path / "precious"
+    (precious / "ab").mkdir(parents=True)
+    kept = [precious / "ab" / ("ab" * 32), precious / "notes.cubin"]
+    for f in kept:
+        f.write_bytes(b"mine" * 100)
+    everything = Budget(max_bytes=0, max_entries=0, min_age=float("-inf"))
+    for i, how in enumerate(("clear", "evict")):
+        cache = tmp_path / f"cache-{i}"
+        _cache_with_device_binaries(cache)
+        spec = spec_of("rmsnorm", "c", M=None, N=64, dtype="float32")
+        plant(LocalStore(cache), spec, host_toolchain(spec, "nvrtc-13.0"))  # an entry: its removal collects blobs
+        for name in ("blobs", "device-binaries"):
+            subprocess.run(["rm", "-rf", str(cache / name)], check=True)
+            (cache / name).symlink_to(precious, target_is_directory=True)
+        if how == "clear":
+            done = cli("clear", "--cache-dir", str(cache))
+            assert done.returncode == 0 and "removed 1 entries and 0 device binaries" in done.stdout, done
+        else:
+            assert LocalStore(cache, create=False, extra_usage=(cache / "device-binaries",)).evict(everything) == 1
+        assert all(f.read_bytes() == b"mine" * 100 for f in kept), how
+
+
+def test_stop_recognises_every_way_a_daemon_is_started():
+    """The command lines `kernel-service stop` takes for a daemon (stopping._serve_args): the
+    console script (run directly or by its interpreter), the module (devtools/launch.py and the
+    tests start it so), with or without --log-level; anything else is not a daemon."""
+    from compile_service.stopping import _serve_args
+
+    daemons = (
+        ["/venv/bin/kernel-service", "serve", "--socket", "s"],
+        ["/venv/bin/python3.11", "/venv/bin/kernel-service", "--log-level", "DEBUG", "serve", "--socket", "s"],
+        ["python", "-u", "-m", "compile_service.cli", "serve", "--socket", "s"],
+        ["python", "-mcompile_service.cli", "--log-level=INFO", "serve", "--socket", "s"],
+    )
+    for argv in daemons:
+        assert _serve_args(argv) == ["--socket", "s"], argv
+    for argv in (
+        ["python", "-m", "compile_service.cli", "stats", "--socket", "s"],
+        ["python", "-c", "import x", "kernel-service", "serve"],
+        ["sleep", "100", "kernel-service", "serve"],
+        ["python", "-m", "other.cli", "serve"],
+        [],
+    ):
+        assert _serve_args(argv) is None, argv

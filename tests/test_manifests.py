@@ -267,3 +267,39 @@ def test_prewarm_sends_batches_the_daemon_accepts(make_daemon, tmp_path):
         d.client().prefetch(m, load=False)  # all at once: refused
     warmed = cli("prewarm", str(path), "--socket", str(d.socket))
     assert warmed.returncode == 0 and "built 5, already there 0, failed 0" in warmed.stdout, warmed.stdout + warmed.stderr
+
+
+# ----- #32 item 5: nested or ill-typed manifests are a ManifestError, one line, no traceback
+
+
+def _hostile_manifests(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (file, what the one-line error must say)."""
+    kernel = {"kind": "rmsnorm", "target": "c", "params": {"M": None, "N": 64, "dtype": "float32"}}
+    deep = '{"format": "kernel-service-manifest", "version": 1, "app": "x", "kernels": [' + "[" * 100_000 + "]" * 100_000 + "]}"
+    listed = manifest.make("x", [{**kernel, "params": {**kernel["params"], "N": [64, 128]}}])
+    nested_param = manifest.make("x", [{**kernel, "params": {**kernel["params"], "N": {"a": [[[1]]]}}}])
+    out = {}
+    for name, text, why in (
+        ("deep", deep, "nested more than 32 levels deep"),
+        ("list", json.dumps(listed), "kernels[0].params.N is a list; parameter values are numbers, strings, true/false or null"),
+        ("dict", json.dumps(nested_param), "kernels[0].params.N is a dict"),
+    ):
+        path = tmp_path / f"{name}.json"
+        path.write_text(text)
+        out[name] = (path, why)
+    return out
+
+
+def test_nested_or_ill_typed_manifests_are_one_line_errors(shared_daemon, tmp_path):
+    """prewarm (against a running daemon), bundle export --manifest and client.prefetch(path):
+    a manifest nested 100,000 deep, or with a list- or object-valued parameter."""
+    c = shared_daemon.client()
+    for name, (path, why) in _hostile_manifests(tmp_path).items():
+        for argv in (("prewarm", str(path), "--socket", str(shared_daemon.socket)), ("bundle", "export", "--manifest", str(path), "-o", str(tmp_path / "b.tar"))):
+            done = cli(*argv)
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 2 and len(lines) == 1 and why in lines[0] and "Traceback" not in done.stderr, (name, argv[0], done.stderr[-500:])
+        with pytest.raises(manifest.ManifestError, match=why.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+            c.prefetch(path)
+        with pytest.raises(manifest.ManifestError):
+            manifest.load(path)

@@ -63,6 +63,64 @@ def test_a_killed_daemon_fails_clients_within_the_window(make_daemon):
     assert time.monotonic() - t < 10 and "left by a daemon that was killed" in line
 
 
+def test_the_reconnect_window_holds_for_a_daemon_started_late(make_daemon):
+    """#32 item 6: once a daemon has answered, calls wait for a restarted one for the whole
+    reconnect window, whatever their own timeout (service_info's 10 s cut the 30 s window to
+    about 9 s) and a Prefetch too (it was not retried at all)."""
+    import threading
+
+    d = make_daemon("--no-compile")  # no workers: quick to stop and start
+    c = d.client()
+    c.stats()
+    for call in (lambda: c.service_info(timeout=3), lambda: c.prefetch([{"kind": "rmsnorm", **RMSNORM}], load=False)):
+        d.stop()
+        late = threading.Timer(4, d.start, kwargs={"wait": False})
+        late.start()
+        t = time.monotonic()
+        try:
+            answer = call()
+        finally:
+            late.join()
+        assert answer and time.monotonic() - t > 4, answer
+
+
+LOAD_ONE = """
+import json, sys, client
+from client import loader
+try:
+    k = client.connect(sys.argv[1]).get_kernel("rmsnorm", M=None, N=64, dtype="float32", target="c")
+    print(json.dumps({"outcome": k.outcome, "copies_in": str(loader._private_dir())}))
+except Exception as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+"""
+
+
+def test_a_noexec_tmpdir_is_detected_at_the_first_load_and_another_directory_used(shared_daemon, tmp_path):
+    """#32 item 5: with TMPDIR on a noexec mount (common in containers) kernels load from the
+    next directory that allows executing ($XDG_RUNTIME_DIR, then ~/.cache); with none, the
+    error is a LoadError that names the fix, not a raw OSError from the dynamic loader."""
+    noexec, runtime = tmp_path / "noexec", tmp_path / "run"
+    noexec.mkdir()
+    runtime.mkdir(mode=0o700)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "noexec,size=8m", "ks-noexec", str(noexec)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a noexec tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+
+        def load(**env) -> dict:
+            done = subprocess.run([sys.executable, "-c", LOAD_ONE, str(shared_daemon.socket)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                                  env={**os.environ, "TMPDIR": str(noexec), **env})  # fmt: skip
+            assert done.returncode == 0, done.stderr[-2000:]
+            return json.loads(done.stdout.strip().splitlines()[-1])
+
+        loaded = load(XDG_RUNTIME_DIR=str(runtime))
+        assert "outcome" in loaded and Path(loaded["copies_in"]).parent == runtime, loaded
+        refused = load(XDG_RUNTIME_DIR=str(noexec), XDG_CACHE_HOME=str(noexec / "cache"))
+        assert refused["error"] == "LoadError" and "mounted noexec" in refused["message"] and "set TMPDIR to a directory" in refused["message"], refused
+    finally:
+        subprocess.run(["umount", str(noexec)], check=True)
+
+
 # ----- fault 3: bad input to the CLI is one line and a non-zero exit
 
 

@@ -902,3 +902,92 @@ def test_bundle_import_refuses_a_library_no_trusted_key_signed(world, builder_bu
     assert no_key.returncode == 1 and "not a trusted key (no trusted key was given)" in no_key.stderr
     trusted = _import(str(bundle), "--cache-dir", str(cache), "--trusted-key", str(pub))
     assert trusted.returncode == 0 and "imported 2 entries" in trusted.stdout and "a trusted key" in trusted.stdout, trusted.stderr
+
+
+# ----------------------------------------------------------------------------- round two (#32): the CLI's trust checks
+
+CLI = "import sys; from compile_service.cli import main; sys.exit(main(sys.argv[1:]))"
+
+# Holds a socket's instance lock and writes a pid of the attacker's choosing next to it.
+SQUAT_LOCK = (
+    "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); fcntl.flock(fd, fcntl.LOCK_EX);"
+    "open(sys.argv[2], 'w').write(sys.argv[3]); print('held', flush=True); time.sleep(120)"
+)
+
+# A root process that notes any SIGTERM it gets.
+ROOT_BYSTANDER = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: open(sys.argv[1], 'w').write('hit')); print('up', flush=True); time.sleep(120)"
+
+
+def _stop_as_root(socket: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CLI, "stop", "--socket", str(socket), "--timeout", "60"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_stop_signals_only_the_daemon_serving_the_socket(world, tmp_path):
+    """#32 item 2: root runs `kernel-service stop --socket PATH` where the attacker controls PATH's
+    directory and names a pid next to it: a root process, or one of their own that is no daemon,
+    or any pid in a directory everyone may write. Nothing is signalled, no `kill -9` is advised.
+    The owner's real daemon, in the owner's directory, is stopped as before."""
+    marker = tmp_path / "bystander-got-sigterm"
+    bystander = subprocess.Popen([sys.executable, "-c", ROOT_BYSTANDER, str(marker)], stdout=subprocess.PIPE, text=True)
+    squatters = []
+    try:
+        assert bystander.stdout.readline().strip() == "up"
+        attacker_dir = world.home[ATTACKER] / "run-stop"
+        world.python(ATTACKER, "import os, sys; os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], 0o755)", attacker_dir)
+        shared_socket = world.shared / "ks-stop.sock"
+        cases = (
+            (attacker_dir / "ks.sock", lambda squatter: bystander.pid, f"process {bystander.pid} runs as uid 0"),
+            (attacker_dir / "ks2.sock", lambda squatter: squatter.pid, "is not a kernel-service daemon"),
+            (shared_socket, lambda squatter: bystander.pid, f"the socket directory {world.shared} is writable by group or others"),
+        )
+        for socket, pid_of, why in cases:
+            lock, pid_file = Path(f"{socket}.lock"), Path(f"{socket}.pid")
+            squatter = world.popen(ATTACKER, [sys.executable, "-c", SQUAT_LOCK, str(lock), str(pid_file), "0"], stdout=subprocess.PIPE, text=True)
+            squatters.append(squatter)
+            assert squatter.stdout.readline().strip() == "held"
+            world.python(ATTACKER, "import sys; open(sys.argv[1], 'w').write(sys.argv[2])", pid_file, str(pid_of(squatter)))
+            done = _stop_as_root(socket)
+            assert done.returncode == 1 and why in done.stderr and "refusing to signal it" in done.stderr, done
+            assert "kill -9" not in done.stdout + done.stderr
+            assert squatter.poll() is None and bystander.poll() is None and not marker.exists()
+    finally:
+        for proc in (bystander, *squatters):
+            proc.kill()
+            proc.wait()
+
+    owner_dir = world.home[OWNER] / "run-stop-owner"
+    d = world.daemon(cache=world.home[OWNER] / "cache-stop", socket=owner_dir / "ks.sock")
+    done = _stop_as_root(d.socket)
+    assert done.returncode == 0 and f"stopped the daemon on {d.socket} (pid {d.proc.pid})" in done.stdout, done
+    assert d.proc.wait(30) == 0
+
+
+def test_the_cli_refuses_a_daemon_the_client_would_refuse(world, evil):
+    """#32 item 6, the CLI's peer checks: `kernel-service stats`, run by the owner, against the
+    attacker's fake server in a directory of theirs, and against a server of another uid (root's)
+    in the owner's own directory: both refused with the client's reasons, nothing printed."""
+    library, _ = evil
+    attacker_dir = world.home[ATTACKER] / "run-cli"
+    world.python(ATTACKER, "import os, sys; os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], 0o755)", attacker_dir)
+    fake, _ = fake_server(world, f"unix:{attacker_dir}/ks.sock", world.home[ATTACKER] / "fake-cli-cache", library)
+    try:
+        done = world.python(OWNER, CLI, "stats", "--socket", attacker_dir / "ks.sock")
+    finally:
+        fake.kill()
+        fake.wait()
+    assert done.returncode == 1 and done.stdout == "", done
+    assert f"the socket directory {attacker_dir} is owned by uid {world.attacker.pw_uid}" in done.stderr, done.stderr
+
+    owner_dir = world.home[OWNER] / "run-cli-peer"
+    owner_dir.mkdir(mode=0o755)
+    os.chown(owner_dir, world.owner.pw_uid, world.owner.pw_gid)
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_KernelServiceServicer_to_server(type("Fake", (pb_grpc.KernelServiceServicer,), {"GetStats": lambda self, r, c: pb.Stats(compiles=7)})(), server)
+    server.add_insecure_port(f"unix:{owner_dir}/ks.sock")
+    server.start()
+    try:
+        os.chmod(owner_dir / "ks.sock", 0o777)
+        done = world.python(OWNER, CLI, "stats", "--json", "--socket", owner_dir / "ks.sock")
+    finally:
+        server.stop(None)
+    assert done.returncode == 1 and done.stdout == "" and "runs as uid 0, not as the daemon's uid" in done.stderr, done

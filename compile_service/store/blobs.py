@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-from proto.trust import private_dir
+from proto.trust import private_dir, problem
 
 from ..fsutil import fsync_path, sha256_file
 
@@ -66,7 +66,12 @@ class Blobs:
         return sha256_file(blob) == sha256
 
     def _walk(self):
-        if not self.dir.is_dir():
+        """Every blob, found without following a link: blobs/ itself must be a directory of
+        ours that only we may write (a link planted there is never walked, nor collected from)."""
+        try:
+            if problem(os.lstat(self.dir), os.geteuid()):
+                return
+        except FileNotFoundError:
             return
         for shard in self.dir.iterdir():
             if shard.is_dir() and not shard.is_symlink():

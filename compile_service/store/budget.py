@@ -19,26 +19,36 @@ import time
 from pathlib import Path
 
 from proto.entry import RECORDS
+from proto.trust import problem
 
 from .base import Budget
 
 log = logging.getLogger(__name__)
 
 
-def _extra_files(store) -> list[tuple[float, Path, int]]:
-    """(mtime, path, size) of every file in the extra caches (device binaries); locks excluded."""
+def extra_files(store) -> list[tuple[float, Path, int]]:
+    """(mtime, path, size) of every file in the extra caches (device binaries); locks excluded.
+
+    Walked without following a link: a top that is a link, or not a directory of the store's
+    owner that only it may write, is skipped with a warning (never walked, never evicted from)."""
     out = []
     for top in store.extra_usage:
-        for dirpath, dirnames, names in os.walk(top):
+        try:
+            why = problem(os.lstat(top), store.owner)
+        except FileNotFoundError:
+            continue
+        if why:
+            log.warning("not counting or evicting %s: it %s", top, why)
+            continue
+        for dirpath, dirnames, names, dirfd in os.fwalk(top, follow_symlinks=False):
             dirnames[:] = [d for d in dirnames if d != "locks"]
             for name in names:
                 if name.endswith(".lock"):
                     continue
-                path = Path(dirpath) / name
                 with contextlib.suppress(OSError):
-                    st = path.lstat()
+                    st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
                     if stat.S_ISREG(st.st_mode):
-                        out.append((st.st_mtime, path, st.st_size))
+                        out.append((st.st_mtime, Path(dirpath) / name, st.st_size))
     return out
 
 
@@ -64,7 +74,7 @@ def usage(store) -> tuple[int, int]:
         with contextlib.suppress(OSError):  # evicted while we walk
             size += _own_bytes(store.entry_path(key))
             entries += 1
-    size += store.blobs.usage() + sum(f[2] for f in _extra_files(store))
+    size += store.blobs.usage() + sum(f[2] for f in extra_files(store))
     return entries, size
 
 
@@ -82,7 +92,7 @@ def evict(store, budget: Budget, protect: str | None = None) -> int:
         count, total = usage(store)
         if (budget.max_entries is None or count <= budget.max_entries) and (budget.max_bytes is None or total <= budget.max_bytes):
             return 0
-        items = [(mtime, "device", path, size) for mtime, path, size in _extra_files(store)]
+        items = [(mtime, "device", path, size) for mtime, path, size in extra_files(store)]
         for key in store.keys():
             with contextlib.suppress(OSError):  # vanished meanwhile
                 items.append((store.last_used(key), "entry", key, 0))

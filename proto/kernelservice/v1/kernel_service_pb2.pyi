@@ -315,7 +315,7 @@ class ExplainRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[KernelSpec, _Mapping]] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
-    __slots__ = ("hit", "key", "canonical_spec", "toolchain", "nearest", "reason")
+    __slots__ = ("hit", "key", "canonical_spec", "toolchain", "nearest", "reason", "failure")
     class ToolchainEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -329,13 +329,15 @@ class ExplainResponse(_message.Message):
     TOOLCHAIN_FIELD_NUMBER: _ClassVar[int]
     NEAREST_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     hit: bool
     key: str
     canonical_spec: str
     toolchain: _containers.ScalarMap[str, str]
     nearest: _containers.RepeatedCompositeFieldContainer[NearEntry]
     reason: str
-    def __init__(self, hit: _Optional[bool] = ..., key: _Optional[str] = ..., canonical_spec: _Optional[str] = ..., toolchain: _Optional[_Mapping[str, str]] = ..., nearest: _Optional[_Iterable[_Union[NearEntry, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+    failure: str
+    def __init__(self, hit: _Optional[bool] = ..., key: _Optional[str] = ..., canonical_spec: _Optional[str] = ..., toolchain: _Optional[_Mapping[str, str]] = ..., nearest: _Optional[_Iterable[_Union[NearEntry, _Mapping]]] = ..., reason: _Optional[str] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class NearEntry(_message.Message):
     __slots__ = ("key", "canonical_spec", "differences")

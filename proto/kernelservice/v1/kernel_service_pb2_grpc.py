@@ -208,7 +208,8 @@ class KernelServiceServicer:
         """Whether a spec would hit, and why not: the key's inputs (the canonical
         spec and each part of the toolchain fingerprint) and, for a miss, the
         nearest entries in the cache (same kind, fewest differing fields) with
-        exactly the fields that differ. Compiles nothing and records nothing.
+        exactly the fields that differ; and the full text of a compile failure
+        remembered for the key. Compiles nothing and records nothing.
 
         Errors: INVALID_ARGUMENT (as for GetKernel), UNAVAILABLE.
         """
