@@ -19,14 +19,12 @@ import re
 from pathlib import Path
 
 from .errors import InvalidSpec
+from .jsondepth import load_json
 
 FORMAT = "kernel-service-manifest"
 VERSION = 1
 MAX_KERNELS = 100_000  # per manifest, and per recorded application
-MAX_DEPTH = 32  # levels of [] and {} in JSON read from outside: a manifest has 4, Python's parser recurses per level
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_A_BRACKET = re.compile(r"[^\[\]{}]+")
-_INNERMOST = re.compile(r"\[\]|\{\}")
+WRITE_ONE = "write one with `kernel-service manifest --app NAME -o FILE`"
 _APP = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
 
@@ -54,27 +52,6 @@ def dumps(manifest: dict) -> str:
     return f'{{\n{head}  "kernels": [\n{kernels}\n  ]\n}}\n'
 
 
-def load_json(text: str, where: str, max_depth: int = MAX_DEPTH):
-    """`text` parsed as JSON once it is known to nest at most `max_depth` levels (deeper input would
-    exhaust the parser's recursion); raises ManifestError naming `where`. Fast on large input: the
-    depth is found by regular expressions, each pass peeling the innermost level."""
-    brackets = _NOT_A_BRACKET.sub("", _STRING.sub('""', text))
-    for _ in range(max_depth):
-        if not brackets:
-            break
-        brackets = _INNERMOST.sub("", brackets)
-    too_deep = ManifestError(f"{where}: not JSON this reads: nested more than {max_depth} levels deep")
-    if len(brackets) > max_depth:  # too deep, or unmatched beyond what the parser may safely be given
-        raise too_deep
-    try:  # what is left nests at most 2 * max_depth levels: safe to parse, and the parser says where it is wrong
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ManifestError(f"{where}: not JSON ({exc})") from None
-    if brackets:
-        raise too_deep
-    return data
-
-
 PARAM_TYPES = (bool, int, float, str, type(None))  # what a parameter's value may be (proto.wire sends these)
 
 
@@ -90,11 +67,13 @@ def load(source: str | os.PathLike | dict) -> dict:
         except ValueError as exc:  # not UTF-8
             raise ManifestError(f"{where}: not a text file ({exc})") from None
         try:
-            source = load_json(text, where)
-        except ManifestError as exc:
-            raise ManifestError(f"{exc}; write one with `kernel-service manifest --app NAME -o FILE`") from None
+            source = load_json(text)
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{where}: not JSON ({exc}); {WRITE_ONE}") from None
+        except ValueError as exc:  # nested too deep
+            raise ManifestError(f"{where}: not JSON this reads: {exc}; {WRITE_ONE}") from None
     if not isinstance(source, dict) or source.get("format") != FORMAT:
-        raise ManifestError(f'{where}: not a kernel-service manifest (no "format": "{FORMAT}"); write one with `kernel-service manifest --app NAME -o FILE`')
+        raise ManifestError(f'{where}: not a kernel-service manifest (no "format": "{FORMAT}"); {WRITE_ONE}')
     if source.get("version") != VERSION:
         raise ManifestError(f"{where}: manifest version {source.get('version')!r}, this kernel-service reads version {VERSION}; upgrade kernel-service")
     kernels = source.get("kernels")
