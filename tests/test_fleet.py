@@ -30,7 +30,7 @@ from compile_service.store.tiered import with_fleet_tier
 from devtools import redis_server
 from devtools.launch import wait_serving
 from proto.paths import socket_address
-from tests.marks import require_redis_server
+from tests.marks import needs_nvrtc, require_redis_server
 from tests.test_faults import assert_correct, get, specs, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -475,3 +475,69 @@ def test_bad_fleet_flags_are_refused_with_one_line(args, message, tmp_path):
     )  # fmt: skip
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and re.search(message, out.stderr), out.stderr
     assert "secret" not in out.stderr
+
+
+# ----- a fleet that never compiles where it serves: a CPU-only builder feeds serve-only hosts
+
+
+def sm90a_specs(n: int, base: int = 256) -> list[dict]:
+    """n distinct cheap CUDA kernels, cross-compiled here (no GPU needed)."""
+    kinds = ("rmsnorm", "softmax", "swiglu")
+    return [{"kind": kinds[i % 3], "M": None, "N": base + 64 * i, "dtype": "float16", "target": "sm_90a"} for i in range(n)]
+
+
+def serve_only(url: str, *extra: str) -> dict:
+    """A serve-only host: no compile workers, CUDA kernels keyed by the builders' NVRTC, reading the tier."""
+    return host(url, "--remote-read-only", "--no-compile", "--cuda-compiler-id", NVRTC_ID, *extra)
+
+
+NVRTC_ID = "nvrtc-13.0"
+
+
+@needs_nvrtc
+def test_a_cpu_only_builder_feeds_three_serve_only_hosts_that_never_compile(make_daemon, tier):
+    """The builder compiles (cross-compiling sm_90a on this CPU-only machine) for the
+    requests it is sent; strict agents on three --no-compile hosts get every kernel from the
+    tier: each kernel built once in the whole fleet, none on the hosts that serve."""
+    builder = make_daemon(*host(writer_url(tier), "--cuda-compiler", "nvrtc")["args"], workers=2, start=False)
+    servers = [make_daemon(*serve_only(reader_url(tier))["args"], workers=1, start=False) for _ in range(3)]
+    for d in (builder, *servers):
+        d.start(wait=False)
+    for d in (builder, *servers):
+        wait_serving(socket_address(d.socket), 180, d.proc)
+    assert stats(builder)["cuda_compiler"] == NVRTC_ID
+    batch = sm90a_specs(20) + specs(20, base=900)
+    with builder.client() as c:  # a builder-side request: what prewarm or a prefetch sends
+        assert all(r == "compiled" for r in c.prefetch(batch, load=False)), "the builder did not build everything"
+    with tier.admin() as r:  # the write-behind: every entry in the tier, every lease let go
+        wait_for(lambda: len(r.keys("ks:entry:*")) == len(batch) and not r.keys("ks:lease:*"), timeout=60, what="the builder's uploads")
+
+    results: dict[int, list] = {}
+
+    def strict_agent(i: int) -> None:
+        with servers[i].client(strict=True) as c:
+            results[i] = c.prefetch(batch)
+
+    threads = [threading.Thread(target=strict_agent, args=(i,)) for i in range(len(servers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results) == [0, 1, 2]
+    for kernels in results.values():
+        assert all(not isinstance(k, Exception) for k in kernels), [k for k in kernels if isinstance(k, Exception)][:3]
+        assert [k.abi["loader"] for k in kernels[:20]] == ["tvm_ffi"] * 20  # loaded (running them needs a GPU)
+    for k in results[0][20:23]:
+        assert_correct(k)
+    every = [stats(d) for d in servers]
+    assert [(s["compiles"], s["workers"], s["remote_hits"], s["entries"], s["not_ready"]) for s in every] == [(0, 0, 40, 40, 0)] * 3
+    assert all(s["remote_errors"] == 0 and s["remote_bytes_out"] == 0 for s in every)
+    assert stats(builder)["compiles"] == len(batch)  # each kernel built once in the fleet
+
+    # What the tier lacks is not ready, at once, and says where kernels come from.
+    missing = sm90a_specs(1, base=4096)[0]
+    with servers[0].client(strict=True) as c, pytest.raises(client.KernelNotReady) as err:
+        get(c, missing)
+    assert "the fleet tier does not have it" in str(err.value) and "prewarm --remote" in str(err.value)
+    assert stats(servers[0])["compiles"] == 0
+    assert_no_tracebacks(builder, *servers)
