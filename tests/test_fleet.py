@@ -24,11 +24,12 @@ import redis
 import client
 import tests.slow_kind  # noqa: F401  (clients validate locally: they share the daemons' registry)
 from compile_service.metrics import Metrics
-from compile_service.store import BUILD, LocalStore
-from compile_service.store.remote import DOWN, RETRY_AFTER, UP, RedisTier, TierUnavailable, blob_key, entry_key
+from compile_service.store import BUILD, Claim, LocalStore
+from compile_service.store.remote import DOWN, RETRY_AFTER, UP, RedisTier, TierUnavailable, TooLarge, blob_key, entry_key
 from compile_service.store.tiered import with_fleet_tier
 from devtools import redis_server
 from devtools.launch import wait_serving
+from proto.entry import index_record
 from proto.paths import socket_address
 from tests.marks import needs_nvrtc, require_redis_server
 from tests.test_faults import assert_correct, get, specs, wait_for
@@ -541,3 +542,151 @@ def test_a_cpu_only_builder_feeds_three_serve_only_hosts_that_never_compile(make
     assert "the fleet tier does not have it" in str(err.value) and "prewarm --remote" in str(err.value)
     assert stats(servers[0])["compiles"] == 0
     assert_no_tracebacks(builder, *servers)
+
+
+# ----- bounds on what Redis sends: a hostile server on loopback, and a planted index on a real one
+
+STREAM_CAP = 64 << 20  # what the hostile server sends at most before it gives up (unbounded reads take it all)
+
+
+class HostileRedis:
+    """A loopback server speaking just enough RESP2 for the tier; `answer(command)` gives the
+    reply to each command as bytes, or an endless iterator of chunks, streamed until the client
+    goes away or STREAM_CAP bytes are out. `sent` counts the bytes that got out."""
+
+    def __init__(self, answer):
+        import socket
+
+        self.answer, self.sent = answer, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)  # what is sent is what the client read, near enough
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn) -> None:
+        reader = conn.makefile("rb")
+        with conn:
+            try:
+                while True:
+                    line = reader.readline()
+                    if not line.startswith(b"*"):
+                        return
+                    command = []
+                    for _ in range(int(line[1:])):
+                        size = int(reader.readline()[1:])
+                        command.append(reader.read(size + 2)[:-2])
+                    reply = self.answer([command[0].upper(), *command[1:]])
+                    for chunk in [reply] if isinstance(reply, bytes) else reply:
+                        conn.sendall(chunk)
+                        self.sent += len(chunk)
+                        if self.sent >= STREAM_CAP:
+                            return
+            except OSError:  # the client closed its end: what it read is all it gets
+                return
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def endless(head: bytes):
+    yield head
+    while True:
+        yield b"x" * (64 << 10)
+
+
+def answers(entry_reply, mget_reply=b"*0\r\n"):
+    """A Redis whose every key is absent, but for the entry (`entry_reply`) and MGET's reply."""
+
+    def answer(command):
+        name = command[0]
+        if name == b"GET":
+            return entry_reply if command[1].startswith(b"ks:entry:") else b"$-1\r\n"
+        if name == b"MGET":
+            return mget_reply
+        known = {b"PTTL": b":-2\r\n", b"EXISTS": b":0\r\n", b"EVAL": b":1\r\n", b"DEL": b":1\r\n", b"PING": b"+PONG\r\n", b"CLIENT": b"+OK\r\n"}
+        known[b"HELLO"] = b"%1\r\n$5\r\nproto\r\n:3\r\n"  # a client that asks for RESP3 (redis-py's default) gets it
+        return known.get(name, b"-ERR unknown command\r\n")
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        pytest.param(lambda: endless(b"$2000000000\r\n"), id="a bulk reply without end"),
+        pytest.param(lambda: endless(b"+"), id="a status line without its CRLF"),
+    ],
+)
+def test_a_redis_that_streams_an_endless_reply_is_read_no_further_than_a_look_allows(reply):
+    server = HostileRedis(answers(reply()))
+    tier_ = RedisTier(server.url, timeout=5, metrics=Metrics())
+    try:
+        start = time.monotonic()
+        with pytest.raises(TooLarge, match="larger than the .* bytes this call allows"):
+            tier_.look("0" * 64)
+        took = time.monotonic() - start
+    finally:
+        tier_.close()
+        server.close()
+    # A look allows two indexes' worth (about 3 MiB); the rest is the kernel's socket buffers.
+    assert server.sent < 16 << 20 and took < 5, (server.sent, took)
+    assert tier_.metrics.counters()["remote_errors"] == 1 and tier_.state == UP  # counted; the breaker stays closed
+
+
+def test_blobs_larger_than_their_index_declares_are_read_no_further_and_refused(tmp_path):
+    """The index is well-formed and declares a 1-byte library; the server sends a 256 MiB one."""
+    key, spec = "a1" * 32, {"kind": "fake", "params": {"N": 4}}
+    files = {"kernel.so": {"sha256": "b2" * 32, "size": 1}}
+    index = json.dumps(index_record("kernel.so", files, {"spec": spec, "abi": ABI}, "elsewhere")).encode()
+    server = HostileRedis(answers(b"$%d\r\n%s\r\n" % (len(index), index), endless(b"*1\r\n$268435456\r\n")))
+    metrics = Metrics()
+    store = with_fleet_tier(LocalStore(tmp_path / "cache", metrics=metrics), RedisTier(server.url, timeout=5, metrics=metrics), metrics)
+    try:
+        assert store.claim(key, spec, wake=lambda: None) == BUILD  # refused: built here
+        assert store.fetch(key, spec) == Claim()  # and a host that may not build has nothing
+    finally:
+        store.close()
+        server.close()
+    assert server.sent < 16 << 20, server.sent  # two reads, each stopped past the declared byte (plus framing)
+    assert metrics.counters()["remote_corrupt"] == 2 and store.keys() == []
+
+
+def test_a_planted_index_declaring_one_byte_files_is_refused_and_not_published(tier, tmp_path):
+    """On a real Redis: a writer's genuine entry (an 8 MiB library), its index then rewritten to
+    declare 1-byte files. The blobs match their digests; only their sizes give it away."""
+    key, spec = "5e" * 32, {"kind": "fake", "params": {"N": 4}}
+    store = tiered(writer_url(tier), tmp_path / "a")
+    try:
+        staging = store.new_staging(key)
+        (staging / "kernel.so").write_bytes(os.urandom(8 << 20))
+        (staging / "kernel.c").write_text("/* generated */")
+        store.put(key, staging, "kernel.so", {"spec": spec, "abi": ABI})
+    finally:
+        store.close()
+    with tier.admin() as r:
+        index = json.loads(r.get(entry_key(key)))
+        for f in index["files"].values():
+            f["size"] = 1
+        r.set(entry_key(key), json.dumps(index))
+    reader = tiered(writer_url(tier), tmp_path / "b")
+    try:
+        claim = reader.claim(key, spec, wake=lambda: None)
+        assert claim.entry is None and not claim.waiting  # refused: built here, under this host's lease
+        reader.abandon(key)
+        counters = reader.metrics.counters()
+        assert (counters["remote_corrupt"], counters["remote_hits"], counters["remote_bytes_in"]) == (1, 0, len(json.dumps(index)))
+        assert reader.keys() == []
+        with tier.admin() as r:
+            assert r.get(entry_key(key)) is None  # dropped by this writer host: the next one builds it again
+    finally:
+        reader.close()
