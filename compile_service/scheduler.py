@@ -535,6 +535,11 @@ class Scheduler:
     def key_of(self, spec: CanonicalSpec) -> str:
         return self._key_of(spec)[0]
 
+    def build_keys(self, spec: CanonicalSpec) -> list[str]:
+        """The keys of the builds `spec` is served from: its own, or those of the builds it is
+        a copy of (the entries other hosts share: each host makes the copies itself)."""
+        return [self.key_of(build) for build in _plan(spec).bases] or [self.key_of(spec)]
+
     def _key_of(self, spec: CanonicalSpec) -> tuple[str, dict]:
         """The key, and the spec the entry must record (a key collision or a planted entry is
         corrupt); remembered per spec, since hits repeat the same few."""

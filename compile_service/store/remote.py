@@ -195,6 +195,17 @@ class RedisTier:
         self._count(remote_bytes_in=sum(len(b) for b in found if b))
         return found
 
+    def present(self, keys: list[str]) -> list[bool]:
+        """For each key: is its index in the tier? One round trip for all of them."""
+
+        def run(r):
+            p = r.pipeline(transaction=False)
+            for key in keys:
+                p.exists(entry_key(key))
+            return p.execute()
+
+        return [bool(n) for n in self._call(run, limit=SMALL_REPLIES + 16 * len(keys))]
+
     def settled(self, keys: list[str]) -> list[bool]:
         """For each key another host was building: is it over (entry or failure there, or the
         lease gone)? One round trip for all of them."""

@@ -288,19 +288,35 @@ class FleetClaims(Claims):
                 key = self._uploads.get(timeout=0.2)
             except queue.Empty:
                 continue
-            while True:
-                try:
-                    self._send(key)
-                except TierUnavailable:
-                    # Down: wait for the breaker and send again (this entry and the ones queued
-                    # behind it). Refused (NOPERM, OOM): it would be refused again; drop it.
-                    if self.tier.state == "up" or self._closing.wait(max(self.tier.retry_in(), POLL)):
-                        break
-                    continue
-                except OSError as exc:  # evicted or unreadable meanwhile: nothing to share
-                    log.info("not sharing %s: %s", key[:16], exc)
-                break
-            self._release(key)
+            try:
+                self._send_while_up(key)
+                self._release(key)
+            finally:
+                self._uploads.task_done()
+
+    def _send_while_up(self, key: str) -> None:
+        while True:
+            try:
+                self._send(key)
+            except TierUnavailable:
+                # Down: wait for the breaker and send again (this entry and the ones queued
+                # behind it). Refused (NOPERM, OOM): it would be refused again; drop it.
+                if self.tier.state == "up" or self._closing.wait(max(self.tier.retry_in(), POLL)):
+                    return
+                continue
+            except OSError as exc:  # evicted or unreadable meanwhile: nothing to share
+                log.info("not sharing %s: %s", key[:16], exc)
+            return
+
+    def flush(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds for every upload queued so far to be over (sent, or
+        given up on); whether they are."""
+        deadline = time.monotonic() + timeout
+        while self._uploads.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL / 2)
+        return True
 
     def _send(self, key: str) -> None:
         entry = self.local.lookup(key)
