@@ -11,6 +11,11 @@ with_fleet_tier sets as the store's `claims`), and the store's publish hook:
   another host holds it, the job waits (one watcher thread polls every waiting
   key in one round trip) until that host's entry or failure appears, or its
   lease expires: then this host takes over.
+- fetch (a local miss on a host that may not build: serve --no-compile, a strict
+  request): the same look and read-through, but never a lease and never a wait;
+  what the tier lacks (or another host is building) is not ready.
+- Blobs are read no further than the sizes their index declares (RedisTier.blobs):
+  a blob of another size than declared is refused like a corrupt one.
 - the publish hook: what the store publishes is written behind to Redis by a
   background thread, so an agent never waits for Redis; the lease is released
   after the upload, so hosts waiting on it find the entry, not a free lease.
