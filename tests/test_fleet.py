@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 import client
 import tests.slow_kind  # noqa: F401  (clients validate locally: they share the daemons' registry)
@@ -693,31 +694,39 @@ def test_a_planted_index_declaring_one_byte_files_is_refused_and_not_published(t
 
 
 def test_prewarm_remote_fills_the_tier_without_a_daemon_and_serve_only_hosts_serve_it(make_daemon, tier, tmp_path):
+    """Three kernels and one copy of a shared build (tests.shared_kind: its build is what
+    travels; each host makes the copies)."""
+    import tests.shared_kind  # noqa: F401
     from proto import manifest
 
-    batch = specs(3, base=1400)
+    copy = {"kind": "row_double", "M": 8, "N": 16, "target": "c"}
+    batch = [*specs(3, base=1400), copy]
     path = tmp_path / "app.json"
     path.write_text(json.dumps(manifest.make("app", [{"kind": s["kind"], "target": "c", "params": {k: v for k, v in s.items() if k not in ("kind", "target")}} for s in batch])))
 
     def prewarm() -> subprocess.CompletedProcess:
         env = {k: v for k, v in os.environ.items() if k != "KERNEL_SERVICE_SOCKET"} | {"KERNEL_SERVICE_SOCKET": str(tmp_path / "no-daemon.sock")}
         return subprocess.run(
-            [sys.executable, "-m", "compile_service.cli", "prewarm", str(path), "--remote", writer_url(tier), "--workers", "1"],
+            [sys.executable, "-m", "compile_service.cli", "prewarm", str(path), "--remote", writer_url(tier), "--workers", "1", "--kernel-module", "tests.shared_kind"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
 
     first = prewarm()
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "built 3, already there 0, failed 0 (of 3 kernels) in the fleet tier redis://fleet-writer:***@" in first.stdout, first.stdout
+    assert "built 4, already there 0, failed 0 (of 4 kernels) in the fleet tier redis://fleet-writer:***@" in first.stdout, first.stdout
     assert PASSWORDS["WRITER_PASSWORD"] not in first.stdout + first.stderr
-    with tier.admin() as r:
-        assert len(r.keys("ks:entry:*")) == 3 and r.keys("ks:lease:*") == []
+    with tier.admin() as r:  # the copy's build (M=None) is shared, not the copy
+        assert len(r.keys("ks:entry:*")) == 4 and r.keys("ks:lease:*") == []
     again = prewarm()  # what the tier holds is neither built nor fetched again
-    assert again.returncode == 0 and "built 0, already there 3, failed 0" in again.stdout, again.stdout + again.stderr[-2000:]
+    assert again.returncode == 0 and "built 0, already there 4, failed 0" in again.stdout, again.stdout + again.stderr[-2000:]
 
-    (server,) = start_hosts(make_daemon, serve_only(reader_url(tier)))
+    (server,) = start_hosts(make_daemon, serve_only(reader_url(tier), "--kernel-module", "tests.shared_kind"))
     with server.client(strict=True) as c:
-        for spec in batch:
+        for spec in batch[:3]:
             assert_correct(get(c, spec))
+        k = get(c, {**copy, "M": 5})  # a copy no one asked for before: its build is fetched, the copy made here
+        x = torch.randn(5, 16)
+        torch.testing.assert_close(k(x), 2 * x)
+        assert k.abi["fixed"] == {"M": 5}
     s = stats(server)
-    assert (s["compiles"], s["remote_hits"], s["not_ready"]) == (0, 3, 0)
+    assert (s["compiles"], s["remote_hits"], s["derived"], s["not_ready"]) == (0, 4, 1, 0)
