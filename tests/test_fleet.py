@@ -644,6 +644,29 @@ def test_a_redis_that_streams_an_endless_reply_is_read_no_further_than_a_look_al
     assert tier_.metrics.counters()["remote_errors"] == 1 and tier_.state == UP  # counted; the breaker stays closed
 
 
+def test_a_redis_that_drips_its_reply_costs_a_call_no_more_than_its_time_bound():
+    """Each byte comes within the socket timeout, so no single read times out."""
+
+    def drip():
+        yield b"$1000\r\n"
+        for _ in range(100):  # 20 s in all, unless the client hangs up first
+            time.sleep(0.2)
+            yield b"x"
+
+    server = HostileRedis(answers(drip()))
+    tier_ = RedisTier(server.url, timeout=0.3, metrics=Metrics())
+    try:
+        start = time.monotonic()
+        with pytest.raises(TierUnavailable, match="took longer than the .*s this call allows"):
+            tier_.look("0" * 64)
+        took = time.monotonic() - start
+    finally:
+        tier_.close()
+        server.close()
+    assert took < 5 * 0.3 + 1.5, took  # CALL_TIMEOUTS timeouts, plus one read's
+    assert tier_.state == DOWN  # a server this slow is treated as a hung one
+
+
 def test_blobs_larger_than_their_index_declares_are_read_no_further_and_refused(tmp_path):
     """The index is well-formed and declares a 1-byte library; the server sends a 256 MiB one."""
     key, spec = "a1" * 32, {"kind": "fake", "params": {"N": 4}}

@@ -19,8 +19,11 @@ OOM) is counted and raised the same way, without opening the breaker.
 
 Every call receives at most a bounded number of bytes (store.resp): a look at most
 two indexes' worth, a read of blobs at most the sizes their index declares, the
-rest SMALL_REPLIES. Past it the read stops and the call raises TooLarge, counted,
-without opening the breaker (the server answers; it answers too much).
+rest SMALL_REPLIES; and a whole call may take CALL_TIMEOUTS timeouts (plus a
+second per CALL_RATE bytes it may receive), however slowly a server drips its reply.
+Past the bytes the read stops and the call raises TooLarge, counted, without
+opening the breaker (the server answers; it answers too much); past the time it
+is a timeout like any other.
 Nothing here touches the local disk.
 """
 
@@ -47,6 +50,8 @@ PREFIX = "ks:"
 RETRY_AFTER = 5.0  # seconds the breaker stays open after a connection error or timeout
 MAX_INDEX = 1 << 20  # bytes of one index: far above any real one (a few KB)
 SMALL_REPLIES = 1 << 20  # bytes a call that reads no index or blob may receive (statuses, integers)
+CALL_TIMEOUTS = 5  # a whole call may take this many --remote-timeouts (each read is bounded by one) ...
+CALL_RATE = 8 << 20  # ... plus a second per this many bytes it may receive
 FRAMING = 64  # bytes of RESP framing allowed per bulk reply ($<length>\r\n ... \r\n)
 
 UP, DOWN = "up", "down"
@@ -106,6 +111,7 @@ class RedisTier:
         self.lease_ms = int(lease_seconds * 1000)
         self.ttl_ms = int(ttl * 1000)
         self.metrics = metrics
+        self.timeout = timeout
         self.host = f"{socket.gethostname()}/{os.getpid()}/{os.urandom(3).hex()}"  # this daemon, as leases name it
         # One immediate retry on a connection error only (a pooled socket the server
         # closed on restart); a timeout is never retried: it already cost the caller.
@@ -134,7 +140,7 @@ class RedisTier:
                     raise TierUnavailable(f"the fleet tier {self.url} is down; retrying in {self._retry_at - now:.1f}s")
                 self._retry_at = now + RETRY_AFTER  # this call is the one probe; the others go on locally
         try:
-            with budget(limit):
+            with budget(limit, CALL_TIMEOUTS * self.timeout + limit / CALL_RATE):
                 result = fn(self.redis)
         except ReplyTooLarge as exc:  # the server is up, and sent more than asked: read no further
             self._count(remote_errors=1)

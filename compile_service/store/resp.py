@@ -5,15 +5,18 @@ until 10 GB arrived, a line without its CRLF grows without end. It has no option
 bound a reply (hiredis' `maxbuf` only trims its buffer). So the tier's connections
 read through BoundedParser (their `parser_class`), redis-py's own RESP2 parser on a
 metered socket: every byte received counts against the budget of the call in
-progress (`budget(n)`, per thread: a pooled connection serves one call at a time),
-and a receive never asks for more than is left. Past it, ReplyTooLarge: the
-connection is closed with whatever the server had still to send.
+progress (`budget(n, seconds)`, per thread: a pooled connection serves one call at
+a time), and a receive never asks for more than is left. Past it, ReplyTooLarge;
+past the call's seconds (a server that drips its reply, each byte inside the
+socket timeout), ReplyTooSlow. Either way the connection is closed with whatever
+the server had still to send.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import redis
 from redis._parsers import _RESP2Parser
@@ -25,14 +28,21 @@ class ReplyTooLarge(redis.RedisError):
     """A call's replies went past the bytes it allowed: the read stopped there."""
 
 
+class ReplyTooSlow(redis.TimeoutError):
+    """A call's replies took longer than it allowed: the read stopped there."""
+
+
 @contextlib.contextmanager
-def budget(limit: int):
-    """The calls made inside, on this thread, may receive at most `limit` bytes in all."""
-    _calls.left, _calls.limit = limit, limit
+def budget(limit: int, seconds: float):
+    """The calls made inside, on this thread, may receive at most `limit` bytes in all, and
+    receive nothing more `seconds` after they started (a receive blocks at most the socket's
+    timeout beyond that)."""
+    _calls.left, _calls.limit, _calls.seconds = limit, limit, seconds
+    _calls.deadline = time.monotonic() + seconds
     try:
         yield
     finally:
-        del _calls.left, _calls.limit
+        del _calls.left, _calls.limit, _calls.seconds, _calls.deadline
 
 
 class _MeteredSocket:
@@ -47,6 +57,8 @@ class _MeteredSocket:
             return self._sock.recv(size)
         if left <= 0:
             raise ReplyTooLarge(f"the reply is larger than the {_calls.limit} bytes this call allows; the connection was closed")
+        if time.monotonic() > _calls.deadline:
+            raise ReplyTooSlow(f"the reply took longer than the {_calls.seconds:.1f}s this call allows; the connection was closed")
         data = self._sock.recv(min(size, left))
         _calls.left = left - len(data)
         return data
