@@ -560,6 +560,7 @@ def _prewarm_tier(args, specs: list[dict]) -> int:
             else:
                 failed.append((spec, f"{type(future.exception()).__name__}: {future.exception()}"))
                 bar(f"{'FAILED':<13} {_label(spec)}")
+        failed += [(spec, f"not built within --timeout {args.timeout:g}s") for future, spec in pending.items() if not future.done()]
         # Uploaded? A build found in --cache-dir was never queued for upload: share it now.
         fleet.flush(max(1.0, deadline - time.monotonic()))
         done = {id(spec) for spec in built}
