@@ -753,3 +753,33 @@ def test_prewarm_remote_fills_the_tier_without_a_daemon_and_serve_only_hosts_ser
         assert k.abi["fixed"] == {"M": 5}
     s = stats(server)
     assert (s["compiles"], s["remote_hits"], s["derived"], s["not_ready"]) == (0, 4, 1, 0)
+
+
+def test_a_host_that_may_not_build_says_a_builder_is_at_it_and_answers_with_the_fleets_failure(tier, tmp_path):
+    """In this process: a serve-only scheduler (no workers) over the tier."""
+    import kernels
+    from compile_service.build.compiler import CompileFailed
+    from compile_service.scheduler import NotReady, Scheduler
+
+    store = tiered(reader_url(tier), tmp_path / "serve")
+    scheduler = Scheduler(store, workers=1, metrics=store.metrics, compiles=False, start=False)
+    try:
+        spec = kernels.canonicalize("rmsnorm", {"M": None, "N": 72, "dtype": "float32"}, "c")
+        key = scheduler.key_of(spec)
+        with tier.admin() as r:
+            r.set(f"ks:lease:{key}", b"builder-1", px=30_000)
+        start = time.monotonic()
+        with pytest.raises(NotReady, match="a builder of the fleet is building it now"):
+            scheduler.request(spec)
+        assert time.monotonic() - start < 1  # at once: a host that may not build never waits
+        writer = RedisTier(writer_url(tier))
+        writer.put_failure(key, "error: the lowering refused it", 30)
+        writer.close()
+        future, _ = scheduler.request(spec)
+        with pytest.raises(CompileFailed, match="(?s)the lowering refused it.*this compile failed on"):
+            future.result(timeout=5)
+        counters = store.metrics.counters()
+        assert (counters["compiles"], counters["not_ready"], counters["failures_cached"], counters["remote_misses"]) == (0, 1, 1, 1)
+    finally:
+        scheduler.shutdown(1)
+        store.close()
