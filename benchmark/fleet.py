@@ -11,6 +11,12 @@ Every mode runs on fresh caches, and the fleet on an empty Redis:
                what a fleet pays today (N builds of every kernel)
   fleet        N hosts on one Redis, every host asking for the whole zoo at
                once: each kernel should compile once in the whole fleet
+  serve_only   1 builder and N-1 serve-only hosts (--no-compile, read-only on
+               the tier) on one Redis: the builder is sent the zoo (a prefetch,
+               as prewarm sends it), then a strict agent on every serve-only
+               host asks for the whole zoo at once. Every kernel is built once,
+               on the builder; the serving hosts compile nothing and read
+               everything through the tier
   fetch        the time to fetch one kernel from the tier onto a host that has
                none of it: the tier's read-through alone (one round trip for the
                index, one for the blobs, sha256 checks, the local publish with
@@ -48,7 +54,7 @@ from devtools import redis_server  # noqa: E402
 from devtools.launch import DaemonProcess, wait_serving  # noqa: E402
 from proto.paths import socket_address  # noqa: E402
 
-MODES = ("single", "independent", "fleet", "fetch")
+MODES = ("single", "independent", "fleet", "serve_only", "fetch")
 
 
 class Bench:
@@ -150,6 +156,73 @@ def mode_fleet(bench: Bench, redis_proc) -> dict:
         stop_all(hosts)
 
 
+def wait_shared(redis_proc, n: int, timeout: float = 120) -> None:
+    """Until the tier holds n entries and no lease (the write-behind done)."""
+    with redis_proc.admin() as r:
+        deadline = time.monotonic() + timeout
+        while len(r.keys("ks:entry:*")) < n or r.keys("ks:lease:*"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the builder's uploads did not reach the tier")
+            time.sleep(0.05)
+
+
+def mode_serve_only(bench: Bench, redis_proc) -> dict:
+    with redis_proc.admin() as r:
+        r.flushall()
+    (builder,) = bench.daemons(1, "--remote", redis_proc.url())
+    servers: list[DaemonProcess] = []
+    try:
+        keying = ("--cuda-compiler-id", stats(builder)["cuda_compiler"]) if bench.specs[0]["target"] != "c" else ()
+        servers = bench.daemons(bench.args.hosts - 1, "--remote", redis_proc.url(), "--remote-read-only", "--no-compile", *keying)
+        start = time.perf_counter()
+        with builder.client() as c:  # what `kernel-service prewarm` sends a builder
+            built = c.prefetch(bench.specs, load=False)
+        build_s = time.perf_counter() - start
+        failures = [r for r in built if isinstance(r, Exception)]
+        if failures:
+            raise RuntimeError(f"{len(failures)} kernels failed on the builder: {failures[:3]}")
+        wait_shared(redis_proc, len(bench.specs))
+        shared_s = time.perf_counter() - start
+
+        go = threading.Barrier(len(servers) + 1)
+        done: dict[int, float] = {}
+        errors: list = []
+
+        def strict_agent(i: int) -> None:
+            with servers[i].client(strict=True) as c:
+                go.wait()
+                errors.extend(r for r in c.prefetch(bench.specs, load=False) if isinstance(r, Exception))
+                done[i] = time.perf_counter()
+
+        threads = [threading.Thread(target=strict_agent, args=(i,)) for i in range(len(servers))]
+        for t in threads:
+            t.start()
+        go.wait()
+        served_from = time.perf_counter()
+        for t in threads:
+            t.join()
+        if errors or len(done) != len(servers):
+            raise RuntimeError(f"strict agents got {len(errors)} errors: {errors[:3]}")
+        serve_s = max(done.values()) - served_from
+        every = [stats(d) for d in servers]
+        b = stats(builder)
+    finally:
+        stop_all([builder, *servers])
+    return {
+        "hosts": len(servers) + 1,
+        "serve_only_hosts": len(servers),
+        "builder_build_s": build_s,
+        "builder_shared_s": shared_s,
+        "serve_wall_s": serve_s,
+        "builder_compiles": b["compiles"],
+        "serving_compiles": sum(s["compiles"] for s in every),
+        "serving_remote_hits": sum(s["remote_hits"] for s in every),
+        "serving_not_ready": sum(s["not_ready"] for s in every),
+        "serving_remote_errors": sum(s["remote_errors"] for s in every),
+        "serving_bytes_in": sum(s["remote_bytes_in"] for s in every),
+    }
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -233,6 +306,14 @@ def goals(modes: dict, kernels: int) -> dict:
     if "wall_s" in fleet and "wall_s" in single:
         ratio = fleet["wall_s"] / single["wall_s"]
         out["fleet_wall_vs_single"] = {"value": round(ratio, 3), "goal": "<= 1.2", "met": ratio <= 1.2}
+    so = modes.get("serve_only", {})
+    if "serving_compiles" in so:
+        once = so["builder_compiles"] == kernels and so["serving_compiles"] == 0 and so["serving_remote_hits"] == kernels * so["serve_only_hosts"]
+        out["serve_only_never_compile"] = {
+            "value": f"builder {so['builder_compiles']}, serving hosts {so['serving_compiles']}",
+            "goal": f"builder {kernels}, serving hosts 0",
+            "met": once,
+        }
     if "p50_ms" in fetch:
         out["fetch_p50_ms"] = {"value": round(fetch["p50_ms"], 2), "goal": "< 20", "met": fetch["p50_ms"] < 20}
     return out
@@ -249,6 +330,14 @@ def table(report: dict) -> str:
         if name == "fleet":
             notes += f"; {m['remote_hits']} read through, {m['remote_lease_waits']} lease waits, {m['remote_errors']} errors"
         lines.append(f"| {name} | {m['hosts']} | {m['wall_s']:.2f} | {m['compiles']} | {notes} |")
+    so = modes.get("serve_only")
+    if so and "error" not in so:
+        lines.append(
+            f"\nserve_only: 1 builder + {so['serve_only_hosts']} serve-only hosts: the builder built {so['builder_compiles']} in {so['builder_build_s']:.2f} s "
+            f"(all in the tier at {so['builder_shared_s']:.2f} s); strict agents on every serve-only host got them all in {so['serve_wall_s']:.2f} s "
+            f"({so['serving_remote_hits']} read through, {so['serving_compiles']} compiles, {so['serving_not_ready']} not ready, "
+            f"{so['serving_bytes_in'] / 2**20:.1f} MiB in)"
+        )
     f = modes.get("fetch")
     if f and "error" not in f:
         lines.append(

@@ -457,6 +457,8 @@ def _prewarm(args) -> int:
         specs = _load_manifests(args.manifests)
     except ManifestError as exc:
         return _fail(str(exc), 2)
+    if args.remote:
+        return _prewarm_tier(args, specs)
     address = channel.target(args.socket)
     try:  # one Prefetch may queue a quarter of the daemon's --queue-limit compiles: batches that fit
         config = json.loads(_ask(args.socket, "GetServiceInfo", pb.GetServiceInfoRequest()).config_json or "{}")
@@ -501,6 +503,123 @@ def _prewarm(args) -> int:
     for spec, reason in failed:
         print(f"failed: {_label(spec)}: {reason.splitlines()[0] if reason else ''}")
     return 1 if failed else 0
+
+
+def _prewarm_tier(args, specs: list[dict]) -> int:
+    """prewarm --remote: no daemon. This process builds, with a daemon's own scheduler and
+    workers, what the manifests list and the fleet tier lacks, and uploads it there (the
+    write-behind of a daemon on the tier, waited for); it serves nothing. Builds stay in
+    --cache-dir, by default a temporary directory removed at the end."""
+    import shutil
+    import tempfile
+
+    import kernels
+    from kernels import plugins
+    from kernels.spec import InvalidSpec
+    from proto.trust import private_dir
+
+    from .build import devices
+    from .build.compiler import DEVICE_BINARIES, device_binary_dir
+    from .config import remote_url, without_password
+    from .cpus import usable_cpus
+    from .metrics import Metrics
+    from .scheduler import URGENT, Scheduler
+    from .store import LocalStore
+    from .store.remote import RedisTier, TierUnavailable
+    from .store.tiered import with_fleet_tier
+
+    try:
+        remote_url(args.remote)
+        device = devices.choose(args.cuda_compiler)
+        plugins.load(modules=tuple(args.kernel_module))
+    except (ValueError, ImportError, LookupError) as exc:  # KernelModuleError included
+        return _fail(str(exc), 2)
+    if args.workers is not None and args.workers < 1:
+        return _fail(f"--workers must be at least 1, got {args.workers}", 2)
+    url = without_password(args.remote)
+    root = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp(prefix="kernel-service-prewarm-"))
+    metrics = Metrics()
+    store = scheduler = None
+    try:
+        store = LocalStore(root, metrics=metrics)
+        for d in (root / DEVICE_BINARIES, device_binary_dir(root, device.id)):
+            private_dir(d, 0o700, "cache directory", "choose another --cache-dir")
+        fleet = with_fleet_tier(store, RedisTier(args.remote, metrics=metrics), metrics).claims
+        workers = args.workers or usable_cpus()
+        plugin_args = {"modules": tuple(args.kernel_module)}
+        scheduler = Scheduler(store, workers, len(specs) + 1, plugin_args, device=device, metrics=metrics, start=False)
+        wanted, failed = [], []  # wanted: (manifest spec, canonical spec); failed: (spec, reason)
+        for spec in specs:
+            try:
+                wanted.append((spec, kernels.canonicalize(spec["kind"], _params(spec), spec["target"])))
+            except InvalidSpec as exc:
+                failed.append((spec, f"INVALID_ARGUMENT: {exc}"))
+        builds = {id(c): scheduler.build_keys(c) for _, c in wanted}
+        every = sorted({k for keys in builds.values() for k in keys})
+        try:
+            there = dict(zip(every, fleet.tier.present(every)))
+        except TierUnavailable as exc:
+            return _fail(f"cannot reach the fleet tier {url}: {exc}")
+        bar = _progress(len(specs))
+        for spec, reason in failed:
+            bar(f"{'FAILED':<13} {_label(spec)}")
+        present = [spec for spec, c in wanted if all(there[k] for k in builds[id(c)])]
+        for spec in present:
+            bar(f"{'already there':<13} {_label(spec)}")
+        todo = [(spec, c) for spec, c in wanted if not all(there[k] for k in builds[id(c)])]
+        if todo:
+            scheduler.start_workers()  # each imports TileLang: only when there is something to build
+        pending = {scheduler.request(c, URGENT)[0]: spec for spec, c in todo}
+        built = []
+        deadline = time.monotonic() + args.timeout
+        for future in _as_completed(pending, deadline):
+            spec = pending[future]
+            if future.exception() is None:
+                built.append(spec)
+                bar(f"{'built':<13} {_label(spec)}")
+            else:
+                failed.append((spec, f"{type(future.exception()).__name__}: {future.exception()}"))
+                bar(f"{'FAILED':<13} {_label(spec)}")
+        failed += [(spec, f"not built within --timeout {args.timeout:g}s") for future, spec in pending.items() if not future.done()]
+        # Uploaded? A build found in --cache-dir was never queued for upload: share it now.
+        fleet.flush(max(1.0, deadline - time.monotonic()))
+        done = {id(spec) for spec in built}
+        keys = sorted({k for spec, c in wanted if id(spec) in done for k in builds[id(c)]})
+        for key, up in zip(keys, fleet.tier.present(keys)):
+            entry = None if up else store.lookup(key)
+            if entry is not None:
+                fleet.share(entry)
+        fleet.flush(max(1.0, deadline - time.monotonic()))
+        missing = {k for k, up in zip(keys, fleet.tier.present(keys)) if not up}
+        for spec, c in wanted:
+            if id(spec) in done and missing & set(builds[id(c)]):
+                built.remove(spec)
+                failed.append((spec, f"built, but not in the fleet tier {url} after uploading (see the warnings above)"))
+    except TierUnavailable as exc:
+        return _fail(f"the fleet tier {url} failed: {exc}")
+    except OSError as exc:
+        return _fail(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}")
+    finally:
+        if scheduler is not None:
+            scheduler.shutdown(10.0)
+        if store is not None:
+            store.close()
+        if not args.cache_dir:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"built {len(built)}, already there {len(present)}, failed {len(failed)} (of {len(specs)} kernels) in the fleet tier {url}")
+    for spec, reason in failed:
+        print(f"failed: {_label(spec)}: {reason.splitlines()[0] if reason else ''}")
+    return 1 if failed else 0
+
+
+def _as_completed(futures, deadline: float):
+    """concurrent.futures.as_completed until `deadline` (time.monotonic()); what is left then is not yielded."""
+    import concurrent.futures as cf
+
+    try:
+        yield from cf.as_completed(futures, timeout=max(0.0, deadline - time.monotonic()))
+    except cf.TimeoutError:
+        return
 
 
 def _params(spec: dict) -> dict:
@@ -971,6 +1090,15 @@ def build_parser() -> argparse.ArgumentParser:
     prewarm.add_argument("manifests", nargs="+", metavar="MANIFEST", help="manifest files (`kernel-service manifest -o FILE`)")
     prewarm.add_argument("--socket", help=socket_help)
     prewarm.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole prewarm may take (default 3600)")
+    prewarm.add_argument(
+        "--remote",
+        metavar="URL",
+        help="fill this fleet tier (a redis:// URL with a writer's credentials) without any daemon: build here what it lacks and upload it; --socket is not used",
+    )
+    prewarm.add_argument("--cache-dir", help="with --remote: where the builds are kept (default: a temporary directory, removed at the end)")
+    prewarm.add_argument("--cuda-compiler", choices=("auto", "nvrtc", "nvcc"), help="with --remote: how CUDA kernels are compiled, as for serve (default auto)")
+    prewarm.add_argument("--workers", type=int, help="with --remote: compile workers (default: the CPU quota)")
+    prewarm.add_argument("--kernel-module", action="append", default=[], metavar="MODULE[:ATTR]", help="with --remote: also build these modules' kinds (repeatable)")
     prewarm.set_defaults(run=_prewarm)
 
     from .provenance import SIGNING_KEY as SIGNING_KEY_NAME  # light: names only

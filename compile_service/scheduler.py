@@ -27,8 +27,11 @@
   waiting; one worker is always left free for a request while others warm.
 - Serving only: a request that may not compile (a strict client), or any request
   to a scheduler made with `compiles=False` (`serve --no-compile`: no workers at
-  all), is answered from the cache or raises NotReady at once; a shared build's
-  copy is still made when the build is there, since copying compiles nothing.
+  all), is answered from the cache, else from where other builders publish
+  (Storage.fetch: the fleet tier, read through and published here, once per key
+  however many ask), else raises NotReady at once; it never compiles, takes no
+  lease and waits for no build. A shared build's copy is still made when its
+  build is here or fetched, since copying compiles nothing.
 - Shares of the queue: background work (Prefetch) may hold at most half of
   `queue_limit`, so a blocked GetKernel always finds room; the servicer holds
   one Prefetch call to a quarter (`call_share`). A caller that goes away gives
@@ -294,6 +297,7 @@ class Scheduler:
         self.background_limit = max(1, queue_limit // 2)
         self.call_share = max(1, queue_limit // 4)  # compiles one Prefetch call may queue (the servicer enforces it)
         self._keys: dict[str, tuple[str, dict]] = {}  # canonical spec JSON -> (key, spec)
+        self._fetching: dict[str, cf.Future] = {}  # key -> the fetch from other builders under way (requests that may not compile)
         self._queue: queue.PriorityQueue[_Job] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._closing = False
@@ -378,7 +382,11 @@ class Scheduler:
         remembered failure, or a new flight, its build queued or made from other builds."""
         plan = _plan(spec)
         if not (compile and self.compiles):
-            self._refuse_unless_copyable(spec, key, plan, tally)
+            if not plan.bases:
+                return self._fetch(spec, key, expect, tally)
+            refused = self._fetch_builds(spec, key, plan, tally)
+            if refused is not None:
+                return refused, Outcome.COMPILED
         with self._lock:
             if self._closing:
                 raise ShuttingDown("the kernel service is shutting down")
@@ -400,14 +408,68 @@ class Scheduler:
             self._serve_from_builds(flight, plan, priority, compile)
         return flight.future, Outcome.COMPILED
 
-    def _refuse_unless_copyable(self, spec: CanonicalSpec, key: str, plan: _Plan, tally) -> None:
-        """A miss that may not compile raises NotReady, unless it is made from builds all in the
-        cache: copying them compiles nothing."""
-        if plan.bases and all(self.store.lookup(*self._key_of(build)) is not None for build in plan.bases):
-            return
-        tally(not_ready=1)
+    def _fetch(self, spec: CanonicalSpec, key: str, expect: dict, tally) -> tuple[cf.Future, Outcome]:
+        """A miss that may not compile: looked up where other builders publish (store.fetch:
+        the fleet tier), on this thread and once per key however many ask at once, and published
+        here; it never compiles. Raises NotReady when no builder has it; the future raises
+        CompileFailed when it failed on a builder."""
+        with self._lock:
+            fetching = self._fetching.get(key)
+            if fetching is None:
+                self._fetching[key] = future = cf.Future()
+        if fetching is not None:
+            tally(misses=1, joined=1)
+            return fetching, Outcome.JOINED
+        try:
+            found = self.store.fetch(key, expect)
+        except Exception:  # a store's trouble with other hosts never fails a request
+            log.exception("fetching %s from other builders failed", key[:16])
+            found = Claim()
+        outcome: Entry | BaseException
+        if found is not None and found.entry is not None:
+            tally(misses=1)
+            outcome = found.entry
+        elif found is not None and found.failure is not None:
+            tally(misses=1, failures_cached=1)
+            outcome = compiler.CompileFailed(found.failure)
+        else:
+            tally(not_ready=1)
+            outcome = NotReady(spec, key, self._not_ready_why(found))
+        with self._lock:
+            del self._fetching[key]
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+            if isinstance(outcome, NotReady):
+                raise outcome
+        else:
+            future.set_result(outcome)
+        return future, Outcome.COMPILED
+
+    def _not_ready_why(self, found: Claim | None) -> str:
         why = "this daemon compiles nothing (serve --no-compile)" if not self.compiles else "the request asked for no compile (a strict client)"
-        raise NotReady(spec, key, why)
+        if found is None:  # no other builders to ask
+            return why
+        if found.waiting:
+            return f"{why}, and a builder of the fleet is building it now: ask again once it is done"
+        return f"{why}, and the fleet tier does not have it: a builder puts it there (a request or prefetch to a builder, or `kernel-service prewarm --remote`)"
+
+    def _fetch_builds(self, spec: CanonicalSpec, key: str, plan: _Plan, tally) -> cf.Future | None:
+        """A miss that may not compile, made from builds (a copy compiles nothing): each build not
+        in the cache is fetched first. None when they are all here now; a failed future when one
+        failed on a builder; raises NotReady, naming `spec`, when one is nowhere."""
+        for build in plan.bases:
+            build_key, build_expect = self._key_of(build)
+            if self.store.lookup(build_key, build_expect) is not None:
+                continue
+            try:
+                self._fetch(build, build_key, build_expect, metrics_.ignore)[0].result()
+            except NotReady as exc:
+                tally(not_ready=1)
+                raise NotReady(spec, key, f"{exc.why} (the build it is a copy of, {build_key[:16]})") from None
+            except compiler.CompileFailed as exc:
+                tally(misses=1, failures_cached=1)
+                return _failed(exc)
+        return None
 
     def _join(self, flight: _Flight, tally) -> cf.Future:
         """One more waiter on a key already in flight (caller holds _lock)."""
@@ -478,6 +540,11 @@ class Scheduler:
         with self._lock:
             failure = self._failures.recall(key)
         return None if failure is None else str(failure)
+
+    def build_keys(self, spec: CanonicalSpec) -> list[str]:
+        """The keys of the builds `spec` is served from: its own, or those of the builds it is
+        a copy of (the entries other hosts share: each host makes the copies itself)."""
+        return [self.key_of(build) for build in _plan(spec).bases] or [self.key_of(spec)]
 
     def _key_of(self, spec: CanonicalSpec) -> tuple[str, dict]:
         """The key, and the spec the entry must record (a key collision or a planted entry is
@@ -655,7 +722,7 @@ class Scheduler:
             if built.error is not None:
                 raise built.error
             outcome: Entry | BaseException = self._put(flight, built)
-        except (compiler.CompileFailed, StoreError, ShuttingDown, WorkerCrashed, Cancelled) as exc:
+        except (compiler.CompileFailed, StoreError, ShuttingDown, WorkerCrashed, Cancelled, NotReady) as exc:
             outcome = exc
         except BaseException as exc:  # never leave waiters hanging
             log.exception("unexpected error compiling %s", key[:16])
@@ -663,7 +730,7 @@ class Scheduler:
         finally:
             if built.staging is not None:
                 self.store.discard_staging(built.staging)
-        if isinstance(outcome, BaseException) and not isinstance(outcome, (ShuttingDown, Cancelled)):
+        if isinstance(outcome, BaseException) and not isinstance(outcome, (ShuttingDown, Cancelled, NotReady)):
             if not flight.derived:
                 self.metrics.add(failures=1)
             log.warning("compile of %s failed: %s", spec.to_json(), outcome)  # in full: the client's copy may be cut (proto.wire.clip)

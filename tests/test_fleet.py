@@ -20,17 +20,19 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 import client
 import tests.slow_kind  # noqa: F401  (clients validate locally: they share the daemons' registry)
 from compile_service.metrics import Metrics
-from compile_service.store import BUILD, LocalStore
-from compile_service.store.remote import DOWN, RETRY_AFTER, UP, RedisTier, TierUnavailable, blob_key, entry_key
+from compile_service.store import BUILD, Claim, LocalStore
+from compile_service.store.remote import DOWN, RETRY_AFTER, UP, RedisTier, TierUnavailable, TooLarge, blob_key, entry_key
 from compile_service.store.tiered import with_fleet_tier
 from devtools import redis_server
 from devtools.launch import wait_serving
+from proto.entry import index_record
 from proto.paths import socket_address
-from tests.marks import require_redis_server
+from tests.marks import needs_nvrtc, require_redis_server
 from tests.test_faults import assert_correct, get, specs, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -475,3 +477,309 @@ def test_bad_fleet_flags_are_refused_with_one_line(args, message, tmp_path):
     )  # fmt: skip
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and re.search(message, out.stderr), out.stderr
     assert "secret" not in out.stderr
+
+
+# ----- a fleet that never compiles where it serves: a CPU-only builder feeds serve-only hosts
+
+
+def sm90a_specs(n: int, base: int = 256) -> list[dict]:
+    """n distinct cheap CUDA kernels, cross-compiled here (no GPU needed)."""
+    kinds = ("rmsnorm", "softmax", "swiglu")
+    return [{"kind": kinds[i % 3], "M": None, "N": base + 64 * i, "dtype": "float16", "target": "sm_90a"} for i in range(n)]
+
+
+def serve_only(url: str, *extra: str) -> dict:
+    """A serve-only host: no compile workers, CUDA kernels keyed by the builders' NVRTC, reading the tier."""
+    return host(url, "--remote-read-only", "--no-compile", "--cuda-compiler-id", NVRTC_ID, *extra)
+
+
+NVRTC_ID = "nvrtc-13.0"
+
+
+@needs_nvrtc
+def test_a_cpu_only_builder_feeds_three_serve_only_hosts_that_never_compile(make_daemon, tier):
+    """The builder compiles (cross-compiling sm_90a on this CPU-only machine) for the
+    requests it is sent; strict agents on three --no-compile hosts get every kernel from the
+    tier: each kernel built once in the whole fleet, none on the hosts that serve."""
+    builder = make_daemon(*host(writer_url(tier), "--cuda-compiler", "nvrtc")["args"], workers=2, start=False)
+    servers = [make_daemon(*serve_only(reader_url(tier))["args"], workers=1, start=False) for _ in range(3)]
+    for d in (builder, *servers):
+        d.start(wait=False)
+    for d in (builder, *servers):
+        wait_serving(socket_address(d.socket), 180, d.proc)
+    assert stats(builder)["cuda_compiler"] == NVRTC_ID
+    batch = sm90a_specs(20) + specs(20, base=900)
+    with builder.client() as c:  # a builder-side request: what prewarm or a prefetch sends
+        assert all(r == "compiled" for r in c.prefetch(batch, load=False)), "the builder did not build everything"
+    with tier.admin() as r:  # the write-behind: every entry in the tier, every lease let go
+        wait_for(lambda: len(r.keys("ks:entry:*")) == len(batch) and not r.keys("ks:lease:*"), timeout=60, what="the builder's uploads")
+
+    results: dict[int, list] = {}
+
+    def strict_agent(i: int) -> None:
+        with servers[i].client(strict=True) as c:
+            results[i] = c.prefetch(batch)
+
+    threads = [threading.Thread(target=strict_agent, args=(i,)) for i in range(len(servers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results) == [0, 1, 2]
+    for kernels in results.values():
+        assert all(not isinstance(k, Exception) for k in kernels), [k for k in kernels if isinstance(k, Exception)][:3]
+        assert [k.abi["loader"] for k in kernels[:20]] == ["tvm_ffi"] * 20  # loaded (running them needs a GPU)
+    for k in results[0][20:23]:
+        assert_correct(k)
+    every = [stats(d) for d in servers]
+    assert [(s["compiles"], s["workers"], s["remote_hits"], s["entries"], s["not_ready"]) for s in every] == [(0, 0, 40, 40, 0)] * 3
+    assert all(s["remote_errors"] == 0 and s["remote_bytes_out"] == 0 for s in every)
+    assert stats(builder)["compiles"] == len(batch)  # each kernel built once in the fleet
+
+    # What the tier lacks is not ready, at once, and says where kernels come from.
+    missing = sm90a_specs(1, base=4096)[0]
+    with servers[0].client(strict=True) as c, pytest.raises(client.KernelNotReady) as err:
+        get(c, missing)
+    assert "the fleet tier does not have it" in str(err.value) and "prewarm --remote" in str(err.value)
+    assert stats(servers[0])["compiles"] == 0
+    assert_no_tracebacks(builder, *servers)
+
+
+# ----- bounds on what Redis sends: a hostile server on loopback, and a planted index on a real one
+
+STREAM_CAP = 64 << 20  # what the hostile server sends at most before it gives up (unbounded reads take it all)
+
+
+class HostileRedis:
+    """A loopback server speaking just enough RESP2 for the tier; `answer(command)` gives the
+    reply to each command as bytes, or an endless iterator of chunks, streamed until the client
+    goes away or STREAM_CAP bytes are out. `sent` counts the bytes that got out."""
+
+    def __init__(self, answer):
+        import socket
+
+        self.answer, self.sent = answer, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)  # what is sent is what the client read, near enough
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn) -> None:
+        reader = conn.makefile("rb")
+        with conn:
+            try:
+                while True:
+                    line = reader.readline()
+                    if not line.startswith(b"*"):
+                        return
+                    command = []
+                    for _ in range(int(line[1:])):
+                        size = int(reader.readline()[1:])
+                        command.append(reader.read(size + 2)[:-2])
+                    reply = self.answer([command[0].upper(), *command[1:]])
+                    for chunk in [reply] if isinstance(reply, bytes) else reply:
+                        conn.sendall(chunk)
+                        self.sent += len(chunk)
+                        if self.sent >= STREAM_CAP:
+                            return
+            except OSError:  # the client closed its end: what it read is all it gets
+                return
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def endless(head: bytes):
+    yield head
+    while True:
+        yield b"x" * (64 << 10)
+
+
+def answers(entry_reply, mget_reply=b"*0\r\n"):
+    """A Redis whose every key is absent, but for the entry (`entry_reply`) and MGET's reply."""
+
+    def answer(command):
+        name = command[0]
+        if name == b"GET":
+            return entry_reply if command[1].startswith(b"ks:entry:") else b"$-1\r\n"
+        if name == b"MGET":
+            return mget_reply
+        known = {b"PTTL": b":-2\r\n", b"EXISTS": b":0\r\n", b"EVAL": b":1\r\n", b"DEL": b":1\r\n", b"PING": b"+PONG\r\n", b"CLIENT": b"+OK\r\n"}
+        known[b"HELLO"] = b"%1\r\n$5\r\nproto\r\n:3\r\n"  # a client that asks for RESP3 (redis-py's default) gets it
+        return known.get(name, b"-ERR unknown command\r\n")
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        pytest.param(lambda: endless(b"$2000000000\r\n"), id="a bulk reply without end"),
+        pytest.param(lambda: endless(b"+"), id="a status line without its CRLF"),
+    ],
+)
+def test_a_redis_that_streams_an_endless_reply_is_read_no_further_than_a_look_allows(reply):
+    server = HostileRedis(answers(reply()))
+    tier_ = RedisTier(server.url, timeout=5, metrics=Metrics())
+    try:
+        start = time.monotonic()
+        with pytest.raises(TooLarge, match="larger than the .* bytes this call allows"):
+            tier_.look("0" * 64)
+        took = time.monotonic() - start
+    finally:
+        tier_.close()
+        server.close()
+    # A look allows two indexes' worth (about 3 MiB); the rest is the kernel's socket buffers.
+    assert server.sent < 16 << 20 and took < 5, (server.sent, took)
+    assert tier_.metrics.counters()["remote_errors"] == 1 and tier_.state == UP  # counted; the breaker stays closed
+
+
+def test_a_redis_that_drips_its_reply_costs_a_call_no_more_than_its_time_bound():
+    """Each byte comes within the socket timeout, so no single read times out."""
+
+    def drip():
+        yield b"$1000\r\n"
+        for _ in range(100):  # 20 s in all, unless the client hangs up first
+            time.sleep(0.2)
+            yield b"x"
+
+    server = HostileRedis(answers(drip()))
+    tier_ = RedisTier(server.url, timeout=0.3, metrics=Metrics())
+    try:
+        start = time.monotonic()
+        with pytest.raises(TierUnavailable, match="took longer than the .*s this call allows"):
+            tier_.look("0" * 64)
+        took = time.monotonic() - start
+    finally:
+        tier_.close()
+        server.close()
+    assert took < 5 * 0.3 + 1.5, took  # CALL_TIMEOUTS timeouts, plus one read's
+    assert tier_.state == DOWN  # a server this slow is treated as a hung one
+
+
+def test_blobs_larger_than_their_index_declares_are_read_no_further_and_refused(tmp_path):
+    """The index is well-formed and declares a 1-byte library; the server sends a 256 MiB one."""
+    key, spec = "a1" * 32, {"kind": "fake", "params": {"N": 4}}
+    files = {"kernel.so": {"sha256": "b2" * 32, "size": 1}}
+    index = json.dumps(index_record("kernel.so", files, {"spec": spec, "abi": ABI}, "elsewhere")).encode()
+    server = HostileRedis(answers(b"$%d\r\n%s\r\n" % (len(index), index), endless(b"*1\r\n$268435456\r\n")))
+    metrics = Metrics()
+    store = with_fleet_tier(LocalStore(tmp_path / "cache", metrics=metrics), RedisTier(server.url, timeout=5, metrics=metrics), metrics)
+    try:
+        assert store.claim(key, spec, wake=lambda: None) == BUILD  # refused: built here
+        assert store.fetch(key, spec) == Claim()  # and a host that may not build has nothing
+    finally:
+        store.close()
+        server.close()
+    assert server.sent < 16 << 20, server.sent  # two reads, each stopped past the declared byte (plus framing)
+    assert metrics.counters()["remote_corrupt"] == 2 and store.keys() == []
+
+
+def test_a_planted_index_declaring_one_byte_files_is_refused_and_not_published(tier, tmp_path):
+    """On a real Redis: a writer's genuine entry (an 8 MiB library), its index then rewritten to
+    declare 1-byte files. The blobs match their digests; only their sizes give it away."""
+    key, spec = "5e" * 32, {"kind": "fake", "params": {"N": 4}}
+    store = tiered(writer_url(tier), tmp_path / "a")
+    try:
+        staging = store.new_staging(key)
+        (staging / "kernel.so").write_bytes(os.urandom(8 << 20))
+        (staging / "kernel.c").write_text("/* generated */")
+        store.put(key, staging, "kernel.so", {"spec": spec, "abi": ABI})
+    finally:
+        store.close()
+    with tier.admin() as r:
+        index = json.loads(r.get(entry_key(key)))
+        for f in index["files"].values():
+            f["size"] = 1
+        r.set(entry_key(key), json.dumps(index))
+    reader = tiered(writer_url(tier), tmp_path / "b")
+    try:
+        claim = reader.claim(key, spec, wake=lambda: None)
+        assert claim.entry is None and not claim.waiting  # refused: built here, under this host's lease
+        reader.abandon(key)
+        counters = reader.metrics.counters()
+        assert (counters["remote_corrupt"], counters["remote_hits"], counters["remote_bytes_in"]) == (1, 0, len(json.dumps(index)))
+        assert reader.keys() == []
+        with tier.admin() as r:
+            assert r.get(entry_key(key)) is None  # dropped by this writer host: the next one builds it again
+    finally:
+        reader.close()
+
+
+def test_prewarm_remote_fills_the_tier_without_a_daemon_and_serve_only_hosts_serve_it(make_daemon, tier, tmp_path):
+    """Three kernels and one copy of a shared build (tests.shared_kind: its build is what
+    travels; each host makes the copies)."""
+    import tests.shared_kind  # noqa: F401
+    from proto import manifest
+
+    copy = {"kind": "row_double", "M": 8, "N": 16, "target": "c"}
+    batch = [*specs(3, base=1400), copy]
+    path = tmp_path / "app.json"
+    path.write_text(json.dumps(manifest.make("app", [{"kind": s["kind"], "target": "c", "params": {k: v for k, v in s.items() if k not in ("kind", "target")}} for s in batch])))
+
+    def prewarm() -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "KERNEL_SERVICE_SOCKET"} | {"KERNEL_SERVICE_SOCKET": str(tmp_path / "no-daemon.sock")}
+        return subprocess.run(
+            [sys.executable, "-m", "compile_service.cli", "prewarm", str(path), "--remote", writer_url(tier), "--workers", "1", "--kernel-module", "tests.shared_kind"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    first = prewarm()
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "built 4, already there 0, failed 0 (of 4 kernels) in the fleet tier redis://fleet-writer:***@" in first.stdout, first.stdout
+    assert PASSWORDS["WRITER_PASSWORD"] not in first.stdout + first.stderr
+    with tier.admin() as r:  # the copy's build (M=None) is shared, not the copy
+        assert len(r.keys("ks:entry:*")) == 4 and r.keys("ks:lease:*") == []
+    again = prewarm()  # what the tier holds is neither built nor fetched again
+    assert again.returncode == 0 and "built 0, already there 4, failed 0" in again.stdout, again.stdout + again.stderr[-2000:]
+
+    (server,) = start_hosts(make_daemon, serve_only(reader_url(tier), "--kernel-module", "tests.shared_kind"))
+    with server.client(strict=True) as c:
+        for spec in batch[:3]:
+            assert_correct(get(c, spec))
+        k = get(c, {**copy, "M": 5})  # a copy no one asked for before: its build is fetched, the copy made here
+        x = torch.randn(5, 16)
+        torch.testing.assert_close(k(x), 2 * x)
+        assert k.abi["fixed"] == {"M": 5}
+    s = stats(server)
+    assert (s["compiles"], s["remote_hits"], s["derived"], s["not_ready"]) == (0, 4, 1, 0)
+
+
+def test_a_host_that_may_not_build_says_a_builder_is_at_it_and_answers_with_the_fleets_failure(tier, tmp_path):
+    """In this process: a serve-only scheduler (no workers) over the tier."""
+    import kernels
+    from compile_service.build.compiler import CompileFailed
+    from compile_service.scheduler import NotReady, Scheduler
+
+    store = tiered(reader_url(tier), tmp_path / "serve")
+    scheduler = Scheduler(store, workers=1, metrics=store.metrics, compiles=False, start=False)
+    try:
+        spec = kernels.canonicalize("rmsnorm", {"M": None, "N": 72, "dtype": "float32"}, "c")
+        key = scheduler.key_of(spec)
+        with tier.admin() as r:
+            r.set(f"ks:lease:{key}", b"builder-1", px=30_000)
+        start = time.monotonic()
+        with pytest.raises(NotReady, match="a builder of the fleet is building it now"):
+            scheduler.request(spec)
+        assert time.monotonic() - start < 1  # at once: a host that may not build never waits
+        writer = RedisTier(writer_url(tier))
+        writer.put_failure(key, "error: the lowering refused it", 30)
+        writer.close()
+        future, _ = scheduler.request(spec)
+        with pytest.raises(CompileFailed, match="(?s)the lowering refused it.*this compile failed on"):
+            future.result(timeout=5)
+        counters = store.metrics.counters()
+        assert (counters["compiles"], counters["not_ready"], counters["failures_cached"], counters["remote_misses"]) == (0, 1, 1, 1)
+    finally:
+        scheduler.shutdown(1)
+        store.close()

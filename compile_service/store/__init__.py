@@ -7,9 +7,11 @@
     check    verify and repair, without the index
     listing  what the store holds, entry by entry (`kernel-service ls`)
     layers   read-only cache layers (serve --cache-layer), looked up after the local store, never written
-    tiered   the fleet form of claims: fleet-wide single flight over a shared Redis, read-through,
-             and write-behind as the local store's publish hook; imported only with --remote
-    remote   the Redis side of it: key layout, leases, the circuit breaker
+    tiered   the fleet form of claims: fleet-wide single flight over a shared Redis, read-through
+             (for builders and for hosts that may not build), and write-behind as the local
+             store's publish hook; imported only with --remote
+    remote   the Redis side of it: key layout, leases, the circuit breaker, each call's byte budget
+    resp     Redis replies read within that budget, counted on the socket
 
 The rules of an entry itself (key, file names, manifest, entry.json, the fleet index's and
 bundle.json's records) are the contract's: proto.entry.

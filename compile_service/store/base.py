@@ -89,6 +89,13 @@ class Claims(abc.ABC):
         """Asked before building `key` (whose entry must record `spec`), after a local miss.
         When the answer is `waiting`, `wake()` is called later, once: ask again then."""
 
+    def fetch(self, key: str, spec: dict) -> Claim | None:
+        """Asked on a miss that may not be built here (a serve-only host, a strict request):
+        the entry another builder published (read through and published here, as `claim`
+        does), its failure, or `waiting` when one is building it now; never takes a lease,
+        never waits. An empty Claim: no builder has it. None: there are no other builders to ask."""
+        return None
+
     def abandon(self, key: str, failure: str | None = None, failure_ttl: float = 0.0) -> None:
         """The build of a claimed key ended without an entry: `failure` (the compiler's message)
         when it failed, to be remembered `failure_ttl` seconds; None when it was cut short."""

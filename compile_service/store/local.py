@@ -346,6 +346,9 @@ class LocalStore(Storage):
     def claim(self, key: str, spec: dict, wake: Callable[[], None]):
         return self.claims.claim(key, spec, wake)
 
+    def fetch(self, key: str, spec: dict):
+        return self.claims.fetch(key, spec)
+
     def abandon(self, key: str, failure: str | None = None, failure_ttl: float = 0.0) -> None:
         self.claims.abandon(key, failure, failure_ttl)
 

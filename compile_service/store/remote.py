@@ -16,6 +16,14 @@ and the first connection error or timeout opens the breaker: for RETRY_AFTER
 seconds every call fails at once with TierUnavailable, then one call tries
 again (state "up" again when it works). A refused command (NOPERM from an ACL,
 OOM) is counted and raised the same way, without opening the breaker.
+
+Every call receives at most a bounded number of bytes (store.resp): a look at most
+two indexes' worth, a read of blobs at most the sizes their index declares, the
+rest SMALL_REPLIES; and a whole call may take CALL_TIMEOUTS timeouts (plus a
+second per CALL_RATE bytes it may receive), however slowly a server drips its reply.
+Past the bytes the read stops and the call raises TooLarge, counted, without
+opening the breaker (the server answers; it answers too much); past the time it
+is a timeout like any other.
 Nothing here touches the local disk.
 """
 
@@ -34,12 +42,17 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..config import without_password
+from .resp import BoundedParser, ReplyTooLarge, budget
 
 log = logging.getLogger(__name__)
 
 PREFIX = "ks:"
 RETRY_AFTER = 5.0  # seconds the breaker stays open after a connection error or timeout
 MAX_INDEX = 1 << 20  # bytes of one index: far above any real one (a few KB)
+SMALL_REPLIES = 1 << 20  # bytes a call that reads no index or blob may receive (statuses, integers)
+CALL_TIMEOUTS = 5  # a whole call may take this many --remote-timeouts (each read is bounded by one) ...
+CALL_RATE = 8 << 20  # ... plus a second per this many bytes it may receive
+FRAMING = 64  # bytes of RESP framing allowed per bulk reply ($<length>\r\n ... \r\n)
 
 UP, DOWN = "up", "down"
 
@@ -68,6 +81,11 @@ class TierUnavailable(Exception):
     """Redis is down, slow, or refused the command: the caller goes on locally."""
 
 
+class TooLarge(TierUnavailable):
+    """A reply held more bytes than the call allows (a blob larger than its index declares, a
+    server streaming without end): the read stopped there and the connection was closed."""
+
+
 def entry_key(key: str) -> str:
     return f"{PREFIX}entry:{key}"
 
@@ -93,6 +111,7 @@ class RedisTier:
         self.lease_ms = int(lease_seconds * 1000)
         self.ttl_ms = int(ttl * 1000)
         self.metrics = metrics
+        self.timeout = timeout
         self.host = f"{socket.gethostname()}/{os.getpid()}/{os.urandom(3).hex()}"  # this daemon, as leases name it
         # One immediate retry on a connection error only (a pooled socket the server
         # closed on restart); a timeout is never retried: it already cost the caller.
@@ -101,14 +120,19 @@ class RedisTier:
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+            parser_class=BoundedParser,
+            protocol=2,  # what BoundedParser reads
         )
+        if self.redis.connection_pool.connection_kwargs.get("protocol") != 2:  # the URL's ?protocol=3 wins over the argument
+            self.redis.connection_pool.connection_kwargs.update(protocol=2, maint_notifications_config=None)
         self._lock = threading.Lock()
         self.state = UP
         self._retry_at = 0.0
         self._refusals: set[str] = set()
 
     # ----- the breaker
-    def _call(self, fn):
+    def _call(self, fn, limit: int = SMALL_REPLIES):
+        """fn(redis client), receiving at most `limit` bytes, through the breaker."""
         with self._lock:
             if self.state == DOWN:
                 now = time.monotonic()
@@ -116,7 +140,12 @@ class RedisTier:
                     raise TierUnavailable(f"the fleet tier {self.url} is down; retrying in {self._retry_at - now:.1f}s")
                 self._retry_at = now + RETRY_AFTER  # this call is the one probe; the others go on locally
         try:
-            result = fn(self.redis)
+            with budget(limit, CALL_TIMEOUTS * self.timeout + limit / CALL_RATE):
+                result = fn(self.redis)
+        except ReplyTooLarge as exc:  # the server is up, and sent more than asked: read no further
+            self._count(remote_errors=1)
+            log.warning("fleet tier %s: %s", self.url, exc)
+            raise TooLarge(str(exc)) from exc
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             self._count(remote_errors=1)
             with self._lock:
@@ -160,14 +189,28 @@ class RedisTier:
             p.get(entry_key(key)).get(failed_key(key)).pttl(failed_key(key)).exists(lease_key(key))
             return p.execute()
 
-        raw_index, raw_failure, failure_ms, leased = self._call(run)
+        raw_index, raw_failure, failure_ms, leased = self._call(run, limit=2 * MAX_INDEX + SMALL_REPLIES)
         self._count(remote_bytes_in=len(raw_index or b"") + len(raw_failure or b""))
         return raw_index, _failure(raw_failure), max(0, failure_ms) / 1000, bool(leased)
 
-    def blobs(self, digests: list[str]) -> list[bytes | None]:
-        found = self._call(lambda r: r.mget([blob_key(d) for d in digests]))
+    def blobs(self, sizes: dict[str, int]) -> list[bytes | None]:
+        """The blobs of these digests, in order (None: not there), receiving no more bytes than
+        the sizes given (an index's, checked against its limit): TooLarge past them."""
+        limit = sum(sizes.values()) + FRAMING * (len(sizes) + 1)
+        found = self._call(lambda r: r.mget([blob_key(d) for d in sizes]), limit=limit)
         self._count(remote_bytes_in=sum(len(b) for b in found if b))
         return found
+
+    def present(self, keys: list[str]) -> list[bool]:
+        """For each key: is its index in the tier? One round trip for all of them."""
+
+        def run(r):
+            p = r.pipeline(transaction=False)
+            for key in keys:
+                p.exists(entry_key(key))
+            return p.execute()
+
+        return [bool(n) for n in self._call(run, limit=SMALL_REPLIES + 16 * len(keys))]
 
     def settled(self, keys: list[str]) -> list[bool]:
         """For each key another host was building: is it over (entry or failure there, or the

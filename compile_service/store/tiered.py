@@ -11,6 +11,11 @@ with_fleet_tier sets as the store's `claims`), and the store's publish hook:
   another host holds it, the job waits (one watcher thread polls every waiting
   key in one round trip) until that host's entry or failure appears, or its
   lease expires: then this host takes over.
+- fetch (a local miss on a host that may not build: serve --no-compile, a strict
+  request): the same look and read-through, but never a lease and never a wait;
+  what the tier lacks (or another host is building) is not ready.
+- Blobs are read no further than the sizes their index declares (RedisTier.blobs):
+  a blob of another size than declared is refused like a corrupt one.
 - the publish hook: what the store publishes is written behind to Redis by a
   background thread, so an agent never waits for Redis; the lease is released
   after the upload, so hosts waiting on it find the entry, not a free lease.
@@ -38,7 +43,7 @@ from proto.trust import read_owned
 
 from .base import BUILD, Claim, Claims
 from .local import LocalStore
-from .remote import Lease, RedisTier, TierUnavailable
+from .remote import Lease, RedisTier, TierUnavailable, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +114,7 @@ class FleetClaims(Claims):
                 return Claim(entry=entry)
         elif failure is not None:
             self._settled(key)
-            note = f"\n(this compile failed on {failure['host']} {time.time() - failure['at']:.0f}s ago; the fleet tries it again in {failure_left:.0f}s)"
-            return Claim(failure=failure["error"] + note, failure_ttl=failure_left)
+            return _failed(failure, failure_left)
         if self.tier.read_only:
             lease = Lease.HELD if leased else Lease.FREE  # a reader takes no lease: it builds without one
         else:
@@ -136,6 +140,23 @@ class FleetClaims(Claims):
             log.info("took over the build of %s: its holder's lease expired without an entry", key[:16])
         return BUILD
 
+    # ----- a host that may not build: read through, never a lease, never a wait
+    def fetch(self, key: str, spec: dict) -> Claim:
+        try:
+            index, failure, failure_left, leased = self.tier.look(key)
+            if index is not None:
+                entry = self._read_through(key, spec, index)
+                if entry is not None:
+                    self.metrics.add(remote_hits=1)
+                    return Claim(entry=entry)
+                return Claim()  # refused or evicted (counted): no builder has it
+        except TierUnavailable:  # down or refusing: as if no builder had it
+            return Claim()
+        if failure is not None:
+            return _failed(failure, failure_left)
+        self.metrics.add(remote_misses=1)
+        return Claim(waiting=leased)
+
     def _settled(self, key: str) -> None:
         with self._lock:
             self._waited.discard(key)
@@ -148,8 +169,18 @@ class FleetClaims(Claims):
         except EntryRefused as exc:
             return self._refuse(key, [], f"its index is unusable: {exc}")
         meta["fetched_from"] = {"host": host, "at": time.time()}
-        digests = sorted({f["sha256"] for f in files.values()})
-        found = dict(zip(digests, self.tier.blobs(digests)))
+        sizes: dict[str, int] = {}
+        for f in files.values():
+            if sizes.setdefault(f["sha256"], f["size"]) != f["size"]:
+                return self._refuse(key, [], "it declares two sizes for one blob")
+        digests = sorted(sizes)
+        try:  # read no more than the index declares (TooLarge: the read stopped there)
+            found = dict(zip(digests, self.tier.blobs({d: sizes[d] for d in digests})))
+        except TooLarge:
+            return self._refuse(key, [], "its blobs hold more bytes than it declares")
+        wrong = [d for d in digests if found[d] is not None and len(found[d]) != sizes[d]]
+        if wrong:
+            return self._refuse(key, [], f"{len(wrong)} blob(s) are not of the size it declares")
         bad = [d for d in digests if found[d] is not None and hashlib.sha256(found[d]).hexdigest() != d]
         if bad:
             return self._refuse(key, bad, f"{len(bad)} blob(s) do not match their sha256")
@@ -262,19 +293,35 @@ class FleetClaims(Claims):
                 key = self._uploads.get(timeout=0.2)
             except queue.Empty:
                 continue
-            while True:
-                try:
-                    self._send(key)
-                except TierUnavailable:
-                    # Down: wait for the breaker and send again (this entry and the ones queued
-                    # behind it). Refused (NOPERM, OOM): it would be refused again; drop it.
-                    if self.tier.state == "up" or self._closing.wait(max(self.tier.retry_in(), POLL)):
-                        break
-                    continue
-                except OSError as exc:  # evicted or unreadable meanwhile: nothing to share
-                    log.info("not sharing %s: %s", key[:16], exc)
-                break
-            self._release(key)
+            try:
+                self._send_while_up(key)
+                self._release(key)
+            finally:
+                self._uploads.task_done()
+
+    def _send_while_up(self, key: str) -> None:
+        while True:
+            try:
+                self._send(key)
+            except TierUnavailable:
+                # Down: wait for the breaker and send again (this entry and the ones queued
+                # behind it). Refused (NOPERM, OOM): it would be refused again; drop it.
+                if self.tier.state == "up" or self._closing.wait(max(self.tier.retry_in(), POLL)):
+                    return
+                continue
+            except OSError as exc:  # evicted or unreadable meanwhile: nothing to share
+                log.info("not sharing %s: %s", key[:16], exc)
+            return
+
+    def flush(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds for every upload queued so far to be over (sent, or
+        given up on); whether they are."""
+        deadline = time.monotonic() + timeout
+        while self._uploads.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL / 2)
+        return True
 
     def _send(self, key: str) -> None:
         entry = self.local.lookup(key)
@@ -304,3 +351,9 @@ class FleetClaims(Claims):
         for key in held:
             self._release(key)
         self.tier.close()
+
+
+def _failed(failure: dict, seconds_left: float) -> Claim:
+    """The claim of a key whose compile failed on another host: its message, saying where and when."""
+    note = f"\n(this compile failed on {failure['host']} {time.time() - failure['at']:.0f}s ago; the fleet tries it again in {seconds_left:.0f}s)"
+    return Claim(failure=failure["error"] + note, failure_ttl=seconds_left)
