@@ -23,6 +23,7 @@ import grpc
 import pytest
 import torch
 
+import client
 from devtools.launch import DaemonProcess
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
@@ -96,6 +97,8 @@ def test_a_read_only_layer_serves_hits_where_they_lie_and_is_never_written(make_
     copy = asking.get_kernel("row_double", target="c", M=5, N=8)  # a copy of the layer's build, made in the cache
     assert in_dir(copy, d.cache_dir)
     torch.testing.assert_close(copy(x), 2 * x)
+    with pytest.raises(client.KernelNotReady):  # a strict miss looks where builders publish, then says so
+        norm(d.client(strict=True), 40)
     compiled = norm(asking, 24)  # a miss compiles into the cache, whose budget then evicts the copy
     assert compiled.outcome == "compiled" and in_dir(compiled, d.cache_dir)
     stats = asking.stats()

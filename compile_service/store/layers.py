@@ -193,6 +193,9 @@ class Layered(Storage):
     def claim(self, key: str, spec: dict, wake: Callable[[], None]):
         return self.writable.claim(key, spec, wake)
 
+    def fetch(self, key: str, spec: dict):
+        return self.writable.fetch(key, spec)
+
     def abandon(self, key: str, failure: str | None = None, failure_ttl: float = 0.0) -> None:
         self.writable.abandon(key, failure, failure_ttl)
 
