@@ -99,6 +99,7 @@ def test_a_read_only_layer_serves_hits_where_they_lie_and_is_never_written(make_
     torch.testing.assert_close(copy(x), 2 * x)
     with pytest.raises(client.KernelNotReady):  # a strict miss looks where builders publish, then says so
         norm(d.client(strict=True), 40)
+    assert "failed" not in d.log_path.read_text()  # not a store's error turned into NOT_FOUND
     compiled = norm(asking, 24)  # a miss compiles into the cache, whose budget then evicts the copy
     assert compiled.outcome == "compiled" and in_dir(compiled, d.cache_dir)
     stats = asking.stats()
