@@ -13,7 +13,7 @@ import sys
 from .api import Client, connect, default_client, explain, get_kernel, kinds, prefetch, stats
 from .api import use_shared_inductor_cache_default as use_shared_inductor_cache
 from .inductor import InductorCache
-from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable, UntrustedService
+from .errors import CompileError, CompileTimeout, CorruptArtifact, InvalidSpec, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable, UntrustedService
 from .loader import Kernel
 
 if "torch" in sys.modules:  # the kernels' torch ops (torch.compile, torch.export); else when a kernel loads
@@ -22,6 +22,7 @@ if "torch" in sys.modules:  # the kernels' torch ops (torch.compile, torch.expor
 __all__ = [
     "Client",
     "CompileError",
+    "CompileTimeout",
     "CorruptArtifact",
     "InductorCache",
     "InvalidSpec",

@@ -3,7 +3,7 @@
 from proto.errors import EntryRefused, InvalidSpec  # InvalidSpec: a ValueError whose `field` names the bad parameter
 
 # The errors a failed call raises are the contract's (proto/channel.py maps each status to one).
-from proto.channel import NOT_READY_FIX, CompileError, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable
+from proto.channel import NOT_READY_FIX, CompileError, CompileTimeout, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable
 
 
 class UntrustedService(ServiceUnavailable):
@@ -20,6 +20,7 @@ class CorruptArtifact(KernelServiceError, EntryRefused):
 __all__ = [
     "NOT_READY_FIX",
     "CompileError",
+    "CompileTimeout",
     "CorruptArtifact",
     "InvalidSpec",
     "KernelNotReady",

@@ -58,6 +58,7 @@ from .config import ServiceConfig
 from .cpus import usable_cpus
 from .guard import RequestGuard
 from .keys import describe_toolchain
+from .memory import BuildMemory, describe_limit
 from .metrics import SAVE_EVERY, STATS_FILE, Metrics
 from .scheduler import Scheduler
 from .servicer import KernelServicer
@@ -312,6 +313,8 @@ class Daemon:
             self.metrics,
             start=False,  # the spawner starts them once SERVING
             compiles=not cfg.no_compile,
+            compile_timeout=cfg.compile_timeout or None,
+            memory=BuildMemory(cfg.memory_limit),
         )
         threading.Thread(target=self._spawn_workers, name="spawner", daemon=True).start()  # at nice 0, as its workers
         # From here on this thread only starts gRPC: lowering its priority now makes
@@ -333,6 +336,10 @@ class Daemon:
             workers=lambda: 0 if cfg.no_compile else cfg.workers,
             workers_ready=lambda: self.scheduler.workers_ready,
             cpu_quota=usable_cpus,
+            memory_limit=lambda: cfg.memory_limit or 0,
+            memory_builds=lambda: 0 if cfg.no_compile else self.scheduler.memory.builds_at_once(cfg.workers),
+            most_builds_running=lambda: self.scheduler.memory.most_running,
+            build_peak_bytes=self.scheduler.memory.largest_peak,
             cache_dir=lambda: str(cfg.cache_dir),
             address=lambda: listening,
             uptime_seconds=lambda: time.time() - started,
@@ -379,7 +386,7 @@ class Daemon:
         os.chmod(cfg.socket, 0o660 if cfg.mode & 0o070 else 0o600)  # connecting needs write permission
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        pool = "no compile workers (--no-compile)" if cfg.no_compile else f"{cfg.workers} workers starting"
+        pool = "no compile workers (--no-compile)" if cfg.no_compile else f"{cfg.workers} workers starting, {describe_limit(cfg.memory_limit, cfg.sources.get('memory_limit', ''), cfg.workers)}"
         log.info("kernel-service listening on %s, cache %s, %s", listening, cfg.cache_dir, pool)
         self._serving.set()
         threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True).start()
