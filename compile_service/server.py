@@ -51,7 +51,7 @@ from proto.paths import TOKEN_FILE, socket_address
 from proto.trust import UntrustedPath, open_private_file, private_dir
 
 from . import __version__, inductor
-from .apps import AppRecorder
+from .apps import APPS, AppRecorder
 from .build import devices
 from .build.compiler import DEVICE_BINARIES, device_binary_dir
 from .config import ServiceConfig
@@ -294,7 +294,7 @@ class Daemon:
         self.metrics = Metrics()
         self.metrics.load(cfg.cache_dir / STATS_FILE)  # totals go on from the last daemon's
         # Every directory of the cache is checked before any work: a refusal costs no compile workers.
-        self.local = LocalStore(cfg.cache_dir, cfg.mode, metrics=self.metrics, extra_usage=(cfg.cache_dir / DEVICE_BINARIES,))
+        self.local = LocalStore(cfg.cache_dir, cfg.mode, metrics=self.metrics, extra_usage=(cfg.cache_dir / DEVICE_BINARIES, cfg.cache_dir / APPS))
         tier = _fleet_tier(self.local, cfg, self.metrics)
         self.store = store = self.local
         for d in (cfg.cache_dir / DEVICE_BINARIES, device_binary_dir(cfg.cache_dir, device.id)):

@@ -22,7 +22,7 @@ from .errors import InvalidSpec
 
 FORMAT = "kernel-service-manifest"
 VERSION = 1
-MAX_KERNELS = 100_000  # per manifest, and per recorded application
+MAX_KERNELS = 100_000  # per manifest (a recorded application keeps fewer: compile_service.apps)
 _APP = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
 

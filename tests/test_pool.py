@@ -1,14 +1,18 @@
-"""The compile pool's bounds, on real daemons: a per-compile timeout that kills only the build
-past it, and a memory limit that holds builds back until their measured peaks fit."""
+"""The daemon's bounds, on real daemons: a per-compile timeout that kills only the build past
+it, a memory limit that holds builds back until their measured peaks fit, and caps on the
+specs recorded per application."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import time
+from pathlib import Path
 
 import pytest
 
 import client
+from compile_service import apps
 import tests.slow_kind  # noqa: F401  (clients validate locally: they share the daemons' registry)
 
 SLOW = ("--kernel-module", "tests.slow_kind")
@@ -72,3 +76,47 @@ def test_a_memory_limit_of_one_builds_peak_keeps_builds_to_one_at_a_time(make_da
     assert stats["memory_limit"] == peak and stats["memory_builds"] == 1 and stats["workers"] == 2
     assert stats["most_builds_running"] == 1 and stats["compiles"] == 4
     assert "memory limit" in tight.log()
+
+
+# ----- recorded applications: bounded, and counted in the cache budget
+
+
+def _spec(n: int) -> str:
+    return json.dumps({"kind": "rmsnorm", "params": {"M": None, "N": n, "dtype": "float32"}, "target": "c"}, sort_keys=True, separators=(",", ":"))
+
+
+def _recorded(root: Path) -> dict[str, list[int]]:
+    return {app: [s["params"]["N"] for s in apps.read(root, app)] for app in apps.recorded(root)}
+
+
+def test_recording_past_the_caps_keeps_the_newest_specs_on_disk_and_in_memory(tmp_path):
+    """An application keeps its newest max_app_specs specs, all together the newest max_specs;
+    the oldest are dropped from disk and memory, and a restarted recorder keeps the caps."""
+    recorder = apps.AppRecorder(tmp_path, max_app_specs=5, max_specs=8)
+    for n in range(1, 1001):
+        recorder.record("flood", _spec(n))
+    assert _recorded(tmp_path) == {"flood": [996, 997, 998, 999, 1000]}
+    assert (tmp_path / "apps" / "flood.jsonl").stat().st_size < 5 * 120
+    for n in range(1, 5):
+        recorder.record("other", _spec(n))
+    assert _recorded(tmp_path) == {"flood": [997, 998, 999, 1000], "other": [1, 2, 3, 4]}  # 8 in all: flood's oldest went
+    assert sum(len(known) for known in recorder._known.values()) == 8
+    recorder.record("flood", _spec(1000))  # already kept: nothing changes
+    again = apps.AppRecorder(tmp_path, max_app_specs=3, max_specs=8)  # tighter caps on a restart
+    assert _recorded(tmp_path) == {"flood": [998, 999, 1000], "other": [2, 3, 4]}
+    again.record("other", _spec(5))
+    assert _recorded(tmp_path)["other"] == [3, 4, 5]
+
+
+def test_recorded_applications_count_in_the_cache_bytes(make_daemon):
+    """The records are in `stats` bytes (the --max-size budget's usage), on a serve-only daemon
+    that records strict misses."""
+    d = make_daemon("--no-compile", workers=1)
+    with d.client() as c:
+        before = c.stats()["bytes"]
+    with d.client(app="svc", strict=True) as c:
+        for n in (16, 24, 32):
+            with pytest.raises(client.KernelNotReady):
+                c.get_kernel("rmsnorm", M=None, N=n, dtype="float32", target="c")
+        recorded = (d.cache_dir / "apps" / "svc.jsonl").stat().st_size
+        assert recorded > 0 and c.stats()["bytes"] == before + recorded
