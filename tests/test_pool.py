@@ -7,12 +7,14 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 import client
 from compile_service import apps
+from devtools import redis_server
 import tests.slow_kind  # noqa: F401  (clients validate locally: they share the daemons' registry)
 
 SLOW = ("--kernel-module", "tests.slow_kind")
@@ -26,7 +28,8 @@ def test_a_build_past_the_compile_timeout_fails_alone_and_the_pool_keeps_serving
     """A lowering that sleeps past --compile-timeout fails within the limit plus 2 s with
     CompileTimeout naming the kind and the limit, while a build on the other worker goes on;
     its worker is replaced, the next kernel builds, and the failure is remembered and counted."""
-    d = make_daemon(*SLOW, "--compile-timeout", "3", env={"KS_TEST_BUILD_DELAY": "60"})
+    port = redis_server.free_port()
+    d = make_daemon(*SLOW, "--compile-timeout", "3", "--metrics-address", f"127.0.0.1:{port}", env={"KS_TEST_BUILD_DELAY": "60"})
     d.wait_workers_ready(timeout=300)
     with d.client(timeout=120) as c, cf.ThreadPoolExecutor(2) as pool:
         start = time.monotonic()
@@ -44,6 +47,8 @@ def test_a_build_past_the_compile_timeout_fails_alone_and_the_pool_keeps_serving
             slow(c, 64)  # remembered: answered at once, no new build
         stats = c.stats()
     assert stats["compile_timeouts"] == 1 and stats["failures_cached"] == 1 and stats["compiles"] == 2
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "kernel_service_compile_timeouts_total 1.0" in scraped.splitlines()
     d.wait_workers_ready(timeout=300)  # the killed worker's replacement started and warmed up
 
 
