@@ -291,7 +291,7 @@ class Scheduler:
         self._pool_factory = pool
         self.compile_timeout = compile_timeout
         self.memory = memory or memory_.BuildMemory(None)
-        self._lock = threading.Lock()  # guards the flights, the failures, _closing and the pool handle
+        self._lock = threading.Lock()  # guards the flights, the failures, _closing and the warm-up records
         self._flights = _Flights()
         self._failures = _Failures()
         self.background_limit = max(1, queue_limit // 2)
@@ -545,10 +545,13 @@ class Scheduler:
                 (pid, warm), peak = self._pool.run(memory_.measured, compiler.warm_step)
             self.memory.record(WARM_UP, peak)
         except BrokenProcessPool:
-            self._worker_replaced()
+            self._worker_replaced()  # this step goes round again, for the fresh worker
         except Exception as exc:  # noqa: BLE001 - a failed warm-up costs only speed
             if not self._closing:
                 log.warning("worker warm-up step failed: %s: %s", type(exc).__name__, exc)
+            with self._lock:
+                self._warm_steps -= 1  # this step ends here
+            return
         with self._lock:
             if warm:
                 self._warm.add(pid)
