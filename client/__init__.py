@@ -14,7 +14,8 @@ from .api import Client, connect, default_client, explain, get_kernel, kinds, pr
 from .api import use_shared_inductor_cache_default as use_shared_inductor_cache
 from .inductor import InductorCache
 from .errors import (
-    CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, KernelServiceError, LoadError, ServiceError, ServiceUnavailable, UntrustedService,
+    CompileError, CompileTimeout, CorruptArtifact, InvalidSpec, KernelNotReady, KernelServiceError, LoadError, ServiceError, ServiceUnavailable,
+    UntrustedService,
 )  # fmt: skip
 from .loader import Kernel
 
@@ -24,6 +25,7 @@ if "torch" in sys.modules:  # the kernels' torch ops (torch.compile, torch.expor
 __all__ = [
     "Client",
     "CompileError",
+    "CompileTimeout",
     "CorruptArtifact",
     "InductorCache",
     "InvalidSpec",

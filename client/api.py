@@ -25,7 +25,7 @@ from proto.trust import layer_owner
 from proto.wire import Outcome, Status
 
 from . import loader, resolver
-from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable
+from .errors import CompileError, CompileTimeout, CorruptArtifact, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable
 from .inductor import InductorCache, use_shared_inductor_cache
 
 log = logging.getLogger(__name__)
@@ -597,6 +597,8 @@ def _event_error(event: pb.PrefetchEvent) -> Exception:
     """The exception a failed Prefetch event stands for, as GetKernel would raise it."""
     if event.error_code == Status.COMPILE_FAILED.name:
         return CompileError(event.error_message)
+    if event.error_code == Status.COMPILE_TIMEOUT.name and event.error_message.startswith(wire.COMPILE_TIMEOUT_DETAILS):
+        return CompileTimeout(event.error_message.removeprefix(wire.COMPILE_TIMEOUT_DETAILS))
     if event.error_code == Status.NOT_READY.name:
         return KernelNotReady(event.error_message, wire.not_ready_key(event.error_message))
     return ServiceError(event.error_message, event.error_code)

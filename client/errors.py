@@ -4,7 +4,7 @@ from proto.errors import EntryRefused, InvalidSpec  # InvalidSpec: a ValueError 
 
 # The errors a failed call raises are the contract's (proto/channel.py maps each status to one).
 # UntrustedService: the daemon found is not the trusted one (proto.channel.verify_daemon).
-from proto.channel import NOT_READY_FIX, CompileError, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable, UntrustedService
+from proto.channel import NOT_READY_FIX, CompileError, CompileTimeout, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable, UntrustedService
 
 
 class CorruptArtifact(KernelServiceError, EntryRefused):
@@ -20,6 +20,7 @@ class LoadError(KernelServiceError, OSError):
 __all__ = [
     "NOT_READY_FIX",
     "CompileError",
+    "CompileTimeout",
     "CorruptArtifact",
     "InvalidSpec",
     "KernelNotReady",

@@ -271,7 +271,7 @@ def _open_store(args, changes: str | None = None):
     `changes`: the command, when it may remove things (never from a read-only layer)."""
     from proto.paths import default_cache_dir
 
-    from .build.compiler import DEVICE_BINARIES
+    from .layout import counted_dirs
     from .store import LocalStore
     from .store.layers import is_layer
 
@@ -279,7 +279,7 @@ def _open_store(args, changes: str | None = None):
     if changes and is_layer(cache_dir):
         raise SystemExit(_fail(f"{cache_dir} is a read-only cache layer (its owner may not write it): `kernel-service {changes}` never changes one", 2))
     try:
-        return LocalStore(cache_dir, create=False, extra_usage=(cache_dir / DEVICE_BINARIES,))
+        return LocalStore(cache_dir, create=False, extra_usage=counted_dirs(cache_dir))
     except OSError as exc:
         raise SystemExit(_fail(f"{exc.strerror or exc}; pass --cache-dir the cache root a daemon uses (see `kernel-service info`)", 2))
 

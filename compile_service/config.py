@@ -19,11 +19,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 from proto.paths import CACHE_DIR_ENV, SOCKET_ENV, default_cache_dir, default_socket
 
+from . import memory
 from .build import devices
 from .cpus import usable_cpus
 
 REMOTE_ENV = "KERNEL_SERVICE_REMOTE"
 CACHE_LAYERS_ENV = "KERNEL_SERVICE_CACHE_LAYERS"
+COMPILE_TIMEOUT_ENV = "KERNEL_SERVICE_COMPILE_TIMEOUT"
+MEMORY_LIMIT_ENV = "KERNEL_SERVICE_MEMORY_LIMIT"
 
 
 def remote_url(text: str | None) -> str | None:
@@ -186,7 +189,18 @@ class ServiceConfig:
     )  # fmt: skip
     workers: int = setting(
         flag="--workers", metavar="N", parse=int, check=_at_least_one, computed=lambda env: usable_cpus(),
-        default_text="CPUs usable here (affinity and cgroup quota)", help="compile processes",
+        default_text=f"CPUs usable here (affinity and cgroup quota), at most one per {memory.DEFAULT_PEAK >> 30} GiB of --memory-limit", help="compile processes",
+    )  # fmt: skip
+    compile_timeout: float = setting(
+        600.0, flag="--compile-timeout", env=COMPILE_TIMEOUT_ENV, metavar="SECONDS", parse=float, check=_not_negative,
+        help="seconds one build may run in its worker; past it the worker is killed and replaced, and the request fails "
+        "with a compile timeout, remembered for --failure-ttl (0: no limit)",
+    )  # fmt: skip
+    memory_limit: int | None = setting(
+        None, flag="--memory-limit", env=MEMORY_LIMIT_ENV, metavar="BYTES", parse=parse_size, check=_positive,
+        computed=lambda env: memory.memory_limit(), default_text="the cgroup memory limit or MemAvailable, whichever is smaller",
+        help="memory the compile workers may use (bytes, or 512M, 10G): a build starts only while the measured peaks of the builds "
+        "running and its own fit it, else it waits",
     )  # fmt: skip
     target: str = setting("auto", flag="--target", check=_target, help="target for requests that name none: auto, c, sm_90a, ...")
     grace: float = setting(30.0, flag="--grace", metavar="SECONDS", parse=float, help="seconds SIGTERM (or `kernel-service stop`) waits for running compiles")
@@ -350,6 +364,8 @@ class ServiceConfig:
             if source != "default":
                 sources[name] = source
         # Rules that join settings.
+        if sources["workers"] != SETTINGS["workers"].flag:  # the default: the CPUs, as many as the memory limit holds
+            values["workers"] = memory.pool_size(values["workers"], values["memory_limit"])
         if values["tcp"] is not None:
             values["tcp"] = tcp_address(values["tcp"], values["allow_remote"])
         if values["metrics_address"] is not None:

@@ -1,4 +1,4 @@
-"""How many CPUs this process may really use: affinity and the cgroup CPU quota.
+"""How many CPUs this process may really use: affinity and the cgroup CPU quota (memory: compile_service.memory).
 
 os.cpu_count() reports the host's cores; a container limited by a cgroup quota
 (cpu.max on v2, cpu.cfs_quota_us / cpu.cfs_period_us on v1) gets throttled if
@@ -19,17 +19,17 @@ def affinity_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _read(path: Path) -> str | None:
+def read_text(path: Path) -> str | None:
     try:
         return path.read_text().strip()
     except OSError:
         return None
 
 
-def _own_cgroup_paths(proc_self_cgroup: Path) -> dict[str, str]:
+def own_cgroup_paths(proc_self_cgroup: Path) -> dict[str, str]:
     """Controller -> cgroup path of this process ("" for the v2 unified tree)."""
     paths = {}
-    for line in (_read(proc_self_cgroup) or "").splitlines():
+    for line in (read_text(proc_self_cgroup) or "").splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
@@ -69,18 +69,18 @@ def cgroup_quota(root: Path = Path("/sys/fs/cgroup"), proc_self_cgroup: Path = P
     container the cgroup namespace usually makes the root the process's own group.
     The smallest limit found wins, as the kernel enforces every level.
     """
-    own = _own_cgroup_paths(proc_self_cgroup)
+    own = own_cgroup_paths(proc_self_cgroup)
     limits = []
     if (root / "cgroup.controllers").exists():  # v2, unified
         for rel in {own.get("", "/").lstrip("/"), ""}:
-            limits.append(_quota_v2(_read(root / rel / "cpu.max")))
+            limits.append(_quota_v2(read_text(root / rel / "cpu.max")))
     else:  # v1: the cpu controller may be mounted as cpu, cpu,cpuacct or cpuacct,cpu
         for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
             base = root / mount
             if not base.is_dir():
                 continue
             for rel in {own.get("cpu", "/").lstrip("/"), ""}:
-                limits.append(_quota_v1(_read(base / rel / "cpu.cfs_quota_us"), _read(base / rel / "cpu.cfs_period_us")))
+                limits.append(_quota_v1(read_text(base / rel / "cpu.cfs_quota_us"), read_text(base / rel / "cpu.cfs_period_us")))
             break
     limits = [limit for limit in limits if limit is not None]
     return min(limits) if limits else None

@@ -22,8 +22,9 @@ from proto.wire import Outcome
 
 from . import explain
 from .build import devices
-from .build.compiler import DEVICE_BINARIES, CompileFailed
+from .build.compiler import CompileFailed
 from .keys import toolchain
+from .layout import counted_dirs
 from .scheduler import NotReady, Scheduler, in_process_pool
 from .store import Entry, LocalStore, StoreError, existing_mode
 
@@ -33,7 +34,7 @@ __all__ = ["CompileFailed", "EmbeddedService", "NotReady", "StoreError", "embedd
 class EmbeddedService:
     def __init__(self, cache_dir: Path | str, cuda_compiler: str | None = None):
         root = Path(cache_dir)
-        self.store = LocalStore(root, existing_mode(root), extra_usage=(root / DEVICE_BINARIES,))
+        self.store = LocalStore(root, existing_mode(root), extra_usage=counted_dirs(root))
         self.locks = root / "locks"
         self.locks.mkdir(mode=0o700, exist_ok=True)
         # The worker (TileLang's import) starts with the first compile: a strict client never needs it.

@@ -25,6 +25,10 @@ GAUGES = {
     "inductor_bytes": "Bytes in the shared torch.compile directory",
     "uptime_seconds": "Seconds since the daemon started",
     "cpu_quota": "CPUs the daemon may use",
+    "memory_limit": "Bytes of memory the compile workers may use (0: unknown)",
+    "memory_builds": "Builds that fit the memory limit at once, at the largest peak measured",
+    "most_builds_running": "The most builds that ran at once since start",
+    "build_peak_bytes": "The largest peak resident memory of one build",
     "remote_read_only": "1 when the host reads the fleet tier but never writes it",
 }
 REMOTE_STATES = ("off", "up", "down")  # Stats.remote_state: one series per state, 1 for the current one

@@ -35,7 +35,21 @@ REMOTE_COUNTERS = (
     "remote_errors",
     "remote_corrupt",
 )
-COUNTERS = ("compiles", "hits", "misses", "failures", "failures_cached", "joined", "derived", "invalid", "corrupt", "evictions", "not_ready", *REMOTE_COUNTERS)
+COUNTERS = (
+    "compiles",
+    "hits",
+    "misses",
+    "failures",
+    "failures_cached",
+    "joined",
+    "derived",
+    "invalid",
+    "corrupt",
+    "evictions",
+    "not_ready",
+    "compile_timeouts",
+    *REMOTE_COUNTERS,
+)
 SECONDS = ("compile_seconds", "device_compile_seconds")
 STATS_FILE = "stats.json"
 SAVE_EVERY = 30.0  # seconds between saves of the counters while the daemon runs

@@ -5,8 +5,15 @@
 - Priorities: a request somebody is blocked on (GetKernel) goes before
   background work (Prefetch).
 - The pool: `workers` driver threads, each feeding one compile at a time to a
-  pool of as many worker processes (spawned, TileLang imported once each).
-  Publishing to the store happens on the driver thread, outside any lock.
+  pool of as many worker processes (compile_service.workers: spawned, TileLang
+  imported once each). Publishing to the store happens outside any lock.
+- The memory budget: a build starts only while the measured peaks of the builds
+  running and its own fit the memory limit (compile_service.memory); else its
+  driver waits. Warm-up steps are admitted the same way.
+- The compile timeout: a build past `compile_timeout` seconds has its worker
+  killed and replaced (the other workers' builds go on) and fails with
+  CompileTimeout, remembered like any compile failure. In-process (the
+  no-daemon fallback) a thread cannot be killed: no timeout applies there.
 - Shared builds: a spec that fixes dims only the host code uses (its kind's
   `host_side_dims`) is not compiled; it waits for the build that leaves them
   to run time (requested like any other) and is published as a copy of it,
@@ -37,8 +44,8 @@
   one Prefetch call to a quarter (`call_share`). A caller that goes away gives
   its queued compiles back (`release`): a compile no one else waits for is
   dropped before it starts.
-- A worker crash is not a compile failure: the build is retried once on a fresh
-  pool, then reported as WorkerCrashed, and never remembered.
+- A worker crash is not a compile failure: the worker is replaced, the build is
+  retried once, then reported as WorkerCrashed, and never remembered.
 """
 
 from __future__ import annotations
@@ -48,14 +55,12 @@ import enum
 import itertools
 import json
 import logging
-import multiprocessing
 import os
 import queue
 import shutil
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,11 +70,12 @@ from proto import abi
 from proto.entry import SOURCES
 from proto.wire import Outcome, not_ready_details
 
+from . import memory as memory_
 from . import metrics as metrics_
 from .build import compiler, devices
-from .fsutil import die_with_parent
 from .keys import cache_key
 from .store import BUILD, Budget, Claim, Entry, Storage, StoreError
+from .workers import BrokenProcessPool, TimedOut, Workers, in_process_pool, process_pool  # noqa: F401 - the pools Scheduler(pool=...) takes
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +101,13 @@ class NotReady(Exception):
 
 class Cancelled(Exception):
     """Everyone who asked for this compile went away before it started (a cancelled Prefetch)."""
+
+
+class CompileTimeout(compiler.CompileFailed):
+    """The build ran past the compile timeout; its worker was killed. Remembered like a compile failure."""
+
+
+WARM_UP = "(warm-up)"  # what a warm-up step is admitted and measured as (compile_service.memory)
 
 
 class WorkerCrashed(Exception):
@@ -195,7 +208,7 @@ class _Failures:
         if remembered is None or remembered.expiry <= now:
             return None
         note = f"\n(remembered failure from {now - remembered.when:.0f}s ago; the compile is retried in {remembered.expiry - now:.0f}s)"
-        return compiler.CompileFailed(f"{remembered.error}{note}")
+        return type(remembered.error)(f"{remembered.error}{note}")  # a timeout stays a timeout
 
 
 @dataclass(frozen=True)
@@ -244,22 +257,6 @@ class _Job:
     flight: _Flight | None = field(default=None, compare=False)
 
 
-def process_pool(workers: int, initargs: tuple) -> cf.Executor:
-    """The daemon's pool: worker processes, each importing TileLang once, each dying with the
-    daemon. Spawned, not forked: the daemon runs gRPC threads, which fork does not survive."""
-    return cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=(os.getpid(), *initargs))
-
-
-def _start_worker(daemon_pid: int, *initargs) -> None:
-    die_with_parent(daemon_pid)  # a killed daemon must not leave 500 MB workers behind
-    compiler.worker_init(*initargs)
-
-
-def in_process_pool(workers: int, initargs: tuple) -> cf.Executor:
-    """Compiles in this process (the no-daemon fallback): no process to spawn from an agent."""
-    return cf.ThreadPoolExecutor(1, thread_name_prefix="compile", initializer=compiler.worker_init, initargs=initargs)
-
-
 class Scheduler:
     def __init__(
         self,
@@ -275,12 +272,16 @@ class Scheduler:
         pool=process_pool,
         start: bool = True,
         compiles: bool = True,
+        compile_timeout: float | None = None,
+        memory: memory_.BuildMemory | None = None,
     ):
         """`plugins`: what each worker loads beyond the zoo (kernels.plugins.load's arguments);
         `device`: the CUDA device compiler (its id is in every CUDA key); `warm_target`: the
         CUDA arch whose NVRTC headers each worker parses at start; `pool(workers, initargs)`:
-        the executor compiles run on; `start=False`: no worker starts, and nothing is
-        compiled, until start_workers(); `compiles=False`: serve only, with no workers."""
+        the workers compiles run on (compile_service.workers); `start=False`: no worker starts,
+        and nothing is compiled, until start_workers(); `compiles=False`: serve only, with no
+        workers; `compile_timeout`: seconds a build may run in a worker process (None: no
+        limit); `memory`: admits builds within the memory limit (None: no limit)."""
         self.store = store
         self.workers = workers
         self.queue_limit = queue_limit
@@ -291,7 +292,9 @@ class Scheduler:
         self.warm_target = warm_target
         self.metrics = metrics or metrics_.Metrics()
         self._pool_factory = pool
-        self._lock = threading.Lock()  # guards the flights, the failures, _closing and the pool handle
+        self.compile_timeout = compile_timeout
+        self.memory = memory or memory_.BuildMemory(None)
+        self._lock = threading.Lock()  # guards the flights, the failures, _closing and the warm-up records
         self._flights = _Flights()
         self._failures = _Failures()
         self.background_limit = max(1, queue_limit // 2)
@@ -303,6 +306,7 @@ class Scheduler:
         self._closing = False
         self._running = 0  # builds a driver is waiting on
         self._warm: set[int] = set()  # pids of workers done warming up
+        self._warm_steps = 0  # warm-up steps going round the queue
         self._started = threading.Event()  # drivers submit nothing before start_workers()
         self.compiles = compiles
         self._pool = self._new_pool() if compiles else None
@@ -323,15 +327,19 @@ class Scheduler:
             self._spawn(self._pool)
         self._started.set()
 
-    def _spawn(self, pool: cf.Executor) -> None:
+    def _spawn(self, pool: Workers) -> None:
         """Under self._lock."""
-        for _ in range(self.workers):
-            pool.submit(os.getpid)  # each submit to a pool without an idle worker spawns one
+        pool.spawn()
         # Warm-up steps circulate below every request, leaving one worker free for a request.
         for _ in range(max(1, self.workers - 1)):
-            self._queue.put(_Job(_WARM, next(self._seq)))
+            self._put_warm_step()
 
-    def _new_pool(self) -> cf.Executor:
+    def _put_warm_step(self) -> None:
+        """Under self._lock."""
+        self._warm_steps += 1
+        self._queue.put(_Job(_WARM, next(self._seq)))
+
+    def _new_pool(self) -> Workers:
         initargs = (self.plugins, str(self.store.root), self.device.name, self.warm_target, logging.getLogger().getEffectiveLevel())
         return self._pool_factory(self.workers, initargs)
 
@@ -604,17 +612,32 @@ class Scheduler:
     def _warm_step(self) -> None:
         """One warm-up step on whichever worker is idle; the step goes round again until every
         worker is warm (a step that lands on a warm worker returns at once)."""
+        pid = warm = None
         try:
-            pid, warm = self._submit(compiler.warm_step).result()
+            with self.memory.admit(WARM_UP):
+                (pid, warm), peak = self._pool.run(memory_.measured, compiler.warm_step)
+            self.memory.record(WARM_UP, peak)
+        except BrokenProcessPool:
+            self._worker_replaced()  # this step goes round again, for the fresh worker
         except Exception as exc:  # noqa: BLE001 - a failed warm-up costs only speed
             if not self._closing:
                 log.warning("worker warm-up step failed: %s: %s", type(exc).__name__, exc)
+            with self._lock:
+                self._warm_steps -= 1  # this step ends here
             return
         with self._lock:
             if warm:
                 self._warm.add(pid)
+            self._warm_steps -= 1
             if len(self._warm) < self.workers and not self._closing:
-                self._queue.put(_Job(_WARM, next(self._seq)))
+                self._put_warm_step()
+
+    def _worker_replaced(self) -> None:
+        """A worker was killed or died, and a fresh one started: it warms up as the first ones did."""
+        with self._lock:
+            self._warm &= self._pool.pids()
+            if not self._warm_steps and not self._closing:
+                self._put_warm_step()
 
     def _run(self, job: _Job) -> None:
         """Asks the store for a claim on the key; builds the job in a worker when it is this
@@ -634,21 +657,23 @@ class Scheduler:
         self._publish(self._settle, flight, self._build(flight))
 
     def _build(self, flight: _Flight) -> _Built:
-        """The flight's kernel, built in a worker into a new staging directory."""
+        """The flight's kernel, built in a worker into a new staging directory, once its
+        kind's peak fits the memory limit."""
         staging = None
-        with self._lock:
-            self._running += 1
-        try:
-            if self._closing:
-                raise ShuttingDown("the kernel service shut down before this kernel was compiled")
-            staging = self.store.new_staging(flight.key)
-            result = self._build_in_worker(flight, staging)
-            return _Built(staging, result["library"], result["meta"])
-        except BaseException as exc:  # noqa: BLE001 - settled (and logged) by _settle
-            return _Built(staging, error=exc)
-        finally:
+        with self.memory.admit(flight.spec.kind):
             with self._lock:
-                self._running -= 1
+                self._running += 1
+            try:
+                if self._closing:
+                    raise ShuttingDown("the kernel service shut down before this kernel was compiled")
+                staging = self.store.new_staging(flight.key)
+                result = self._build_in_worker(flight, staging)
+                return _Built(staging, result["library"], result["meta"])
+            except BaseException as exc:  # noqa: BLE001 - settled (and logged) by _settle
+                return _Built(staging, error=exc)
+            finally:
+                with self._lock:
+                    self._running -= 1
 
     def _claim(self, job: _Job) -> Claim:
         """The store's claim on the key before building it: parked first, since a store that
@@ -682,17 +707,25 @@ class Scheduler:
         self._finish(flight, ShuttingDown("the kernel service shut down while another host was building this kernel"))
 
     def _build_in_worker(self, flight: _Flight, staging: Path) -> dict:
+        kind = flight.spec.kind
         for attempt in (1, 2):
-            with self._lock:
-                pool = self._pool
             try:
-                return pool.submit(compiler.build, flight.spec.to_json(), str(staging)).result()
+                result, peak = self._pool.run(memory_.measured, compiler.build, flight.spec.to_json(), str(staging), timeout=self.compile_timeout)
+                self.memory.record(kind, peak)
+                return result
+            except TimedOut:
+                self.metrics.add(compile_timeouts=1)
+                self._worker_replaced()
+                raise CompileTimeout(
+                    f"compiling this {kind} kernel ran past the compile timeout of {self.compile_timeout:g} s (--compile-timeout); "
+                    "its worker was killed and a fresh one started"
+                ) from None
             except BrokenProcessPool:
                 # The process died under us (a crash, an OOM kill, a signal): not the kernel's
-                # fault as far as we know. Retry once on a fresh pool, then say what happened.
+                # fault as far as we know. Retry once on a fresh worker, then say what happened.
                 if self._closing:
                     raise ShuttingDown("the kernel service shut down while compiling this kernel") from None
-                self._replace_pool(pool)
+                self._worker_replaced()
                 if attempt == 2:
                     raise WorkerCrashed(
                         "the compiler worker crashed (its process died) twice while building this kernel; it is not remembered as a compile failure"
@@ -702,11 +735,6 @@ class Scheduler:
             except OSError as exc:  # the worker could not write the staging dir (disk full)
                 raise StoreError(exc.errno, f"cannot write the built kernel into {staging}: {exc.strerror or exc}") from exc
         raise AssertionError("unreachable")
-
-    def _submit(self, fn, *args) -> cf.Future:
-        with self._lock:
-            pool = self._pool
-        return pool.submit(fn, *args)
 
     def _publish(self, fn, *args) -> None:
         try:
@@ -778,17 +806,6 @@ class Scheduler:
         except OSError as exc:  # the budget is housekeeping: it never fails a request
             log.warning("eviction pass failed: %s", exc)
 
-    def _replace_pool(self, broken: cf.Executor) -> None:
-        """Replaces `broken` with a fresh pool, once: every driver whose job was on it calls this,
-        and none of them may throw away the pool another one just made."""
-        with self._lock:
-            if self._closing or self._pool is not broken:
-                return
-            self._pool = self._new_pool()
-            self._warm.clear()  # the new workers warm up as the first ones did
-            self._spawn(self._pool)
-        broken.shutdown(wait=False, cancel_futures=True)
-
     # ----- shutdown
     def shutdown(self, grace: float) -> None:
         """Refuses new work, lets running compiles finish for up to `grace` seconds,
@@ -803,12 +820,12 @@ class Scheduler:
             t.join(max(0.0, deadline - time.monotonic()))
         if any(t.is_alive() for t in self._drivers):
             log.warning("compiles still running after %.1fs grace; stopping the workers", grace)
-            _kill_workers(self._pool)
+            self._pool.kill()
             for t in self._drivers:
                 t.join(10)
         self._publisher.shutdown(wait=True)
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown()
 
 
 def _derive(base: Entry, spec: CanonicalSpec, fixed: dict, staging: Path) -> tuple[str, dict]:
@@ -863,9 +880,3 @@ def _failed(exc: BaseException) -> cf.Future:
     future = cf.Future()
     future.set_exception(exc)
     return future
-
-
-def _kill_workers(pool: cf.ProcessPoolExecutor) -> None:
-    for proc in list((getattr(pool, "_processes", None) or {}).values()):
-        if proc.is_alive():
-            proc.kill()

@@ -58,6 +58,8 @@ from .config import ServiceConfig
 from .cpus import usable_cpus
 from .guard import RequestGuard
 from .keys import describe_toolchain
+from .layout import counted_dirs
+from .memory import BuildMemory, describe_limit
 from .metrics import SAVE_EVERY, STATS_FILE, Metrics
 from .scheduler import Scheduler
 from .servicer import KernelServicer
@@ -294,7 +296,7 @@ class Daemon:
         self.metrics = Metrics()
         self.metrics.load(cfg.cache_dir / STATS_FILE)  # totals go on from the last daemon's
         # Every directory of the cache is checked before any work: a refusal costs no compile workers.
-        self.local = LocalStore(cfg.cache_dir, cfg.mode, metrics=self.metrics, extra_usage=(cfg.cache_dir / DEVICE_BINARIES,))
+        self.local = LocalStore(cfg.cache_dir, cfg.mode, metrics=self.metrics, extra_usage=counted_dirs(cfg.cache_dir))
         layers = [Layer(path, self.metrics) for path in cfg.cache_layers]  # refused here, as the cache root is
         if layers:
             log.info("read-only cache layers, searched after the cache: %s", ", ".join(str(layer.root) for layer in layers))
@@ -316,6 +318,8 @@ class Daemon:
             self.metrics,
             start=False,  # the spawner starts them once SERVING
             compiles=not cfg.no_compile,
+            compile_timeout=cfg.compile_timeout or None,
+            memory=BuildMemory(cfg.memory_limit),
         )
         threading.Thread(target=self._spawn_workers, name="spawner", daemon=True).start()  # at nice 0, as its workers
         # From here on this thread only starts gRPC: lowering its priority now makes
@@ -337,6 +341,10 @@ class Daemon:
             workers=lambda: 0 if cfg.no_compile else cfg.workers,
             workers_ready=lambda: self.scheduler.workers_ready,
             cpu_quota=usable_cpus,
+            memory_limit=lambda: cfg.memory_limit or 0,
+            memory_builds=lambda: 0 if cfg.no_compile else self.scheduler.memory.builds_at_once(cfg.workers),
+            most_builds_running=lambda: self.scheduler.memory.most_running,
+            build_peak_bytes=self.scheduler.memory.largest_peak,
             cache_dir=lambda: str(cfg.cache_dir),
             address=lambda: listening,
             uptime_seconds=lambda: time.time() - started,
@@ -384,7 +392,7 @@ class Daemon:
         os.chmod(cfg.socket, 0o660 if cfg.mode & 0o070 else 0o600)  # connecting needs write permission
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        pool = "no compile workers (--no-compile)" if cfg.no_compile else f"{cfg.workers} workers starting"
+        pool = "no compile workers (--no-compile)" if cfg.no_compile else f"{cfg.workers} workers starting, {describe_limit(cfg.memory_limit, cfg.sources.get('memory_limit', ''), cfg.workers)}"
         log.info("kernel-service listening on %s, cache %s, %s", listening, cfg.cache_dir, pool)
         self._serving.set()
         threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True).start()

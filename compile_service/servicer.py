@@ -25,7 +25,7 @@ from .apps import AppRecorder
 from .build.compiler import CompileFailed
 from .keys import describe_toolchain, toolchain
 from .metrics import Metrics
-from .scheduler import BACKGROUND, URGENT, Cancelled, NotReady, QueueFull, Scheduler, ShuttingDown, WorkerCrashed
+from .scheduler import BACKGROUND, URGENT, Cancelled, CompileTimeout, NotReady, QueueFull, Scheduler, ShuttingDown, WorkerCrashed
 from .store import Entry, StoreError
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a domain error maps to (proto.wire.Status; the proto's Errors lists)."""
     if isinstance(exc, InvalidSpec):
         return Status.INVALID_SPEC, wire.clip(wire.invalid_spec_details(exc))
+    if isinstance(exc, CompileTimeout):  # a CompileFailed with a status of its own
+        return Status.COMPILE_TIMEOUT, wire.clip(wire.COMPILE_TIMEOUT_DETAILS + str(exc))
     if isinstance(exc, CompileFailed):
         return Status.COMPILE_FAILED, wire.clip(str(exc))
     if isinstance(exc, NotReady):

@@ -116,6 +116,11 @@ class CompileError(KernelServiceError, RuntimeError):
     """The kernel failed to compile; the message holds the compiler's output."""
 
 
+class CompileTimeout(CompileError):
+    """The kernel's build ran past the daemon's --compile-timeout; its worker was killed. The
+    message names the kind and the limit. Remembered like a compile failure (--failure-ttl)."""
+
+
 class ServiceUnavailable(KernelServiceError, ConnectionError):
     """No daemon answers on the socket (and no fallback was asked for)."""
 
@@ -158,6 +163,13 @@ def _unavailable(code, details: str, what: str, address: str, waited: float | No
     return ServiceUnavailable(f"no kernel service answers at {address}{tried}: {details}; start one with `kernel-service serve`")
 
 
+def _deadline(code, details: str, what: str, *_) -> Exception:
+    """DEADLINE_EXCEEDED: a compile timeout (its details say so), else a deadline that passed."""
+    if details.startswith(wire.COMPILE_TIMEOUT_DETAILS):
+        return CompileTimeout(f"{what} timed out compiling: {details.removeprefix(wire.COMPILE_TIMEOUT_DETAILS)}")
+    return _other(code, details, what)
+
+
 # status -> (code, details, what, address, waited) -> the exception; any other status: ServiceError
 STATUS_ERRORS = {
     Status.INVALID_SPEC: lambda code, details, *_: wire.invalid_spec_from_details(details),
@@ -165,6 +177,7 @@ STATUS_ERRORS = {
     **dict.fromkeys(Status.RETRYABLE, _unavailable),
     Status.CRASHED: lambda code, details, what, *_: ServiceError(f"{what}: the compiler worker crashed: {details}", code.name),
     Status.NOT_READY: lambda code, details, *_: KernelNotReady(details, wire.not_ready_key(details)),
+    Status.COMPILE_TIMEOUT: _deadline,  # Status.DEADLINE's code too
 }
 
 

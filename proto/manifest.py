@@ -23,7 +23,7 @@ from .jsondepth import load_json
 
 FORMAT = "kernel-service-manifest"
 VERSION = 1
-MAX_KERNELS = 100_000  # per manifest, and per recorded application
+MAX_KERNELS = 100_000  # per manifest (a recorded application keeps fewer: compile_service.apps)
 WRITE_ONE = "write one with `kernel-service manifest --app NAME -o FILE`"
 _APP = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 

@@ -31,6 +31,7 @@ MAX_MESSAGE = 16 << 20  # bytes of one gRPC message, both ways
 # fit in 8 KiB, or the caller gets RESOURCE_EXHAUSTED instead of the error. The full text is in the
 # daemon's log and, for a compile failure, in Explain's `failure`.
 MAX_ERROR_BYTES = 4096
+COMPILE_TIMEOUT_DETAILS = "compile timeout: "  # how a COMPILE_TIMEOUT's details start
 
 
 class Outcome(enum.Enum):
@@ -61,6 +62,9 @@ class Status:
     UNAVAILABLE = grpc.StatusCode.UNAVAILABLE  # shutting down, or not started
     CACHE_FAILED = grpc.StatusCode.INTERNAL  # the cache could not be written (disk full)
     DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED  # still compiling when the deadline passed
+    # The build ran past --compile-timeout (its worker killed): DEADLINE_EXCEEDED too, told
+    # apart by details that start with COMPILE_TIMEOUT_DETAILS; remembered like COMPILE_FAILED.
+    COMPILE_TIMEOUT = grpc.StatusCode.DEADLINE_EXCEEDED
     NOT_READY = grpc.StatusCode.NOT_FOUND  # a miss where nothing may compile; details: not_ready_details
     CRASHED = grpc.StatusCode.ABORTED  # the compiler worker died, on a retry too (not remembered)
     DROPPED = grpc.StatusCode.CANCELLED  # the compile joined was dropped with the Prefetch that queued it

@@ -29,11 +29,13 @@ FLAGS = {
     "--remote-read-only": "remote_read_only", "--remote-lease-seconds": "remote_lease_seconds", "--remote-timeout": "remote_timeout",
     "--remote-ttl": "remote_ttl",
     "--cache-layer": "cache_layers",
+    "--compile-timeout": "compile_timeout", "--memory-limit": "memory_limit",
 }  # fmt: skip
 VARIABLES = {
     "KERNEL_SERVICE_SOCKET": "socket", "KERNEL_SERVICE_CACHE_DIR": "cache_dir", "KERNEL_SERVICE_REMOTE": "remote",
     "KERNEL_SERVICE_CUDA_COMPILER": "cuda_compiler", "KERNEL_SERVICE_CUDA_COMPILER_ID": "cuda_compiler_id",
     "KERNEL_SERVICE_CACHE_LAYERS": "cache_layers",
+    "KERNEL_SERVICE_COMPILE_TIMEOUT": "compile_timeout", "KERNEL_SERVICE_MEMORY_LIMIT": "memory_limit",
 }  # fmt: skip
 
 

@@ -121,7 +121,10 @@ class KernelServiceServicer:
         caller that queued it went away first (a cancelled Prefetch); retry.
         UNAVAILABLE: the daemon is shutting down; retry against its successor.
         DEADLINE_EXCEEDED: the caller's deadline passed first. The compile goes
-        on, and a later request is served from its result.
+        on, and a later request is served from its result. Or, with a message
+        that starts "compile timeout: ", the build ran past the daemon's
+        --compile-timeout: its worker was killed, and the message names the
+        kind and the limit. Remembered like a compile failure (--failure-ttl).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,7 +136,8 @@ class KernelServiceServicer:
         The whole batch is validated before any work: one bad spec (or more than
         4096 specs) fails the call with INVALID_ARGUMENT and nothing is compiled.
         A kernel that fails to compile, or whose entry cannot be written, is
-        reported in its own event (FAILED_PRECONDITION, INTERNAL, ABORTED), and so
+        reported in its own event (FAILED_PRECONDITION, INTERNAL, ABORTED, a
+        compile timeout's DEADLINE_EXCEEDED), and so
         is one that is missing where nothing may compile (NOT_FOUND, as for
         GetKernel); the stream goes on. Prefetched work queues behind every GetKernel.
 
