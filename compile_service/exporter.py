@@ -4,10 +4,11 @@ Nothing is counted here: every scrape reads compile_service.metrics.Metrics,
 the object the stats RPC reads too, so the two never disagree.
 
 It is served on the daemon's gRPC event loop, bounded: at most MAX_CONNECTIONS
-at once (more are closed at once), READ_TIMEOUT seconds to send a request head
-of at most MAX_REQUEST bytes, WRITE_TIMEOUT to take the answer, one request per
-connection. An idle or slow scraper holds no thread and cannot keep the daemon
-from stopping.
+at once (at the cap, the one that has waited longest for its request is closed
+to make room, so idle connections cannot lock a scraper out), READ_TIMEOUT
+seconds to send a request head of at most MAX_REQUEST bytes, WRITE_TIMEOUT to
+take the answer, one request per connection. An idle or slow scraper holds no
+thread and cannot keep the daemon from stopping.
 """
 
 from __future__ import annotations
@@ -87,15 +88,22 @@ class MetricsEndpoint:
         self.registry = registry
         self.server: asyncio.Server | None = None
         self._connections: set[asyncio.Task] = set()
+        self._reading: dict[asyncio.Task, None] = {}  # those still waiting for their request, oldest first
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._connections) >= MAX_CONNECTIONS:
-            writer.close()
-            return
+            if not self._reading:  # all busy answering: this one waits for none of them
+                writer.close()
+                return
+            oldest = next(iter(self._reading))
+            del self._reading[oldest]
+            oldest.cancel()  # its finally closes it
         task = asyncio.current_task()
         self._connections.add(task)
+        self._reading[task] = None
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT)
+            self._reading.pop(task, None)
             method, path = (head.split(b"\r\n", 1)[0].split(b" ") + [b"", b""])[:2]
             if method not in (b"GET", b"HEAD"):
                 reply = _answer("405 Method Not Allowed", b"")
@@ -110,6 +118,7 @@ class MetricsEndpoint:
             pass  # too slow, too long, or gone: the connection is closed
         finally:
             self._connections.discard(task)
+            self._reading.pop(task, None)
             writer.close()
 
     async def close(self) -> None:

@@ -71,6 +71,11 @@ SERVICE_NAME = "kernelservice.v1.KernelService"
 # more until one ends): the per-peer limit, since each TCP connection is a peer of its own and
 # gRPC names every Unix client alike. Waiting calls are bounded in all by servicer.MAX_WAITING.
 MAX_STREAMS_PER_CONNECTION = 100
+# On TCP, what a caller may send before RequestGuard refuses it is what HTTP/2 flow control
+# lets in: the initial 64 KiB window per call, never grown (BDP probing off; requests are
+# small, replies flow on the client's window). With probing, a 15 MB flood of unauthenticated
+# requests was buffered by the hundred MB.
+UNAUTHENTICATED_BYTES = [("grpc.http2.bdp_probe", 0)]
 
 
 class StartError(RuntimeError):
@@ -387,8 +392,8 @@ class Daemon:
         self.health = health.aio.HealthServicer()
         options = [("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION), *wire.channel_options()]
 
-        def server(guard: RequestGuard) -> grpc.aio.Server:
-            made = grpc.aio.server(interceptors=[guard], options=options)
+        def server(guard: RequestGuard, more: list = ()) -> grpc.aio.Server:
+            made = grpc.aio.server(interceptors=[guard], options=[*options, *more])
             pb_grpc.add_KernelServiceServicer_to_server(self.servicer, made)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, made)
             self.servers.append(made)
@@ -397,7 +402,7 @@ class Daemon:
         server(RequestGuard(None, admin)).add_insecure_port(socket_address(cfg.socket))
         if cfg.tcp:
             try:
-                bound = server(RequestGuard(token, admin)).add_insecure_port(cfg.tcp)
+                bound = server(RequestGuard(token, admin), UNAUTHENTICATED_BYTES).add_insecure_port(cfg.tcp)
             except RuntimeError:
                 bound = 0
             if not bound:

@@ -142,10 +142,19 @@ class Waiting:
 async def _result(future: cf.Future, timeout: float | None):
     """The future's result, awaited on the event loop (no thread held). On timeout raises
     cf.TimeoutError and leaves the future alone: other callers may share its compile."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+
+    def wake(_):
+        with contextlib.suppress(RuntimeError):  # the loop closed: the daemon stopped, no one waits
+            loop.call_soon_threadsafe(lambda: ready.done() or ready.set_result(None))
+
+    future.add_done_callback(wake)
     try:
-        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+        await asyncio.wait_for(ready, timeout)
     except asyncio.TimeoutError:
         raise cf.TimeoutError from None
+    return future.result()
 
 
 def _completions(futures: list[cf.Future]) -> asyncio.Queue:
