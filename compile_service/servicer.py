@@ -111,6 +111,8 @@ class _Claims:
         with self._lock:
             if self._futures is not None:
                 self._futures.append(future)
+                return
+        self._scheduler.release([future])  # the call ended while its batch was being requested
 
     def release(self) -> None:
         with self._lock:
@@ -251,8 +253,12 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         try:
             return self.scheduler.request(spec, priority, compile=compile)
         except NotReady as exc:
-            reason = self._explain(exc.spec, exc.key, records() if records else None).reason
-            raise NotReady(exc.spec, exc.key, f"{exc.why}; {reason}") from None
+            raise self._explained(exc, records) from None
+
+    def _explained(self, exc: NotReady, records=None) -> NotReady:
+        """A NotReady with its reason completed by Explain's nearest entries (a walk of the store)."""
+        reason = self._explain(exc.spec, exc.key, records() if records else None).reason
+        return NotReady(exc.spec, exc.key, f"{exc.why}; {reason}")
 
     async def GetKernel(self, request, context):
         start = time.perf_counter()
@@ -263,8 +269,8 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                 self.apps.record(app, spec.to_json())
             try:
                 future, outcome = self.scheduler.request(spec, URGENT, compile=not request.no_compile)
-            except NotReady:  # its reason is completed by Explain's nearest entries: a walk of the store
-                future, outcome = await self._off_loop(self._request, spec, URGENT, False)
+            except NotReady as exc:  # its reason completed off the loop
+                raise await self._off_loop(self._explained, exc) from None
             if future.done():
                 entry = future.result()
             else:
