@@ -88,6 +88,7 @@ class RequestGuard(grpc.aio.ServerInterceptor):
     def __init__(self, token: str | None, admin: str):
         self._token = f"Bearer {token}".encode() if token else None
         self._admin = admin.encode()
+        self._guarded: dict[str, grpc.RpcMethodHandler] = {}  # per method: its handler, guarded (made once)
 
     def _refused(self, details) -> tuple[grpc.StatusCode, str] | None:
         metadata = details.invocation_metadata
@@ -108,26 +109,34 @@ class RequestGuard(grpc.aio.ServerInterceptor):
         refused = self._refused(details)
         if refused is not None:
             return _refusal(handler, *refused)
-        name = "unary_stream" if handler.response_streaming else "unary_unary"
-        behavior = getattr(handler, name)
+        guarded = self._guarded.get(details.method)
+        if guarded is None:
+            guarded = self._guarded[details.method] = _guard(handler, details.method)
+        return guarded
 
-        def undecodable(request, context):
-            return context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message for {details.method} ({request.why})")
 
-        if inspect.isasyncgenfunction(behavior):  # a stream of yielded events (Prefetch)
+def _guard(handler, method: str):
+    """`handler` with its requests decoded by _decoder and an Undecodable one answered."""
+    name = "unary_stream" if handler.response_streaming else "unary_unary"
+    behavior = getattr(handler, name)
 
-            async def guarded_stream(request, context):
-                if isinstance(request, Undecodable):
-                    await undecodable(request, context)
-                async for event in behavior(request, context):
-                    yield event
+    def undecodable(request, context):
+        return context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message for {method} ({request.why})")
 
-            guarded = guarded_stream
-        else:  # a coroutine: one reply, or a stream it writes itself (health's Watch)
+    if inspect.isasyncgenfunction(behavior):  # a stream of yielded events (Prefetch)
 
-            async def guarded(request, context):
-                if isinstance(request, Undecodable):
-                    await undecodable(request, context)
-                return await behavior(request, context)
+        async def guarded_stream(request, context):
+            if isinstance(request, Undecodable):
+                await undecodable(request, context)
+            async for event in behavior(request, context):
+                yield event
 
-        return handler._replace(request_deserializer=_decoder(handler.request_deserializer), **{name: guarded})
+        guarded = guarded_stream
+    else:  # a coroutine: one reply, or a stream it writes itself (health's Watch)
+
+        async def guarded(request, context):
+            if isinstance(request, Undecodable):
+                await undecodable(request, context)
+            return await behavior(request, context)
+
+    return handler._replace(request_deserializer=_decoder(handler.request_deserializer), **{name: guarded})
