@@ -89,7 +89,7 @@ class NoDaemon(ConnectionError):
     """No daemon answers on the socket."""
 
 
-def _ask(socket: str | None, rpc: str, request, timeout: float = 10):
+def _ask(socket: str | None, rpc: str, request, timeout: float = 10, metadata: tuple = ()):
     """One call to the daemon at `socket` (default: the default socket) through the contract's
     stubs, after the client's own trust checks (proto.channel.verify_daemon: the socket's
     directory and the peer's uid; the uid expected is $KERNEL_SERVICE_DAEMON_UID, else ours).
@@ -118,7 +118,7 @@ def _ask(socket: str | None, rpc: str, request, timeout: float = 10):
             raise NoDaemon(str(exc)) from None
     with channel.open_channel(address) as ch:
         try:
-            return getattr(pb_grpc.KernelServiceStub(ch), rpc)(request, timeout=timeout, metadata=channel.auth_metadata(address))
+            return getattr(pb_grpc.KernelServiceStub(ch), rpc)(request, timeout=timeout, metadata=(channel.auth_metadata(address) or ()) + metadata)
         except grpc.RpcError as err:
             exc = channel.error_for(err, f"the daemon at {where}", where)
     if isinstance(exc, channel.ServiceUnavailable):
@@ -175,12 +175,18 @@ def _stats(args) -> int:
 def _zero_stats(args) -> int:
     from proto.channel import fields_of
     from proto.kernelservice.v1 import kernel_service_pb2 as pb
-    from proto.paths import default_cache_dir
+    from proto.paths import ADMIN_METADATA, ADMIN_TOKEN_FILE, default_cache_dir
 
     from .metrics import STATS_FILE, Metrics
 
     try:
-        before = fields_of(_ask(args.socket, "ZeroStats", pb.ZeroStatsRequest()))
+        # Owner-only: the call carries the admin secret the daemon wrote under its cache root.
+        admin = Path(_ask(args.socket, "GetServiceInfo", pb.GetServiceInfoRequest()).cache_dir) / ADMIN_TOKEN_FILE
+        try:
+            secret = admin.read_text().strip()
+        except OSError as exc:
+            return _fail(f"cannot read the daemon's admin secret {admin} ({exc.strerror}): zero-stats is for the daemon's owner; run it as that user")
+        before = fields_of(_ask(args.socket, "ZeroStats", pb.ZeroStatsRequest(), metadata=((ADMIN_METADATA, secret),)))
         print(
             f"counters of the daemon at {before['address']} set to zero (it had {before['compiles']} compiles, {before['hits']} hits, {before['misses']} misses)"
         )

@@ -2,11 +2,21 @@
 
 Nothing is counted here: every scrape reads compile_service.metrics.Metrics,
 the object the stats RPC reads too, so the two never disagree.
+
+It is served on the daemon's gRPC event loop, bounded: at most MAX_CONNECTIONS
+at once (at the cap, the one that has waited longest for its request is closed
+to make room, so idle connections cannot lock a scraper out), READ_TIMEOUT
+seconds to send a request head of at most MAX_REQUEST bytes, WRITE_TIMEOUT to
+take the answer, one request per connection. An idle or slow scraper holds no
+thread and cannot keep the daemon from stopping.
 """
 
 from __future__ import annotations
 
-from prometheus_client import start_http_server
+import asyncio
+import contextlib
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .metrics import COUNTERS, HISTOGRAMS, SECONDS, Metrics
@@ -64,11 +74,72 @@ class _Collector:
             yield family
 
 
-def serve_metrics(metrics: Metrics, address: str):
-    """Serves /metrics on `address` ("host:port", checked by config.tcp_address) in a thread;
-    returns the HTTP server (shutdown() stops it)."""
+MAX_CONNECTIONS = 64
+READ_TIMEOUT = 5.0  # seconds
+WRITE_TIMEOUT = 10.0  # seconds
+MAX_REQUEST = 8192  # bytes of request line and headers
+
+
+def _answer(status: str, body: bytes, content_type: str = "text/plain; charset=utf-8") -> bytes:
+    head = f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    return head.encode() + body
+
+
+class MetricsEndpoint:
+    """The endpoint's asyncio server and its open connections (close() ends them all)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+        self.server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task] = set()
+        self._reading: dict[asyncio.Task, None] = {}  # those still waiting for their request, oldest first
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._connections) >= MAX_CONNECTIONS:
+            if not self._reading:  # all busy answering: this one waits for none of them
+                writer.close()
+                return
+            oldest = next(iter(self._reading))
+            del self._reading[oldest]
+            oldest.cancel()  # its finally closes it
+        task = asyncio.current_task()
+        self._connections.add(task)
+        self._reading[task] = None
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT)
+            self._reading.pop(task, None)
+            method, path = (head.split(b"\r\n", 1)[0].split(b" ") + [b"", b""])[:2]
+            if method not in (b"GET", b"HEAD"):
+                reply = _answer("405 Method Not Allowed", b"")
+            elif path.split(b"?", 1)[0] not in (b"/metrics", b"/"):
+                reply = _answer("404 Not Found", b"not found: try /metrics\n")
+            else:  # the probes read the disk (cache usage): not on the loop
+                body = await asyncio.get_running_loop().run_in_executor(None, generate_latest, self.registry)
+                reply = _answer("200 OK", b"" if method == b"HEAD" else body, CONTENT_TYPE_LATEST)
+            writer.write(reply)
+            await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # too slow, too long, or gone: the connection is closed
+        finally:
+            self._connections.discard(task)
+            self._reading.pop(task, None)
+            writer.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for task in list(self._connections):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*self._connections, return_exceptions=True)
+
+
+async def serve_metrics(metrics: Metrics, address: str) -> MetricsEndpoint:
+    """Serves /metrics on `address` ("host:port", checked by config.tcp_address) on the running
+    event loop; returns the endpoint (close() stops it). Raises OSError when it cannot listen."""
     host, _, port = address.rpartition(":")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(metrics))
-    server = start_http_server(int(port), host.strip("[]"), registry)
-    return server[0] if isinstance(server, tuple) else server
+    endpoint = MetricsEndpoint(registry)
+    endpoint.server = await asyncio.start_server(endpoint._serve, host.strip("[]"), int(port), limit=MAX_REQUEST, reuse_address=True)
+    return endpoint

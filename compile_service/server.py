@@ -24,7 +24,9 @@ partial entry is left behind.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -37,17 +39,15 @@ import socket
 import stat
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
 import grpc
-from filelock import FileLock, Timeout
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kernels import plugins
 from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-from proto.paths import TOKEN_FILE, socket_address
+from proto.paths import ADMIN_TOKEN_FILE, TOKEN_FILE, socket_address
 from proto.trust import UntrustedPath, open_private_file, private_dir
 
 from . import __version__, inductor
@@ -69,6 +69,15 @@ from .store.layers import Layer, Layered
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kernelservice.v1.KernelService"
+# Concurrent calls on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a client queues
+# more until one ends): the per-peer limit, since each TCP connection is a peer of its own and
+# gRPC names every Unix client alike. Waiting calls are bounded in all by servicer.MAX_WAITING.
+MAX_STREAMS_PER_CONNECTION = 100
+# On TCP, what a caller may send before RequestGuard refuses it is what HTTP/2 flow control
+# lets in: the initial 64 KiB window per call, never grown (BDP probing off; requests are
+# small, replies flow on the client's window). With probing, a 15 MB flood of unauthenticated
+# requests was buffered by the hundred MB.
+UNAUTHENTICATED_BYTES = [("grpc.http2.bdp_probe", 0)]
 
 
 class StartError(RuntimeError):
@@ -138,23 +147,6 @@ def socket_lock(socket: Path) -> Path:
     return socket.with_name(socket.name + ".lock")
 
 
-def running_daemon(socket: Path) -> int | None:
-    """The pid of the daemon serving `socket`, or None when none holds its instance lock."""
-    lock = socket_lock(socket)
-    if not lock.exists():
-        return None
-    probe = FileLock(str(lock), timeout=0)
-    try:
-        probe.acquire()
-    except Timeout:
-        pid = _read_pid(lock.with_suffix(".pid"))
-        return int(pid) if pid and pid.isdigit() else -1
-    except OSError:
-        return None
-    probe.release()
-    return None
-
-
 def _make_dir(path: Path, mode: int, what: str, flag: str, wanted: Path | None = None) -> None:
     """Creates `path` (for `wanted`, when it is a parent of what is wanted), or says in one line why not."""
     try:
@@ -189,8 +181,9 @@ def _remove_stale_socket(path: Path) -> None:
         raise UntrustedPath(errno.EEXIST, f"{path} exists and is not a socket; refusing to remove it (move it away, or pass another --socket)")
 
 
-def _write_token(path: Path) -> str:
-    """A fresh random token for TCP clients, owner-only whatever --mode says, rewritten at every start."""
+def _write_secret(path: Path) -> str:
+    """A fresh random secret (the TCP token, the admin secret), owner-only whatever --mode says,
+    rewritten at every start."""
     token = secrets.token_hex(32)
     fd = open_private_file(path, os.O_WRONLY)
     try:
@@ -262,10 +255,14 @@ class Daemon:
         self._locks: list[int] = []  # flocked descriptors
         self._stopped = threading.Event()
         self._serving = threading.Event()
-        self.server: grpc.Server | None = None
-        self.exporter = None  # the Prometheus endpoint's HTTP server, when asked for
+        # gRPC runs on one asyncio event loop in a thread of its own: a call holds no thread.
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self.servers: list[grpc.aio.Server] = []  # the Unix socket's, then TCP's: each with its own guard
+        self.exporter = None  # the Prometheus endpoint's server, when asked for
         self.scheduler: Scheduler | None = None
-        self.health = health.HealthServicer()
+        self.servicer: KernelServicer | None = None
+        self.health = None  # health.aio.HealthServicer, made on the loop
 
     def start(self) -> None:
         cfg = self.config
@@ -327,11 +324,6 @@ class Daemon:
         _yield_to_compiles()
 
         address = socket_address(cfg.socket)
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max(64, 8 * cfg.workers), thread_name_prefix="rpc", initializer=_yield_to_compiles),
-            interceptors=[RequestGuard(_write_token(cfg.cache_dir / TOKEN_FILE) if cfg.tcp else None)],
-            options=[("grpc.so_reuseport", 0), *wire.channel_options()],
-        )
         listening = f"{address} tcp:{cfg.tcp}" if cfg.tcp else address
         started = time.time()
         self.metrics.probes(
@@ -371,12 +363,41 @@ class Daemon:
             "config_json": json.dumps(cfg.describe(), sort_keys=True),
         }
         self.servicer = KernelServicer(self.scheduler, self.metrics, info, AppRecorder(cfg.cache_dir, cfg.mode), zero_stats=self.zero_stats)
-        pb_grpc.add_KernelServiceServicer_to_server(self.servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.server.add_insecure_port(address)
-        if cfg.tcp:  # only on request, loopback unless --allow-remote (checked in config); RequestGuard checks the token
+        token = _write_secret(cfg.cache_dir / TOKEN_FILE) if cfg.tcp else None
+        admin = _write_secret(cfg.cache_dir / ADMIN_TOKEN_FILE)
+        self.loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="rpc-loop", daemon=True)  # at nice RPC_NICE, as this thread
+        self._loop_thread.start()
+        self._on_loop(self._listen(cfg, token, admin))
+        os.chmod(cfg.socket, 0o660 if cfg.mode & 0o070 else 0o600)  # connecting needs write permission
+        self._on_loop(self._set_health(health_pb2.HealthCheckResponse.SERVING))
+        pool = "no compile workers (--no-compile)" if cfg.no_compile else f"{cfg.workers} workers starting, {describe_limit(cfg.memory_limit, cfg.sources.get('memory_limit', ''), cfg.workers)}"
+        log.info("kernel-service listening on %s, cache %s, %s", listening, cfg.cache_dir, pool)
+        self._serving.set()
+        threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True).start()
+
+    def _on_loop(self, coroutine, timeout: float | None = 60):
+        """Runs `coroutine` on the gRPC loop and returns its result (this thread waits)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    async def _listen(self, cfg: ServiceConfig, token: str | None, admin: str) -> None:
+        """Starts the gRPC servers: the Unix socket's, and TCP's when asked (loopback unless
+        --allow-remote, checked in config), each behind its own RequestGuard (TCP's checks the
+        token); then the metrics endpoint, when asked."""
+        self.health = health.aio.HealthServicer()
+        options = [("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION), *wire.channel_options()]
+
+        def server(guard: RequestGuard, more: list = ()) -> grpc.aio.Server:
+            made = grpc.aio.server(interceptors=[guard], options=[*options, *more])
+            pb_grpc.add_KernelServiceServicer_to_server(self.servicer, made)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, made)
+            self.servers.append(made)
+            return made
+
+        server(RequestGuard(None, admin)).add_insecure_port(socket_address(cfg.socket))
+        if cfg.tcp:
             try:
-                bound = self.server.add_insecure_port(cfg.tcp)
+                bound = server(RequestGuard(token, admin), UNAUTHENTICATED_BYTES).add_insecure_port(cfg.tcp)
             except RuntimeError:
                 bound = 0
             if not bound:
@@ -385,17 +406,36 @@ class Daemon:
             from .exporter import serve_metrics
 
             try:
-                self.exporter = serve_metrics(self.metrics, cfg.metrics_address)
+                self.exporter = await serve_metrics(self.metrics, cfg.metrics_address)
             except OSError as exc:
                 raise StartError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror or exc}; choose another --metrics-address") from None
-        self.server.start()
-        os.chmod(cfg.socket, 0o660 if cfg.mode & 0o070 else 0o600)  # connecting needs write permission
+        for started in self.servers:
+            await started.start()
+
+    async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        pool = "no compile workers (--no-compile)" if cfg.no_compile else f"{cfg.workers} workers starting, {describe_limit(cfg.memory_limit, cfg.sources.get('memory_limit', ''), cfg.workers)}"
-        log.info("kernel-service listening on %s, cache %s, %s", listening, cfg.cache_dir, pool)
-        self._serving.set()
-        threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True).start()
+            await self.health.set(name, status)
+
+    async def _drain(self, grace: float | None) -> None:
+        """Health NOT_SERVING, new calls refused, running ones given `grace` seconds."""
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        await asyncio.gather(*(server.stop(grace) for server in self.servers))
+
+    async def _close_loop_services(self) -> None:
+        if self.exporter is not None:
+            await self.exporter.close()
+
+    def _stop_loop(self) -> None:
+        """Closes what runs on the loop (the metrics endpoint and its connections), then the loop."""
+        if self.loop is None:
+            return
+        with contextlib.suppress(Exception):  # a stop must go on, whatever the loop left
+            self._on_loop(self._close_loop_services(), timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._loop_thread.join(10)
+        if self.servicer is not None:
+            self.servicer.close()
 
     def _spawn_workers(self) -> None:
         """Spawns the compile workers once the daemon says SERVING (their TileLang imports would
@@ -426,14 +466,12 @@ class Daemon:
             return
         grace = self.config.grace if grace is None else grace
         log.info("draining: refusing new requests, up to %.0fs for running ones", grace)
-        self.health.enter_graceful_shutdown()
-        done = self.server.stop(grace) if self.server else None
+        drained = asyncio.run_coroutine_threadsafe(self._drain(grace), self.loop)  # while the scheduler drains too
         self.scheduler.shutdown(grace)
         self.store.close()  # its claims: the fleet tier's queued uploads (bounded), our leases
-        if done is not None:
-            done.wait(grace + 5)
-        if self.exporter is not None:
-            self.exporter.shutdown()
+        with contextlib.suppress(Exception):
+            drained.result(grace + 5)
+        self._stop_loop()
         self._stopped.set()
         self.metrics.save(self.config.cache_dir / STATS_FILE)
         self._remove_own_files()
@@ -445,14 +483,15 @@ class Daemon:
             self.config.socket.unlink()
         if self.config.tcp:
             (self.config.cache_dir / TOKEN_FILE).unlink(missing_ok=True)
+        (self.config.cache_dir / ADMIN_TOKEN_FILE).unlink(missing_ok=True)
 
     def _abandon(self) -> None:
         """A start that failed half-way leaves no socket, no workers and no locks behind."""
         self._stopped.set()  # the spawner gives up
-        if self.server is not None:
-            self.server.stop(None)
-        if self.exporter is not None:
-            self.exporter.shutdown()
+        if self.loop is not None:
+            with contextlib.suppress(Exception):
+                self._on_loop(self._drain(None), timeout=10)
+            self._stop_loop()
         if self.scheduler is not None:  # it never ran a compile (workers start once SERVING): it stops at once
             self.scheduler.shutdown(5.0)
         if len(self._locks) == 2:  # only with both instance locks were the socket and token ours

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
+import contextlib
 import functools
 import json
 import logging
@@ -31,6 +33,10 @@ from .store import Entry, StoreError
 log = logging.getLogger(__name__)
 
 VALID_MEMO = 4096  # validated specs remembered (a plain dict, cleared when full)
+# Calls waiting on compiles at once (GetKernel misses, Prefetch streams); more get BUSY at once.
+# It bounds what idle and unread callers can hold; hits and health are never counted.
+MAX_WAITING = 1024
+SLOW_THREADS = 4  # the pool for the RPCs' slow parts (walking the store, stats probes): the loop never waits on them
 
 
 def response(entry: Entry, outcome: Outcome) -> pb.GetKernelResponse:
@@ -95,7 +101,6 @@ def explanation_to_proto(e: explain.Explanation) -> pb.ExplainResponse:
             n.differences.add(part=d.part, field=d.field, wanted=value(d.wanted), found=value(d.found), text=d.text)
     return reply
 
-
 class _Claims:
     """The in-flight futures one Prefetch call waits for, released exactly once."""
 
@@ -108,6 +113,8 @@ class _Claims:
         with self._lock:
             if self._futures is not None:
                 self._futures.append(future)
+                return
+        self._scheduler.release([future])  # the call ended while its batch was being requested
 
     def release(self) -> None:
         with self._lock:
@@ -116,7 +123,64 @@ class _Claims:
             self._scheduler.release(futures)
 
 
+class Waiting:
+    """Counts the calls that wait on compiles (a GetKernel miss, a Prefetch) and refuses more
+    than `limit` at once with BUSY: the bound on what idle or unread callers can hold.
+    Hits and health checks never wait, so they are never counted or refused."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.now = 0
+
+    @contextlib.contextmanager
+    def slot(self):
+        if self.now >= self.limit:  # only the event loop's thread counts: no lock
+            raise QueueFull(f"the daemon has {self.now} calls waiting for compiles, its limit (MAX_WAITING); retry later")
+        self.now += 1
+        try:
+            yield
+        finally:
+            self.now -= 1
+
+
+async def _result(future: cf.Future, timeout: float | None):
+    """The future's result, awaited on the event loop (no thread held). On timeout raises
+    cf.TimeoutError and leaves the future alone: other callers may share its compile."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+
+    def wake(_):
+        with contextlib.suppress(RuntimeError):  # the loop closed: the daemon stopped, no one waits
+            loop.call_soon_threadsafe(lambda: ready.done() or ready.set_result(None))
+
+    future.add_done_callback(wake)
+    try:
+        await asyncio.wait_for(ready, timeout)
+    except asyncio.TimeoutError:
+        raise cf.TimeoutError from None
+    return future.result()
+
+
+def _completions(futures: list[cf.Future]) -> asyncio.Queue:
+    """A queue the futures are put on as each completes (its callback may run in any thread)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Queue = asyncio.Queue()
+
+    def put(future):
+        with contextlib.suppress(RuntimeError):  # the loop closed: the daemon stopped, no one reads
+            loop.call_soon_threadsafe(done.put_nowait, future)
+
+    for future in futures:
+        future.add_done_callback(put)
+    return done
+
+
 class KernelServicer(pb_grpc.KernelServiceServicer):
+    """The RPCs as coroutines on the daemon's one event loop: a waiting or unread call holds
+    no thread. What is quick runs inline (validation, a hit's lookup); what may take long
+    (walking the store, the first ServiceInfo, the counters' probes) runs in a small pool
+    of its own threads, so the loop never waits on it."""
+
     def __init__(self, scheduler: Scheduler, metrics: Metrics, info: dict, apps: AppRecorder, zero_stats=None):
         """`info`: the ServiceInfo fields (cache_dir, inductor_dir, default_target, config_json, ...);
         `apps`: where the specs each named application asks for are recorded;
@@ -126,10 +190,18 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         self.apps = apps
         self.default_target = info["default_target"]
         self.zero_stats = zero_stats or metrics.zero
+        self.waiting = Waiting(MAX_WAITING)
+        self._slow = cf.ThreadPoolExecutor(SLOW_THREADS, thread_name_prefix="rpc-slow")
         self._info_fields = info
         self._info: pb.ServiceInfo | None = None
         self._info_lock = threading.Lock()
         self._valid: dict[bytes, kernels.CanonicalSpec] = {}
+
+    def close(self) -> None:
+        self._slow.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._slow, fn, *args)
 
     @property
     def info(self) -> pb.ServiceInfo:
@@ -183,108 +255,138 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         try:
             return self.scheduler.request(spec, priority, compile=compile)
         except NotReady as exc:
-            reason = self._explain(exc.spec, exc.key, records() if records else None).reason
-            raise NotReady(exc.spec, exc.key, f"{exc.why}; {reason}") from None
+            raise self._explained(exc, records) from None
 
-    def GetKernel(self, request, context):
+    def _explained(self, exc: NotReady, records=None) -> NotReady:
+        """A NotReady with its reason completed by Explain's nearest entries (a walk of the store)."""
+        reason = self._explain(exc.spec, exc.key, records() if records else None).reason
+        return NotReady(exc.spec, exc.key, f"{exc.why}; {reason}")
+
+    async def GetKernel(self, request, context):
         start = time.perf_counter()
         try:
             app = self._app(request.app)
             spec = self._validate(request.spec)
             if app:
                 self.apps.record(app, spec.to_json())
-            future, outcome = self._request(spec, URGENT, compile=not request.no_compile)
-            entry = future.result(timeout=context.time_remaining())
+            try:
+                future, outcome = self.scheduler.request(spec, URGENT, compile=not request.no_compile)
+            except NotReady as exc:  # its reason completed off the loop
+                raise await self._off_loop(self._explained, exc) from None
+            if future.done():
+                entry = future.result()
+            else:
+                with self.waiting.slot():
+                    entry = await _result(future, context.time_remaining())
             reply = response(entry, outcome)
         except Exception as exc:  # noqa: BLE001 - every domain error becomes a status
             code, message = status_of(exc)
             self.metrics.observe("request_duration_seconds", code.name.lower(), time.perf_counter() - start)
-            context.abort(code, message)
+            await context.abort(code, message)
         self.metrics.observe("request_duration_seconds", outcome.label, time.perf_counter() - start)
         return reply
 
-    def Prefetch(self, request, context):
+    def _plan(self, request, claims: _Claims) -> tuple[int, dict]:
+        """Validates a Prefetch's specs and requests each; returns their number and the futures
+        to wait for, each with the (index, outcome) of the specs it answers."""
+        app = self._app(request.app)
+        specs = []
+        for i, raw in enumerate(request.specs):
+            try:
+                specs.append(self._validate(raw))
+            except InvalidSpec as exc:
+                raise InvalidSpec(f"specs[{i}].{exc.field}", str(exc).split(": ", 1)[-1]) from None
+        if app:
+            for spec in specs:
+                self.apps.record(app, spec.to_json())
+        pending = {}
+        records = functools.cache(lambda: list(self.scheduler.store.records()))
+        queued, share = 0, self.scheduler.call_share
+        # Longest compiles first (the kinds' cost hints): the batch then ends with short ones filling the workers.
+        for i, spec in sorted(enumerate(specs), key=lambda item: -kernels.get_kind(item[1].kind).compile_cost):
+            try:
+                future, outcome = self._request(spec, BACKGROUND, compile=not request.no_compile, records=records)
+            except NotReady as exc:  # reported in its own event, like a failed compile
+                future, outcome = cf.Future(), Outcome.COMPILED
+                future.set_exception(exc)
+            if not future.done():
+                claims.add(future)
+                if outcome == Outcome.COMPILED and future not in pending:
+                    queued += 1
+                    if queued > share:  # one call takes a share of the queue, never all of it
+                        raise QueueFull(
+                            f"a Prefetch may queue at most {share} compiles (a quarter of the daemon's --queue-limit {self.scheduler.queue_limit}); "
+                            f"this one needs more of its {len(specs)} kernels compiled: split it"
+                        )
+            pending[future] = pending.get(future, []) + [(i, outcome)]
+        return len(specs), pending
+
+    async def Prefetch(self, request, context):
         if len(request.specs) > wire.MAX_BATCH:
-            context.abort(Status.INVALID_SPEC, f"specs: at most {wire.MAX_BATCH} per Prefetch, got {len(request.specs)}")
+            await context.abort(Status.INVALID_SPEC, f"specs: at most {wire.MAX_BATCH} per Prefetch, got {len(request.specs)}")
         # What this call waits for, given back when it ends: a cancelled Prefetch drops its
-        # queued compiles that no one else waits for (context callbacks run on cancellation).
+        # queued compiles that no one else waits for (done callbacks run on cancellation too).
         claims = _Claims(self.scheduler)
-        context.add_callback(claims.release)
+        context.add_done_callback(lambda _: claims.release())
         try:
-            app = self._app(request.app)
-            specs = []
-            for i, raw in enumerate(request.specs):
-                try:
-                    specs.append(self._validate(raw))
-                except InvalidSpec as exc:
-                    raise InvalidSpec(f"specs[{i}].{exc.field}", str(exc).split(": ", 1)[-1]) from None
-            if app:
-                for spec in specs:
-                    self.apps.record(app, spec.to_json())
-            pending = {}
-            records = functools.cache(lambda: list(self.scheduler.store.records()))
-            queued, share = 0, self.scheduler.call_share
-            # Longest compiles first (the kinds' cost hints): the batch then ends with short ones filling the workers.
-            for i, spec in sorted(enumerate(specs), key=lambda item: -kernels.get_kind(item[1].kind).compile_cost):
-                try:
-                    future, outcome = self._request(spec, BACKGROUND, compile=not request.no_compile, records=records)
-                except NotReady as exc:  # reported in its own event, like a failed compile
-                    future, outcome = cf.Future(), Outcome.COMPILED
-                    future.set_exception(exc)
-                if not future.done():
-                    claims.add(future)
-                    if outcome == Outcome.COMPILED and future not in pending:
-                        queued += 1
-                        if queued > share:  # one call takes a share of the queue, never all of it
-                            raise QueueFull(
-                                f"a Prefetch may queue at most {share} compiles (a quarter of the daemon's --queue-limit {self.scheduler.queue_limit}); "
-                                f"this one needs more of its {len(specs)} kernels compiled: split it"
-                            )
-                pending[future] = pending.get(future, []) + [(i, outcome)]
+            with self.waiting.slot():
+                total, pending = await self._off_loop(self._plan, request, claims)  # validating a batch, maybe reading the store: not on the loop
+                done = 0
+                completions = _completions(list(pending))
+                remaining = context.time_remaining()
+                deadline = None if remaining is None else time.monotonic() + remaining
+                for _ in range(len(pending)):
+                    future = await asyncio.wait_for(completions.get(), None if deadline is None else max(0.0, deadline - time.monotonic()))
+                    for index, outcome in pending[future]:
+                        done += 1
+                        event = pb.PrefetchEvent(index=index, done=done, total=total)
+                        if future.exception() is None:
+                            event.kernel.CopyFrom(response(future.result(), outcome))
+                        else:
+                            code, message = status_of(future.exception())
+                            event.error_code, event.error_message = code.name, message
+                        yield event  # an unread stream waits here, on HTTP/2 flow control: it stalls no one else
+        except asyncio.TimeoutError:
+            await context.abort(*status_of(cf.TimeoutError()))
         except Exception as exc:  # noqa: BLE001
             claims.release()  # all or nothing: what this call queued is given back
-            context.abort(*status_of(exc))
-        total, done = len(specs), 0
-        try:
-            for future in cf.as_completed(pending, timeout=context.time_remaining()):
-                for index, outcome in pending[future]:
-                    done += 1
-                    event = pb.PrefetchEvent(index=index, done=done, total=total)
-                    if future.exception() is None:
-                        event.kernel.CopyFrom(response(future.result(), outcome))
-                    else:
-                        code, message = status_of(future.exception())
-                        event.error_code, event.error_message = code.name, message
-                    yield event
-        except cf.TimeoutError as exc:
-            context.abort(*status_of(exc))
+            await context.abort(*status_of(exc))
 
-    def ReportCorrupt(self, request, context):
+    async def ReportCorrupt(self, request, context):
         if not is_key(request.key):
-            context.abort(Status.INVALID_SPEC, f"key: expected 64 lowercase hex characters, got {request.key[:80]!r}")
-        reason = self.scheduler.store.recheck(request.key)
+            await context.abort(Status.INVALID_SPEC, f"key: expected 64 lowercase hex characters, got {request.key[:80]!r}")
+        reason = await self._off_loop(self.scheduler.store.recheck, request.key)
         return pb.ReportCorruptResponse(removed=reason is not None, reason=wire.clip(reason or ""))
 
-    def GetStats(self, request, context):
+    def _stats(self) -> pb.Stats:
         return pb.Stats(**self.metrics.read())
 
-    def ZeroStats(self, request, context):
-        before = pb.Stats(**self.metrics.read())
+    async def GetStats(self, request, context):
+        return await self._off_loop(self._stats)  # the probes read the disk (cache usage)
+
+    def _zero(self) -> pb.Stats:
+        before = self._stats()
         self.zero_stats()
         return before
 
-    def GetServiceInfo(self, request, context):
-        return self.info
+    async def ZeroStats(self, request, context):
+        return await self._off_loop(self._zero)  # RequestGuard let only the owner's secret through
 
-    def Explain(self, request, context):
+    async def GetServiceInfo(self, request, context):
+        return self._info or await self._off_loop(lambda: self.info)
+
+    async def Explain(self, request, context):
         try:
             spec = self._validate(request.spec)
         except Exception as exc:  # noqa: BLE001
-            context.abort(*status_of(exc))
+            await context.abort(*status_of(exc))
         key = self.scheduler.key_of(spec)
-        reply = explanation_to_proto(self._explain(spec, key))
+        reply = explanation_to_proto(await self._off_loop(self._explain, spec, key))
         reply.failure = self.scheduler.remembered_failure(key) or ""  # in full: GetKernel's details are cut (wire.clip)
         return reply
 
-    def ListKinds(self, request, context):
+    def _kinds(self) -> pb.ListKindsResponse:
         return pb.ListKindsResponse(kinds=[wire.kind_to_proto(kind.describe(), kernels.origin(name)) for name, kind in sorted(kernels.kinds().items())])
+
+    async def ListKinds(self, request, context):
+        return await self._off_loop(self._kinds)

@@ -12,6 +12,10 @@ APP = "kernel-service"
 # Under the cache root: the secret TCP clients present (`authorization: Bearer <token>`),
 # written owner-only at every start of a daemon with --tcp.
 TOKEN_FILE = "tcp-token"
+# Under the cache root: the secret owner-only RPCs (ZeroStats) carry in the ADMIN_METADATA
+# header, written owner-only (whatever --mode says) at every start of a daemon.
+ADMIN_TOKEN_FILE = "admin-token"
+ADMIN_METADATA = "kernel-service-admin"
 SOCKET_ENV = "KERNEL_SERVICE_SOCKET"
 CACHE_DIR_ENV = "KERNEL_SERVICE_CACHE_DIR"
 TOKEN_FILE_ENV = "KERNEL_SERVICE_TOKEN_FILE"

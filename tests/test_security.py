@@ -531,6 +531,39 @@ def test_tcp_calls_need_the_token_and_a_fake_server_cannot_make_agents_load_its_
     assert not marker.exists()
 
 
+
+ZERO_STATS = r"""
+import json, sys, grpc
+from proto.kernelservice.v1 import kernel_service_pb2 as pb, kernel_service_pb2_grpc as pb_grpc
+stub = pb_grpc.KernelServiceStub(grpc.insecure_channel("unix:" + sys.argv[1]))
+out = []
+for metadata in (None, (("kernel-service-admin", "0" * 64),)):
+    try:
+        stub.ZeroStats(pb.ZeroStatsRequest(), timeout=30, metadata=metadata)
+        out.append(["OK", ""])
+    except grpc.RpcError as e:
+        out.append([e.code().name, e.details()])
+print(json.dumps(out))
+"""
+
+
+def test_a_group_member_cannot_zero_the_counters(world, victim):
+    """Issue 32, finding 6: a group member of a --mode 0750 cache, who may connect to its (0660)
+    socket, zeroed the persistent counters. ZeroStats now needs the admin secret the daemon
+    writes owner-only under its cache root; without it, PERMISSION_DENIED, and nothing zeroed."""
+    victim.stub().GetKernel(pb.GetKernelRequest(spec=rmsnorm(40)), timeout=120)  # something counted
+    before = victim.stats()
+    refused = world.json_of(ATTACKER, ZERO_STATS, victim.socket, groups=world.group())
+    assert [code for code, _ in refused] == ["PERMISSION_DENIED"] * 2 and "admin-token" in refused[0][1], refused
+    cli = world.python(
+        ATTACKER, "from compile_service.cli import main; import sys; sys.exit(main(['zero-stats', '--socket', sys.argv[1]]))", victim.socket, groups=world.group()
+    )
+    assert cli.returncode != 0 and "zero-stats is for the daemon's owner" in cli.stderr, cli.stderr
+    after = victim.stats()
+    assert after.compiles == before.compiles > 0 and after.hits >= before.hits and after.stats_since == before.stats_since
+    admin = victim.cache / "admin-token"
+    assert stat.S_IMODE(admin.stat().st_mode) == 0o600 and admin.stat().st_uid == world.owner.pw_uid
+
 # ----------------------------------------------------------------------------- 6, 7: memory and the queue
 
 UNKNOWN_FIELDS = r"""
