@@ -238,7 +238,9 @@ def _stop(args) -> int:
     deadline = time.monotonic() + args.timeout
     while not _exited(pid):  # it drains, then it exits
         if time.monotonic() > deadline:
-            return _fail(f"the daemon (pid {pid}) is still draining after {args.timeout:.0f} s; wait, or `kill -9 {pid}` to stop it at once (checked: the daemon serving {socket})")
+            return _fail(
+                f"the daemon (pid {pid}) is still draining after {args.timeout:.0f} s; wait, or `kill -9 {pid}` to stop it at once (checked: the daemon serving {socket})"
+            )
         time.sleep(0.1)
     print(f"stopped the daemon on {socket} (pid {pid})")
     return 0
@@ -336,9 +338,7 @@ def _clear(args) -> int:
     before, binaries = store.usage(), len(extra_files(store))
     removed = store.evict(Budget(max_bytes=0, max_entries=0, min_age=float("-inf")))  # nothing is kept
     after, binaries_left = store.usage(), len(extra_files(store))
-    print(
-        f"removed {removed} entries and {binaries - binaries_left} device binaries from {store.root} ({_human_bytes(before[1] - after[1])} freed)"
-    )
+    print(f"removed {removed} entries and {binaries - binaries_left} device binaries from {store.root} ({_human_bytes(before[1] - after[1])} freed)")
     if after[0] or binaries_left:  # published or built meanwhile by a daemon serving this cache
         print(f"left {after[0]} entries and {binaries_left} device binaries made while this ran ({_human_bytes(after[1])})")
         return 1
@@ -1104,7 +1104,9 @@ def build_parser() -> argparse.ArgumentParser:
     prewarm.add_argument("--cache-dir", help="with --remote: where the builds are kept (default: a temporary directory, removed at the end)")
     prewarm.add_argument("--cuda-compiler", choices=("auto", "nvrtc", "nvcc"), help="with --remote: how CUDA kernels are compiled, as for serve (default auto)")
     prewarm.add_argument("--workers", type=int, help="with --remote: compile workers (default: the CPU quota)")
-    prewarm.add_argument("--kernel-module", action="append", default=[], metavar="MODULE[:ATTR]", help="with --remote: also build these modules' kinds (repeatable)")
+    prewarm.add_argument(
+        "--kernel-module", action="append", default=[], metavar="MODULE[:ATTR]", help="with --remote: also build these modules' kinds (repeatable)"
+    )
     prewarm.set_defaults(run=_prewarm)
 
     from .provenance import SIGNING_KEY as SIGNING_KEY_NAME  # light: names only

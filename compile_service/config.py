@@ -326,7 +326,15 @@ class ServiceConfig:
             if f.name == "sources":
                 continue
             value = getattr(self, f.name)
-            value = f"{value:04o}" if f.name == "mode" else str(value) if isinstance(value, Path) else [str(v) if isinstance(v, Path) else v for v in value] if isinstance(value, tuple) else value
+            value = (
+                f"{value:04o}"
+                if f.name == "mode"
+                else str(value)
+                if isinstance(value, Path)
+                else [str(v) if isinstance(v, Path) else v for v in value]
+                if isinstance(value, tuple)
+                else value
+            )
             if f.name == "remote" and value:
                 value = without_password(value)
             out[f.name] = {"value": value, "source": self.sources.get(f.name, "default")}

@@ -371,7 +371,11 @@ class Daemon:
         self._on_loop(self._listen(cfg, token, admin))
         os.chmod(cfg.socket, 0o660 if cfg.mode & 0o070 else 0o600)  # connecting needs write permission
         self._on_loop(self._set_health(health_pb2.HealthCheckResponse.SERVING))
-        pool = "no compile workers (--no-compile)" if cfg.no_compile else f"{cfg.workers} workers starting, {describe_limit(cfg.memory_limit, cfg.sources.get('memory_limit', ''), cfg.workers)}"
+        pool = (
+            "no compile workers (--no-compile)"
+            if cfg.no_compile
+            else f"{cfg.workers} workers starting, {describe_limit(cfg.memory_limit, cfg.sources.get('memory_limit', ''), cfg.workers)}"
+        )
         log.info("kernel-service listening on %s, cache %s, %s", listening, cfg.cache_dir, pool)
         self._serving.set()
         threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True).start()

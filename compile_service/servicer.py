@@ -101,6 +101,7 @@ def explanation_to_proto(e: explain.Explanation) -> pb.ExplainResponse:
             n.differences.add(part=d.part, field=d.field, wanted=value(d.wanted), found=value(d.found), text=d.text)
     return reply
 
+
 class _Claims:
     """The in-flight futures one Prefetch call waits for, released exactly once."""
 

@@ -725,7 +725,11 @@ def test_prewarm_remote_fills_the_tier_without_a_daemon_and_serve_only_hosts_ser
     copy = {"kind": "row_double", "M": 8, "N": 16, "target": "c"}
     batch = [*specs(3, base=1400), copy]
     path = tmp_path / "app.json"
-    path.write_text(json.dumps(manifest.make("app", [{"kind": s["kind"], "target": "c", "params": {k: v for k, v in s.items() if k not in ("kind", "target")}} for s in batch])))
+    path.write_text(
+        json.dumps(
+            manifest.make("app", [{"kind": s["kind"], "target": "c", "params": {k: v for k, v in s.items() if k not in ("kind", "target")}} for s in batch])
+        )
+    )
 
     def prewarm() -> subprocess.CompletedProcess:
         env = {k: v for k, v in os.environ.items() if k != "KERNEL_SERVICE_SOCKET"} | {"KERNEL_SERVICE_SOCKET": str(tmp_path / "no-daemon.sock")}

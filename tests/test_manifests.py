@@ -295,7 +295,10 @@ def test_nested_or_ill_typed_manifests_are_one_line_errors(shared_daemon, tmp_pa
     a manifest nested 100,000 deep, or with a list- or object-valued parameter."""
     c = shared_daemon.client()
     for name, (path, why) in _hostile_manifests(tmp_path).items():
-        for argv in (("prewarm", str(path), "--socket", str(shared_daemon.socket)), ("bundle", "export", "--manifest", str(path), "-o", str(tmp_path / "b.tar"))):
+        for argv in (
+            ("prewarm", str(path), "--socket", str(shared_daemon.socket)),
+            ("bundle", "export", "--manifest", str(path), "-o", str(tmp_path / "b.tar")),
+        ):
             done = cli(*argv)
             lines = done.stderr.strip().splitlines()
             assert done.returncode == 2 and len(lines) == 1 and why in lines[0] and "Traceback" not in done.stderr, (name, argv[0], done.stderr[-500:])

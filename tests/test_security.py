@@ -531,7 +531,6 @@ def test_tcp_calls_need_the_token_and_a_fake_server_cannot_make_agents_load_its_
     assert not marker.exists()
 
 
-
 ZERO_STATS = r"""
 import json, sys, grpc
 from proto.kernelservice.v1 import kernel_service_pb2 as pb, kernel_service_pb2_grpc as pb_grpc
@@ -556,13 +555,17 @@ def test_a_group_member_cannot_zero_the_counters(world, victim):
     refused = world.json_of(ATTACKER, ZERO_STATS, victim.socket, groups=world.group())
     assert [code for code, _ in refused] == ["PERMISSION_DENIED"] * 2 and "admin-token" in refused[0][1], refused
     cli = world.python(
-        ATTACKER, "from compile_service.cli import main; import sys; sys.exit(main(['zero-stats', '--socket', sys.argv[1]]))", victim.socket, groups=world.group()
+        ATTACKER,
+        "from compile_service.cli import main; import sys; sys.exit(main(['zero-stats', '--socket', sys.argv[1]]))",
+        victim.socket,
+        groups=world.group(),
     )
     assert cli.returncode != 0 and "zero-stats is for the daemon's owner" in cli.stderr, cli.stderr
     after = victim.stats()
     assert after.compiles == before.compiles > 0 and after.hits >= before.hits and after.stats_since == before.stats_since
     admin = victim.cache / "admin-token"
     assert stat.S_IMODE(admin.stat().st_mode) == 0o600 and admin.stat().st_uid == world.owner.pw_uid
+
 
 # ----------------------------------------------------------------------------- 6, 7: memory and the queue
 
@@ -948,11 +951,15 @@ SQUAT_LOCK = (
 )
 
 # A root process that notes any SIGTERM it gets.
-ROOT_BYSTANDER = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: open(sys.argv[1], 'w').write('hit')); print('up', flush=True); time.sleep(120)"
+ROOT_BYSTANDER = (
+    "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: open(sys.argv[1], 'w').write('hit')); print('up', flush=True); time.sleep(120)"
+)
 
 
 def _stop_as_root(socket: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CLI, "stop", "--socket", str(socket), "--timeout", "60"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", CLI, "stop", "--socket", str(socket), "--timeout", "60"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_stop_signals_only_the_daemon_serving_the_socket(world, tmp_path):
