@@ -136,7 +136,7 @@ class Waiting:
     @contextlib.contextmanager
     def slot(self):
         if self.now >= self.limit:  # only the event loop's thread counts: no lock
-            raise QueueFull(f"the daemon has {self.now} calls waiting for compiles, its limit (MAX_WAITING); retry later")
+            raise QueueFull(f"the daemon has {self.now} calls waiting for compiles, its limit; retry later")
         self.now += 1
         try:
             yield

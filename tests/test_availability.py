@@ -239,3 +239,47 @@ def test_idle_scrapers_hold_no_thread_and_the_daemon_stops_on_sigterm(daemon):
     finally:
         for s in scrapers:
             s.close()
+
+
+# Sends sys.argv[2] GetKernels of one slow cold kernel over 12 connections of the Unix socket
+# sys.argv[1]; after 10 s prints how many had been refused BUSY and how many still wait, then holds them.
+WAITERS = r"""
+import asyncio, sys
+import grpc
+from proto import wire
+from proto.kernelservice.v1 import kernel_service_pb2 as pb
+
+unix, n = sys.argv[1], int(sys.argv[2])
+
+async def main():
+    channels = [grpc.aio.insecure_channel(unix, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(12)]
+    spec = wire.spec_to_proto("slow_rmsnorm", {"M": None, "N": 64, "dtype": "float32"}, "c")
+    gets = [ch.unary_unary("/kernelservice.v1.KernelService/GetKernel", request_serializer=pb.GetKernelRequest.SerializeToString,
+                           response_deserializer=pb.GetKernelResponse.FromString) for ch in channels]
+    calls = [gets[i % 12](pb.GetKernelRequest(spec=spec), timeout=120) for i in range(n)]
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    await asyncio.wait(tasks, timeout=10)
+    busy = sum(1 for t in tasks if t.done() and isinstance(t.exception(), grpc.aio.AioRpcError) and t.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
+    print(busy, sum(1 for t in tasks if not t.done()), flush=True)
+    await asyncio.Event().wait()  # the rest keep waiting until this process is killed
+
+asyncio.run(main())
+"""
+
+
+def test_waiting_calls_past_the_cap_are_refused_busy_and_hits_go_on(daemon):
+    """Issue 32, finding 3: 1100 cold GetKernels of one slow kernel, past the 1024 calls that
+    may wait at once (servicer.MAX_WAITING): the rest are refused BUSY at once rather than
+    held, the 1024 wait (one compile for all of them), and a hit meanwhile answers fast."""
+    from compile_service.servicer import MAX_WAITING
+
+    waiters = script(WAITERS, f"unix:{daemon.socket}", str(MAX_WAITING + 76), stdout=subprocess.PIPE)
+    stub = pb_grpc.KernelServiceStub(grpc.insecure_channel(f"unix:{daemon.socket}", options=wire.channel_options()))
+    try:
+        line = waiters.stdout.readline().split()
+        seconds = hit_latencies(stub, 50)
+    finally:
+        waiters.kill()
+        waiters.wait()
+    assert [int(x) for x in line] == [76, MAX_WAITING], line
+    assert statistics.median(seconds) < HIT_P99, f"hit p50 {statistics.median(seconds) * 1000:.1f} ms"
