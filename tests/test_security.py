@@ -559,6 +559,7 @@ def test_a_group_member_cannot_zero_the_counters(world, victim):
         "from compile_service.cli import main; import sys; sys.exit(main(['zero-stats', '--socket', sys.argv[1]]))",
         victim.socket,
         groups=world.group(),
+        env={"KERNEL_SERVICE_DAEMON_UID": str(world.owner.pw_uid)},  # a group member trusts the owner's daemon, as group mode says
     )
     assert cli.returncode != 0 and "zero-stats is for the daemon's owner" in cli.stderr, cli.stderr
     after = victim.stats()
