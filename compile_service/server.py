@@ -64,7 +64,7 @@ from .metrics import SAVE_EVERY, STATS_FILE, Metrics
 from .scheduler import Scheduler
 from .servicer import KernelServicer
 from .store import Budget, LocalStore
-from .store.layers import Layer, Layered
+from .store.layers import Layer, Layered, is_layer
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +272,10 @@ class Daemon:
         os.umask(0o777 & ~cfg.mode)
         _return_large_buffers()
         _make_dir(cfg.cache_dir.parent, 0o777, "cache directory's parent", "--cache-dir (or $KERNEL_SERVICE_CACHE_DIR)", cfg.cache_dir)
+        if is_layer(cfg.cache_dir):  # checked before private_dir, whose chmod would make it writable
+            raise StartError(
+                f"cache directory {cfg.cache_dir} is a read-only cache layer (its owner may not write it): serve it with --cache-layer, and give --cache-dir a writable one"
+            )
         private_dir(cfg.cache_dir, cfg.mode, "cache directory", CACHE_FIX)
         _socket_dir(cfg.socket.parent, cfg.mode)
         self._locks.append(_instance_lock(cfg.cache_dir / "daemon.lock", f"cache dir {cfg.cache_dir}"))

@@ -157,6 +157,18 @@ def test_a_layer_that_is_not_a_cache_stops_the_daemon_at_start(tmp_path):
     assert done.returncode == 2 and "is the cache directory itself" in done.stderr
 
 
+def test_a_layer_given_as_the_cache_dir_is_refused_and_left_as_it_is(built, tmp_path):
+    """A layer named by --cache-dir would be chmodded writable at start (the daemon runs as
+    root in an image): the daemon refuses it, in one line, and changes nothing in it."""
+    layer = make_layer(built, tmp_path / "layer")
+    before = snapshot(layer)
+    done = cli("serve", "--socket", str(tmp_path / "ks.sock"), "--cache-dir", str(layer), "--target", "c")
+    assert done.returncode == 1 and f"cache directory {layer} is a read-only cache layer" in done.stderr and len(done.stderr.strip().splitlines()) == 1, (
+        done.stderr
+    )
+    assert snapshot(layer) == before
+
+
 # ----- as another user (tests/test_security.py's world): the daemon runs as ks-owner
 
 second_user = test_security.pytestmark
