@@ -100,8 +100,9 @@ class KernelServiceServicer:
         offending field's name, then a colon.
         NOT_FOUND: the kernel is not in the cache and nothing may compile it:
         the request set `no_compile` (a strict client), or the daemon serves
-        only (`serve --no-compile`). Answered at once, without joining a
-        compile in flight. The message names the spec, its key (as
+        only (`serve --no-compile`). With a fleet tier (`serve --remote`) the
+        tier is read first, and a kernel found there is served (published
+        here) instead. Answered without joining a compile in flight. The message names the spec, its key (as
         "(key <64 hex digits>)") and why it missed: the nearest entry and
         the fields it differs in, as Explain gives them.
         FAILED_PRECONDITION: the kernel failed to compile; the message holds
@@ -109,8 +110,10 @@ class KernelServiceServicer:
         requests for the same spec get it again, without a compile, for the
         daemon's --failure-ttl seconds (default 60), then it is retried.
         RESOURCE_EXHAUSTED: the compile queue is full (more distinct kernels
-        compiling or waiting than the daemon's --queue-limit); the message
-        says so. Try again later.
+        compiling or waiting than the daemon's --queue-limit), or 1024 calls
+        already wait on compiles; the message says which. Try again later.
+        UNAUTHENTICATED: a TCP call without the daemon's token (refused from
+        its metadata, before its message is read). Every RPC may answer it.
         INTERNAL: the cache could not be written; the message carries the OS
         error (e.g. "No space left on device"). Nothing is published and the
         daemon goes on serving other kernels.
@@ -182,7 +185,10 @@ class KernelServiceServicer:
 
     def ZeroStats(self, request, context):
         """Sets every counter (and histogram) back to zero, counting from now, and
-        returns the stats as they were just before. Errors: UNAVAILABLE.
+        returns the stats as they were just before. Only for the daemon's owner:
+        the call carries `kernel-service-admin: <the content of <cache root>/admin-token>`
+        (owner-only, new at every start). Errors: PERMISSION_DENIED (no or a
+        wrong secret), UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
