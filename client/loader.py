@@ -154,12 +154,26 @@ def _dlopen_bytes(data: bytes, key: str, opener):
 
 
 @functools.cache
-def _tvm_runtime() -> None:
-    """Loads TileLang's native libraries, not its Python package (~30 ms, against seconds):
+def _tvm_runtime():
+    """tvm_ffi, and TileLang's native libraries, not its Python package (~30 ms, against seconds):
     libtvm_runtime.so registers TVM's CUDA module loader, libtilelang.so the host-side
     helpers CUDA kernels call at launch (e.g. TMA descriptor creation)."""
+    import sys
+
     import torch  # noqa: F401  (TileLang loads torch first too: shared CUDA libraries resolve against it)
-    import tvm_ffi  # noqa: F401
+
+    # tvm_ffi imports ml_dtypes, when it can, only to name numpy's 8- and 16-bit float dtypes, and
+    # that import costs more than the rest of a first kernel's load (docs/measured.md, "Warm start").
+    # Without it tvm_ffi names those dtypes by their numpy names, which are the same. A process
+    # that already holds ml_dtypes keeps it as it is.
+    hidden = "ml_dtypes" not in sys.modules
+    if hidden:
+        sys.modules["ml_dtypes"] = None  # an ImportError for tvm_ffi's optional import
+    try:
+        import tvm_ffi
+    finally:
+        if hidden and sys.modules.get("ml_dtypes", 0) is None:
+            del sys.modules["ml_dtypes"]
 
     spec = importlib.util.find_spec("tilelang")  # finds the package without executing it
     if spec is None or not spec.submodule_search_locations:
@@ -167,6 +181,7 @@ def _tvm_runtime() -> None:
     libs = Path(next(iter(spec.submodule_search_locations))) / "lib"
     for name in ("libtvm_runtime.so", "libtilelang.so"):
         ctypes.CDLL(str(libs / name), mode=ctypes.RTLD_GLOBAL | os.RTLD_LAZY)
+    return tvm_ffi
 
 
 INFERENCE_ONLY = (
@@ -612,10 +627,7 @@ def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec:
         fn.restype = ctypes.c_int32
         return Kernel(fn, abi, spec, key, path, keepalive=lib)
     if abi["loader"] == "tvm_ffi":
-        import tvm_ffi
-
-        _tvm_runtime()
-        module = _dlopen_bytes(data, key, tvm_ffi.load_module)
+        module = _dlopen_bytes(data, key, _tvm_runtime().load_module)
         return Kernel(module[abi["symbol"]], abi, spec, key, path, keepalive=module)
     raise CorruptArtifact(f"unknown loader {abi['loader']!r} in {path}")
 

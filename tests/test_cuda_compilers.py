@@ -98,6 +98,26 @@ def test_the_compiler_is_part_of_the_key(make_daemon, tmp_path):
 
 
 @needs_nvrtc
+def test_a_fresh_agent_loads_a_cuda_kernel_without_ml_dtypes(make_daemon):
+    """tvm_ffi's optional ml_dtypes import costs more than the rest of a warm first kernel; the
+    loader leaves it out, and the process can still import ml_dtypes itself afterwards."""
+    import subprocess
+
+    spec = {"kind": "rmsnorm", "M": 256, "N": 1024, "dtype": "float16", "target": "sm_90a"}
+    d = make_daemon("--cuda-compiler", NVRTC)
+    assert d.client().prefetch([spec], load=False) == ["compiled"]
+    script = f"""
+import sys, torch, client
+k = client.connect({str(d.socket)!r}).get_kernel("rmsnorm", target="sm_90a", M=256, N=1024, dtype="float16")
+assert k.outcome == "hit" and k.abi["loader"] == "tvm_ffi", k
+assert "ml_dtypes" not in sys.modules, "the loader imported ml_dtypes"
+import ml_dtypes, numpy, tvm_ffi
+assert str(tvm_ffi.dtype(numpy.dtype(ml_dtypes.bfloat16))) == "bfloat16"
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120, cwd=ROOT)
+
+
+@needs_nvrtc
 def test_workers_meeting_the_same_device_code_compile_it_once(make_daemon):
     d = make_daemon("--cuda-compiler", "nvrtc")  # two workers, both busy at once
     # An RMSNorm's static M (one row per block) changes only the grid, not the device code.
