@@ -36,9 +36,11 @@
   to a scheduler made with `compiles=False` (`serve --no-compile`: no workers at
   all), is answered from the cache, else from where other builders publish
   (Storage.fetch: the fleet tier, read through and published here, once per key
-  however many ask), else raises NotReady at once; it never compiles, takes no
-  lease and waits for no build. A shared build's copy is still made when its
-  build is here or fetched, since copying compiles nothing.
+  however many ask), else its future raises NotReady; it never compiles, takes no
+  lease and waits for no build. The fetch runs on a publisher thread, never on
+  the caller's: a slow or hung tier delays only the requests waiting on it (the
+  daemon's event loop goes on serving hits). A shared build's copy is still made
+  when its build is here or fetched, since copying compiles nothing.
 - Shares of the queue: background work (Prefetch) may hold at most half of
   `queue_limit`, so a blocked GetKernel always finds room; the servicer holds
   one Prefetch call to a quarter (`call_share`). A caller that goes away gives
@@ -371,8 +373,9 @@ class Scheduler:
     def request(self, spec: CanonicalSpec, priority: int = URGENT, counted: bool = True, compile: bool = True) -> tuple[cf.Future, Outcome]:
         """A future of the kernel's Entry, and how it is being satisfied.
 
-        Raises ShuttingDown, QueueFull, or NotReady (a miss where `compile` is False or the
-        scheduler compiles nothing). The future raises CompileFailed or StoreError.
+        Raises ShuttingDown or QueueFull; never waits on other hosts. The future raises
+        CompileFailed or StoreError, and NotReady for a miss where `compile` is False or the
+        scheduler compiles nothing, and no other builder has it (asked off this thread).
         `counted`: False for the service's own requests (a shared build), kept out of the stats.
         """
         tally = self.metrics.add if counted else metrics_.ignore
@@ -386,15 +389,21 @@ class Scheduler:
         return self._miss(spec, key, expect, priority, counted, compile, tally)
 
     def _miss(self, spec: CanonicalSpec, key: str, expect: dict, priority: int, counted: bool, compile: bool, tally) -> tuple[cf.Future, Outcome]:
-        """`request` past a missed lookup: refused, joined to the key's flight, answered with its
-        remembered failure, or a new flight, its build queued or made from other builds."""
+        """`request` past a missed lookup: fetched from other builders when it may not compile
+        (its builds, for a copy of builds not here), else made (_make)."""
         plan = _plan(spec)
         if not (compile and self.compiles):
             if not plan.bases:
                 return self._fetch(spec, key, expect, tally)
-            refused = self._fetch_builds(spec, key, plan, tally)
-            if refused is not None:
-                return refused, Outcome.COMPILED
+            fetched = self._fetch_builds(spec, key, expect, plan, priority, counted, tally)
+            if fetched is not None:
+                return fetched, Outcome.COMPILED
+        return self._make(spec, key, expect, priority, counted, compile, tally, plan)
+
+    def _make(self, spec: CanonicalSpec, key: str, expect: dict, priority: int, counted: bool, compile: bool, tally, plan: _Plan) -> tuple[cf.Future, Outcome]:
+        """A missed key that may be compiled, or a copy whose builds are here: refused, joined to
+        the key's flight, answered with its remembered failure, or a new flight, its build
+        queued or made from other builds."""
         with self._lock:
             if self._closing:
                 raise ShuttingDown("the kernel service is shutting down")
@@ -418,9 +427,9 @@ class Scheduler:
 
     def _fetch(self, spec: CanonicalSpec, key: str, expect: dict, tally) -> tuple[cf.Future, Outcome]:
         """A miss that may not compile: looked up where other builders publish (store.fetch:
-        the fleet tier), on this thread and once per key however many ask at once, and published
-        here; it never compiles. Raises NotReady when no builder has it; the future raises
-        CompileFailed when it failed on a builder."""
+        the fleet tier), on a publisher thread and once per key however many ask at once, and
+        published here; it never compiles. Returns at once: the future raises NotReady when no
+        builder has it, CompileFailed when it failed on a builder."""
         with self._lock:
             fetching = self._fetching.get(key)
             if fetching is None:
@@ -428,6 +437,11 @@ class Scheduler:
         if fetching is not None:
             tally(misses=1, joined=1)
             return fetching, Outcome.JOINED
+        self._publish(self._fetch_now, spec, key, expect, tally, future)
+        return future, Outcome.COMPILED
+
+    def _fetch_now(self, spec: CanonicalSpec, key: str, expect: dict, tally, future: cf.Future) -> None:
+        """The fetch itself (a publisher thread): settles `future`, counted, once it is out of `_fetching`."""
         try:
             found = self.store.fetch(key, expect)
         except Exception:  # a store's trouble with other hosts never fails a request
@@ -447,11 +461,8 @@ class Scheduler:
             del self._fetching[key]
         if isinstance(outcome, BaseException):
             future.set_exception(outcome)
-            if isinstance(outcome, NotReady):
-                raise outcome
         else:
             future.set_result(outcome)
-        return future, Outcome.COMPILED
 
     def _not_ready_why(self, found: Claim | None) -> str:
         why = "this daemon compiles nothing (serve --no-compile)" if not self.compiles else "the request asked for no compile (a strict client)"
@@ -461,23 +472,40 @@ class Scheduler:
             return f"{why}, and a builder of the fleet is building it now: ask again once it is done"
         return f"{why}, and the fleet tier does not have it: a builder puts it there (a request or prefetch to a builder, or `kernel-service prewarm --remote`)"
 
-    def _fetch_builds(self, spec: CanonicalSpec, key: str, plan: _Plan, tally) -> cf.Future | None:
-        """A miss that may not compile, made from builds (a copy compiles nothing): each build not
-        in the cache is fetched first. None when they are all here now; a failed future when one
-        failed on a builder; raises NotReady, naming `spec`, when one is nowhere."""
-        for build in plan.bases:
-            build_key, build_expect = self._key_of(build)
-            if self.store.lookup(build_key, build_expect) is not None:
-                continue
-            try:
-                self._fetch(build, build_key, build_expect, metrics_.ignore)[0].result()
-            except NotReady as exc:
+    def _fetch_builds(self, spec: CanonicalSpec, key: str, expect: dict, plan: _Plan, priority: int, counted: bool, tally) -> cf.Future | None:
+        """A miss that may not compile, made from builds (a copy compiles nothing). None when the
+        builds are all here now (it is made as any copy is); else a future of the copy, made once
+        each build missing here is fetched (_fetch: nothing waits on this thread). The future
+        raises NotReady, naming `spec`, when one is nowhere; CompileFailed when one failed on a builder."""
+        missing = [build for build in plan.bases if self.store.lookup(*self._key_of(build)) is None]
+        if not missing:
+            return None
+        fetches = [self._fetch(build, *self._key_of(build), metrics_.ignore)[0] for build in missing]
+        future, left = cf.Future(), [len(fetches)]
+
+        def one_done(_):
+            with self._lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            failed = next((f.exception() for f in fetches if f.exception() is not None), None)
+            if isinstance(failed, NotReady):
                 tally(not_ready=1)
-                raise NotReady(spec, key, f"{exc.why} (the build it is a copy of, {build_key[:16]})") from None
-            except compiler.CompileFailed as exc:
+                future.set_exception(NotReady(spec, key, f"{failed.why} (the build it is a copy of, {failed.key[:16]})"))
+            elif failed is not None:
                 tally(misses=1, failures_cached=1)
-                return _failed(exc)
-        return None
+                future.set_exception(failed)
+            else:
+                try:
+                    made = self._make(spec, key, expect, priority, counted, False, tally, plan)[0]
+                except Exception as exc:  # noqa: BLE001 - refused (ShuttingDown, QueueFull): the caller learns why, never hangs
+                    future.set_exception(exc)
+                    return
+                _chain(made, future)
+
+        for fetch in fetches:
+            fetch.add_done_callback(one_done)
+        return future
 
     def _join(self, flight: _Flight, tally) -> cf.Future:
         """One more waiter on a key already in flight (caller holds _lock)."""
@@ -507,7 +535,7 @@ class Scheduler:
         try:
             for build in plan.bases:
                 bases.append(self.request(build, priority, counted=False, compile=compile)[0])
-        except (ShuttingDown, QueueFull, NotReady) as exc:  # refused like the request itself; joiners learn why
+        except (ShuttingDown, QueueFull) as exc:  # refused like the request itself; joiners learn why
             self.release(bases)
             with self._lock:
                 self._flights.remove(flight)
@@ -880,3 +908,15 @@ def _failed(exc: BaseException) -> cf.Future:
     future = cf.Future()
     future.set_exception(exc)
     return future
+
+
+def _chain(source: cf.Future, target: cf.Future) -> None:
+    """Settles `target` as `source` settles."""
+
+    def copy(_):
+        if source.exception() is not None:
+            target.set_exception(source.exception())
+        else:
+            target.set_result(source.result())
+
+    source.add_done_callback(copy)

@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -33,8 +34,9 @@ from .store import Entry, StoreError
 log = logging.getLogger(__name__)
 
 VALID_MEMO = 4096  # validated specs remembered (a plain dict, cleared when full)
-# Calls waiting on compiles at once (GetKernel misses, Prefetch streams); more get BUSY at once.
-# It bounds what idle and unread callers can hold; hits and health are never counted.
+# Calls waiting on compiles or fetches from the fleet tier at once (GetKernel misses, Prefetch
+# streams); more get BUSY at once. It bounds what idle and unread callers can hold; hits and
+# health are never counted.
 MAX_WAITING = 1024
 SLOW_THREADS = 4  # the pool for the RPCs' slow parts (walking the store, stats probes): the loop never waits on them
 
@@ -125,9 +127,10 @@ class _Claims:
 
 
 class Waiting:
-    """Counts the calls that wait on compiles (a GetKernel miss, a Prefetch) and refuses more
-    than `limit` at once with BUSY: the bound on what idle or unread callers can hold.
-    Hits and health checks never wait, so they are never counted or refused."""
+    """Counts the calls that wait on compiles or on fetches from the fleet tier (a GetKernel
+    miss, a Prefetch) and refuses more than `limit` at once with BUSY: the bound on what idle
+    or unread callers can hold. Hits and health checks never wait, so they are never counted
+    or refused."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -136,7 +139,7 @@ class Waiting:
     @contextlib.contextmanager
     def slot(self):
         if self.now >= self.limit:  # only the event loop's thread counts: no lock
-            raise QueueFull(f"the daemon has {self.now} calls waiting for compiles, its limit; retry later")
+            raise QueueFull(f"the daemon has {self.now} calls waiting for compiles or the fleet tier, its limit; retry later")
         self.now += 1
         try:
             yield
@@ -180,7 +183,8 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
     """The RPCs as coroutines on the daemon's one event loop: a waiting or unread call holds
     no thread. What is quick runs inline (validation, a hit's lookup); what may take long
     (walking the store, the first ServiceInfo, the counters' probes) runs in a small pool
-    of its own threads, so the loop never waits on it."""
+    of its own threads, so the loop never waits on it; a compile, or a fetch from the fleet
+    tier, runs on the scheduler's threads and is awaited."""
 
     def __init__(self, scheduler: Scheduler, metrics: Metrics, info: dict, apps: AppRecorder, zero_stats=None):
         """`info`: the ServiceInfo fields (cache_dir, inductor_dir, default_target, config_json, ...);
@@ -250,16 +254,9 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
     def _explain(self, spec: kernels.CanonicalSpec, key: str, records=None) -> explain.Explanation:
         return explain.explain(self.scheduler.store, spec, key, toolchain(spec.kind, spec.target.kind, self.scheduler.device.id), records)
 
-    def _request(self, spec: kernels.CanonicalSpec, priority: int, compile: bool, records=None):
-        """scheduler.request, with a NotReady's reason completed by Explain's nearest entries.
-        `records()`: the store's entries, read once for a batch of misses."""
-        try:
-            return self.scheduler.request(spec, priority, compile=compile)
-        except NotReady as exc:
-            raise self._explained(exc, records) from None
-
     def _explained(self, exc: NotReady, records=None) -> NotReady:
-        """A NotReady with its reason completed by Explain's nearest entries (a walk of the store)."""
+        """A NotReady with its reason completed by Explain's nearest entries (a walk of the store;
+        run it off the loop). `records()`: the store's entries, read once for a batch of misses."""
         reason = self._explain(exc.spec, exc.key, records() if records else None).reason
         return NotReady(exc.spec, exc.key, f"{exc.why}; {reason}")
 
@@ -270,15 +267,15 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
             spec = self._validate(request.spec)
             if app:
                 self.apps.record(app, spec.to_json())
+            future, outcome = self.scheduler.request(spec, URGENT, compile=not request.no_compile)
             try:
-                future, outcome = self.scheduler.request(spec, URGENT, compile=not request.no_compile)
+                if future.done():
+                    entry = future.result()
+                else:
+                    with self.waiting.slot():  # a compile, or a fetch from the fleet tier (a miss that may not compile)
+                        entry = await _result(future, context.time_remaining())
             except NotReady as exc:  # its reason completed off the loop
                 raise await self._off_loop(self._explained, exc) from None
-            if future.done():
-                entry = future.result()
-            else:
-                with self.waiting.slot():
-                    entry = await _result(future, context.time_remaining())
             reply = response(entry, outcome)
         except Exception as exc:  # noqa: BLE001 - every domain error becomes a status
             code, message = status_of(exc)
@@ -287,9 +284,10 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         self.metrics.observe("request_duration_seconds", outcome.label, time.perf_counter() - start)
         return reply
 
-    def _plan(self, request, claims: _Claims) -> tuple[int, dict]:
-        """Validates a Prefetch's specs and requests each; returns their number and the futures
-        to wait for, each with the (index, outcome) of the specs it answers."""
+    def _plan(self, request, claims: _Claims) -> tuple[int, dict, Callable]:
+        """Validates a Prefetch's specs and requests each; returns their number, the futures
+        to wait for, each with the (index, outcome) of the specs it answers, and `records()`,
+        the store's entries read once for the batch's NotReady explanations."""
         app = self._app(request.app)
         specs = []
         for i, raw in enumerate(request.specs):
@@ -303,16 +301,13 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         pending = {}
         records = functools.cache(lambda: list(self.scheduler.store.records()))
         queued, share = 0, self.scheduler.call_share
+        compiles = not request.no_compile and self.scheduler.compiles  # else a miss is a fetch, never a queued compile
         # Longest compiles first (the kinds' cost hints): the batch then ends with short ones filling the workers.
         for i, spec in sorted(enumerate(specs), key=lambda item: -kernels.get_kind(item[1].kind).compile_cost):
-            try:
-                future, outcome = self._request(spec, BACKGROUND, compile=not request.no_compile, records=records)
-            except NotReady as exc:  # reported in its own event, like a failed compile
-                future, outcome = cf.Future(), Outcome.COMPILED
-                future.set_exception(exc)
+            future, outcome = self.scheduler.request(spec, BACKGROUND, compile=not request.no_compile)
             if not future.done():
                 claims.add(future)
-                if outcome == Outcome.COMPILED and future not in pending:
+                if compiles and outcome == Outcome.COMPILED and future not in pending:
                     queued += 1
                     if queued > share:  # one call takes a share of the queue, never all of it
                         raise QueueFull(
@@ -320,7 +315,7 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                             f"this one needs more of its {len(specs)} kernels compiled: split it"
                         )
             pending[future] = pending.get(future, []) + [(i, outcome)]
-        return len(specs), pending
+        return len(specs), pending, records
 
     async def Prefetch(self, request, context):
         if len(request.specs) > wire.MAX_BATCH:
@@ -331,20 +326,23 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         context.add_done_callback(lambda _: claims.release())
         try:
             with self.waiting.slot():
-                total, pending = await self._off_loop(self._plan, request, claims)  # validating a batch, maybe reading the store: not on the loop
+                total, pending, records = await self._off_loop(self._plan, request, claims)  # validating a batch, a lookup each: not on the loop
                 done = 0
                 completions = _completions(list(pending))
                 remaining = context.time_remaining()
                 deadline = None if remaining is None else time.monotonic() + remaining
                 for _ in range(len(pending)):
                     future = await asyncio.wait_for(completions.get(), None if deadline is None else max(0.0, deadline - time.monotonic()))
+                    error = future.exception()
+                    if isinstance(error, NotReady):  # reported in its own event, like a failed compile, its reason completed off the loop
+                        error = await self._off_loop(self._explained, error, records)
                     for index, outcome in pending[future]:
                         done += 1
                         event = pb.PrefetchEvent(index=index, done=done, total=total)
-                        if future.exception() is None:
+                        if error is None:
                             event.kernel.CopyFrom(response(future.result(), outcome))
                         else:
-                            code, message = status_of(future.exception())
+                            code, message = status_of(error)
                             event.error_code, event.error_message = code.name, message
                         yield event  # an unread stream waits here, on HTTP/2 flow control: it stalls no one else
         except asyncio.TimeoutError:

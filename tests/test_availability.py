@@ -14,6 +14,7 @@ import socket as sockets
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -283,3 +284,69 @@ def test_waiting_calls_past_the_cap_are_refused_busy_and_hits_go_on(daemon):
         waiters.wait()
     assert [int(x) for x in line] == [76, MAX_WAITING], line
     assert statistics.median(seconds) < HIT_P99, f"hit p50 {statistics.median(seconds) * 1000:.1f} ms"
+
+
+FETCH_P99 = 0.100  # seconds: well under the hostile tier's --remote-timeout (2 s) the daemon once stalled for
+
+
+def test_a_fleet_tier_that_never_answers_a_look_delays_no_hit_and_no_health_check(make_daemon, tmp_path):
+    """A serve-only daemon whose fleet tier answers PING but never a look (a sick or hostile
+    Redis on loopback, --remote-timeout 2 s): while a strict GetKernel of a missing kernel waits
+    on that look, another client's hits and health checks answer at once (the fetch once ran on
+    the event loop and stalled every call for its whole timeout); the strict call then ends
+    KernelNotReady, its reason explained."""
+    import client
+    from compile_service.store import LocalStore
+    from tests.plant import host_toolchain, plant, spec_of
+    from tests.test_fleet import NVRTC_ID, HostileRedis, answers
+
+    cache = tmp_path / "cache"
+    planted = spec_of("rmsnorm", "c", **HIT)
+    plant(LocalStore(cache), planted, host_toolchain(planted, NVRTC_ID))  # the hit: no compile, no TileLang
+    looking, hung_up = threading.Event(), threading.Event()
+    absent = answers(b"$-1\r\n")
+
+    def hang():
+        looking.set()
+        hung_up.wait(30)  # never answered while the test runs
+        yield b""
+
+    redis = HostileRedis(lambda command: hang() if command[0] == b"GET" else absent(command))
+    d = make_daemon(
+        "--no-compile", "--cuda-compiler-id", NVRTC_ID, "--remote", redis.url, "--remote-read-only", "--remote-timeout", "2", cache_dir=cache
+    )  # fmt: skip
+    channel = grpc.insecure_channel(f"unix:{d.socket}", options=wire.channel_options())
+    stub, health = pb_grpc.KernelServiceStub(channel), health_pb2_grpc.HealthStub(channel)
+    strict: dict = {}
+
+    def ask_strictly() -> None:
+        try:
+            d.client(strict=True).get_kernel("rmsnorm", target="c", M=None, N=256, dtype="float32")
+        except Exception as exc:  # noqa: BLE001 - checked below
+            strict["error"] = exc
+
+    asking = threading.Thread(target=ask_strictly)
+    try:
+        hit_latencies(stub, 20)  # the channel connected, the daemon's memo warm
+        asking.start()
+        assert looking.wait(10), "the strict miss never asked the fleet tier"
+        start = time.perf_counter()
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        checked = time.perf_counter() - start
+        seconds = hit_latencies(stub, 100)
+        fetching = asking.is_alive()
+        print(f"while a fetch hangs: health {checked * 1000:.2f} ms, hits p50 {statistics.median(seconds) * 1000:.2f} ms, p99 {p99(seconds) * 1000:.2f} ms")
+        assert checked < FETCH_P99, f"a health check took {checked * 1000:.0f} ms while a fetch from the fleet tier hung"
+        assert p99(seconds) < FETCH_P99, f"hit p99 {p99(seconds) * 1000:.0f} ms while a fetch from the fleet tier hung"
+        assert fetching, "the strict request was over before the hits were measured"
+        asking.join(30)
+        assert not asking.is_alive()
+    finally:
+        hung_up.set()
+        redis.close()
+        channel.close()
+    error = strict.get("error")
+    assert isinstance(error, client.KernelNotReady), repr(error)
+    assert "this daemon compiles nothing (serve --no-compile)" in str(error) and "N=256 vs 128" in str(error), str(error)  # explained: the nearest entry
+    s = d.client().stats()
+    assert (s["not_ready"], s["hits"], s["remote_errors"]) == (1, 120, 1), s

@@ -85,7 +85,7 @@ def test_shutdown_fails_queued_compiles(scheduler):
 def test_serving_only_refuses_a_miss_unless_it_is_a_copy_of_what_is_there(scheduler):
     s = scheduler(compiles=False)
     with pytest.raises(NotReady, match=r"this daemon compiles nothing \(serve --no-compile\)"):
-        s.request(rmsnorm(64))
-    with pytest.raises(NotReady):  # its build is not in the cache either
-        s.request(row_double(8))
+        s.request(rmsnorm(64))[0].result(5)
+    with pytest.raises(NotReady, match="the build it is a copy of"):  # its build is not in the cache either
+        s.request(row_double(8))[0].result(5)
     assert s.metrics.counters()["not_ready"] == 2 and s.in_flight == 0

@@ -101,8 +101,10 @@ class KernelServiceServicer:
         NOT_FOUND: the kernel is not in the cache and nothing may compile it:
         the request set `no_compile` (a strict client), or the daemon serves
         only (`serve --no-compile`). With a fleet tier (`serve --remote`) the
-        tier is read first, and a kernel found there is served (published
-        here) instead. Answered without joining a compile in flight. The message names the spec, its key (as
+        tier is read first (off the daemon's event loop: a slow tier delays
+        only the calls waiting on it), and a kernel found there is served
+        (published here) instead. Answered without joining a compile in
+        flight. The message names the spec, its key (as
         "(key <64 hex digits>)") and why it missed: the nearest entry and
         the fields it differs in, as Explain gives them.
         FAILED_PRECONDITION: the kernel failed to compile; the message holds
@@ -111,7 +113,8 @@ class KernelServiceServicer:
         daemon's --failure-ttl seconds (default 60), then it is retried.
         RESOURCE_EXHAUSTED: the compile queue is full (more distinct kernels
         compiling or waiting than the daemon's --queue-limit), or 1024 calls
-        already wait on compiles; the message says which. Try again later.
+        already wait on compiles or the fleet tier; the message says which.
+        Try again later.
         UNAUTHENTICATED: a TCP call without the daemon's token (refused from
         its metadata, before its message is read). Every RPC may answer it.
         INTERNAL: the cache could not be written; the message carries the OS
