@@ -163,7 +163,7 @@ def _tvm_runtime():
     import torch  # noqa: F401  (TileLang loads torch first too: shared CUDA libraries resolve against it)
 
     # tvm_ffi imports ml_dtypes, when it can, only to name numpy's 8- and 16-bit float dtypes, and
-    # that import costs more than the rest of a first kernel's load (docs/measured.md, "Warm start").
+    # that import can cost more than the rest of a first kernel's load (docs/measured.md, "Warm start: where").
     # Without it tvm_ffi names those dtypes by their numpy names, which are the same. A process
     # that already holds ml_dtypes keeps it as it is.
     hidden = "ml_dtypes" not in sys.modules
