@@ -620,6 +620,13 @@ def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec:
         meta = read_meta(read_owned(entry_dir / ENTRY_META, owner))
         if (meta["spec"], meta["abi"]) != (spec, abi):
             raise EntryRefused(f"{entry_dir} records another kernel or ABI than the daemon's answer (spec {json.dumps(meta['spec'], sort_keys=True)[:200]})")
+    return _open(path, sha256, size, abi, spec, key, owner)
+
+
+def _open(path: Path, sha256: str, size: int, abi: dict, spec: dict, key: str, owner: int) -> Kernel:
+    """Loads the library at `path` of an entry whose location and records are checked, once its
+    bytes are `owner`'s and match `sha256` and `size`; raises CorruptArtifact."""
+    with _as_corrupt():
         data = read_verified(path, sha256, size, owner=owner)
     if abi["loader"] == "c":
         lib = _dlopen_bytes(data, key, ctypes.CDLL)
@@ -679,10 +686,8 @@ def load_published(cache_root: Path, key: str, spec: dict, owner: int) -> Kernel
     found = find_published(cache_root, key, spec, owner)
     if found is None:
         return None
-    try:
-        kernel = load(
-            found.path, found.library, found.library_sha256, found.library_size, found.meta["abi"], found.meta["spec"], key, root=Path(cache_root), owner=owner
-        )
+    try:  # find_published checked the location and the records load() checks
+        kernel = _open(found.path / found.library, found.library_sha256, found.library_size, found.meta["abi"], found.meta["spec"], key, owner)
     except CorruptArtifact:
         return None
     kernel.compile_seconds = float(found.meta.get("compile_seconds", 0.0))
