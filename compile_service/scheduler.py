@@ -477,10 +477,11 @@ class Scheduler:
         builds are all here now (it is made as any copy is); else a future of the copy, made once
         each build missing here is fetched (_fetch: nothing waits on this thread). The future
         raises NotReady, naming `spec`, when one is nowhere; CompileFailed when one failed on a builder."""
-        missing = [build for build in plan.bases if self.store.lookup(*self._key_of(build)) is None]
+        keyed = [(build, *self._key_of(build)) for build in plan.bases]
+        missing = [(build, k, e) for build, k, e in keyed if self.store.lookup(k, e) is None]
         if not missing:
             return None
-        fetches = [self._fetch(build, *self._key_of(build), metrics_.ignore)[0] for build in missing]
+        fetches = [self._fetch(build, k, e, metrics_.ignore)[0] for build, k, e in missing]
         future, left = cf.Future(), [len(fetches)]
 
         def one_done(_):
