@@ -47,6 +47,7 @@ from proto.entry import ENTRY_META, MANIFEST, Entry, EntryRefused, check_locatio
 from proto.paths import entry_dir, xdg_cache_home
 from proto.trust import read_owned, read_verified  # noqa: F401  (importable from here, as before)
 
+from . import fastcall
 from .errors import CorruptArtifact, LoadError
 
 _DTYPES = {
@@ -153,6 +154,18 @@ def _dlopen_bytes(data: bytes, key: str, opener):
         path.unlink(missing_ok=True)  # the mapping outlives the name
 
 
+class _Refused:
+    """A meta path finder refusing module `name` to imports made on the thread that made it."""
+
+    def __init__(self, name: str):
+        self.name, self.thread = name, threading.get_ident()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name and threading.get_ident() == self.thread:
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+        return None  # not ours to find: the next finder looks
+
+
 @functools.cache
 def _tvm_runtime():
     """tvm_ffi, and TileLang's native libraries, not its Python package (~30 ms, against seconds):
@@ -164,16 +177,14 @@ def _tvm_runtime():
 
     # tvm_ffi imports ml_dtypes, when it can, only to name numpy's 8- and 16-bit float dtypes, and
     # that import can cost more than the rest of a first kernel's load (docs/measured.md, "Warm start: where").
-    # Without it tvm_ffi names those dtypes by their numpy names, which are the same. A process
-    # that already holds ml_dtypes keeps it as it is.
-    hidden = "ml_dtypes" not in sys.modules
-    if hidden:
-        sys.modules["ml_dtypes"] = None  # an ImportError for tvm_ffi's optional import
+    # Without it tvm_ffi names those dtypes by their numpy names, which are the same. The refusal
+    # is this thread's only: another thread's import of ml_dtypes meanwhile goes through.
+    refusal = _Refused("ml_dtypes")
+    sys.meta_path.insert(0, refusal)
     try:
         import tvm_ffi
     finally:
-        if hidden and sys.modules.get("ml_dtypes", 0) is None:
-            del sys.modules["ml_dtypes"]
+        sys.meta_path.remove(refusal)
 
     spec = importlib.util.find_spec("tilelang")  # finds the package without executing it
     if spec is None or not spec.submodule_search_locations:
@@ -245,7 +256,7 @@ class Kernel:
         self.writes = [params[i]["name"] for i in abi.get("writes", [])]  # inputs updated in place
         self.inplace = self._inplace_slots()
         self.__doc__, self.__signature__ = self._describe()
-        self._fast = _FastPlan.of(self)  # None: every call takes the checked path
+        self._fast = fastcall.make(self)  # None: every call takes the checked path
         self._op = self._op_out = None  # kernel_service::<kind> and its .out: bound by the client after loading (torch_ops.bind)
         self.op_unbound = "a kernel from client.get_kernel has one"  # why no op is bound, when none is
 
@@ -432,8 +443,8 @@ class Kernel:
     # ----- calls
     def __call__(self, *inputs, out=None):
         if out is None and self._fast is not None:
-            result = self._fast.call(self, inputs)
-            if result is not _CHECKED:
+            result = self._fast(self, inputs)
+            if result is not fastcall.CHECKED:
                 return result
         import torch
 
@@ -498,107 +509,6 @@ class Kernel:
             return out
         outs = [args[i] for i in self._outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
-
-
-_CHECKED = object()  # the fast path's answer when a call must take the checked path
-
-
-class _FastPlan:
-    """A TVM-FFI kernel's call on plain CUDA tensors with out=None, checked by the library itself.
-
-    TileLang's generated host code checks every argument in C++ before it launches (count,
-    dtype, rank, each size against the others, strides, device), and TileLang's own adapter
-    relies on that. This path checks in Python only what that code cannot see: tracing, plain
-    tensors, grad mode, that the inputs are CUDA tensors (a host pointer never reaches a
-    launch), the sizes a shared build's spec fixes, and that an input the kernel updates
-    shares no memory with another. It reads the runtime sizes from (input, axis) places found once, and
-    allocates the outputs. When the library refuses the arguments, `check_inputs` names the
-    problem as on every other path.
-    """
-
-    __slots__ = ("torch", "plain", "arity", "route", "places", "fixed", "checks", "allocs", "slots", "width", "outputs")
-
-    @classmethod
-    def of(cls, kernel: "Kernel") -> "_FastPlan | None":
-        abi = kernel.abi
-        if abi["loader"] != "tvm_ffi" or not kernel._inputs:
-            return None  # C kernels check nothing themselves
-        params, fixed = abi["params"], abi.get("fixed", {})
-        places: dict[str, tuple[int, int]] = {}
-        for pos, slot in enumerate(kernel._inputs):
-            for axis, d in enumerate(params[slot]["shape"]):
-                if isinstance(d, str):
-                    places.setdefault(d, (pos, axis))
-        import torch
-
-        plan = cls()
-        plan.torch, plan.plain = torch, _plain_types()
-        plan.arity = len(kernel._inputs)
-        plan.route = None
-        if "dispatch" in abi:  # a router: the dispatch dim picks the build, whose own plan runs the call
-            dim = abi["dispatch"]["dim"]
-            if dim not in places or dim in fixed:
-                return None
-            plan.route = places[dim]
-            return plan
-        allocs = []
-        for slot in (*kernel._outputs, *kernel._scratch):
-            shape = params[slot]["shape"]
-            if any(isinstance(d, str) and d not in places and d not in fixed for d in shape):
-                return None  # a size no input carries
-            allocs.append((slot, tuple(shape), kernel._dtypes[slot]))
-        sized = {d for _, shape, _ in allocs for d in shape if isinstance(d, str)}
-        plan.places = tuple((d, pos, axis) for d, (pos, axis) in places.items() if d in sized and d not in fixed)
-        plan.fixed = dict(fixed)
-        plan.checks = tuple((*places[d], v) for d, v in fixed.items() if d in places)
-        plan.allocs = tuple(allocs)
-        plan.slots = tuple(kernel._inputs)
-        plan.width = len(params)
-        plan.outputs = tuple(kernel._outputs)
-        return plan
-
-    def call(self, kernel: "Kernel", inputs):
-        # Plain loops, no generator expressions: this runs on every call, and a generator
-        # costs more than the checks it makes.
-        if len(inputs) != self.arity or self.torch.compiler.is_compiling():
-            return _CHECKED
-        grad, plain = self.torch.is_grad_enabled(), self.plain
-        for t in inputs:
-            if type(t) not in plain or not t.is_cuda or (grad and t.requires_grad):
-                return _CHECKED
-        if self.route is not None:
-            pos, axis = self.route
-            if kernel.routes is None or inputs[pos].dim() <= axis:
-                return _CHECKED
-            build = kernel.route(inputs[pos].shape[axis])
-            return _CHECKED if build._fast is None else build._fast.call(build, inputs)
-        try:
-            for pos, axis, value in self.checks:
-                if inputs[pos].shape[axis] != value:
-                    return _CHECKED
-            dims = dict(self.fixed)
-            for d, pos, axis in self.places:
-                dims[d] = inputs[pos].shape[axis]
-        except IndexError:  # fewer dims than the ABI says
-            return _CHECKED
-        if kernel.writes:
-            kernel.check_overlap(inputs, [])  # an updated input may not alias another: nothing below sees that
-        args = [None] * self.width
-        for slot, t in zip(self.slots, inputs):
-            args[slot] = t
-        device = inputs[0].device
-        for slot, shape, dtype in self.allocs:
-            args[slot] = self.torch.empty([dims[d] if isinstance(d, str) else d for d in shape], dtype=dtype, device=device)
-        try:
-            returned = kernel._fn(*args)
-        except Exception:
-            kernel.check_inputs(inputs)  # raises the checked path's error for what the library refused
-            raise
-        if returned is not None:
-            raise kernel._own_outputs()
-        if len(self.outputs) == 1:
-            return args[self.outputs[0]]
-        return tuple(args[i] for i in self.outputs)
 
 
 def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec: dict, key: str, *, root: Path, owner: int) -> Kernel:
