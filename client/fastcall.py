@@ -3,9 +3,12 @@
 TileLang's generated host code checks every argument in C++ before it launches (count, dtype,
 rank, each size against the others, strides, device), and TileLang's own adapter relies on
 that. The fast call checks in Python only what that code cannot see: tracing, plain tensors,
-grad mode, that the inputs are CUDA tensors (a host pointer never reaches a launch), the
-sizes a shared build's spec fixes, and that an input the kernel updates shares no memory with
-another. It allocates the outputs and calls the library.
+grad mode, that the first input is a CUDA tensor (meta tensors take the torch op), the sizes
+a shared build's spec fixes, and that an input the kernel updates shares no memory with
+another. (That every other tensor is on the first one's device is the library's check: a host
+pointer never reaches a launch.) It allocates the outputs, each with `new_empty`
+of an input of its dtype where there is one (it parses no dtype or device: a microsecond less
+than `torch.empty`), and calls the library.
 
 Each kernel's call is generated once, when it is loaded, as straight-line code for its own
 inputs and outputs: no loop, dict or list per call (a per-call loop over two tensors costs
@@ -69,7 +72,7 @@ def _generate(kernel, places: dict, fixed: dict, allocs: list):
         f"if len(inputs) != {n} or compiling():",
         "    return CHECKED",
         f"{', '.join(names)}, = inputs",
-        "if " + " or ".join(f"type({a}) not in PLAIN" for a in names) + " or not (" + " and ".join(f"{a}.is_cuda" for a in names) + "):",
+        "if " + " or ".join(f"type({a}) not in PLAIN" for a in names) + " or not a0.is_cuda:",
         "    return CHECKED",
         "if grad() and (" + " or ".join(f"{a}.requires_grad" for a in names) + "):",
         "    return CHECKED",
@@ -89,19 +92,24 @@ def _generate(kernel, places: dict, fixed: dict, allocs: list):
                 body += [f"x, xn = {other}.data_ptr(), {other}.nbytes", "if wn and xn and w < x + xn and x < w + wn:", "    return CHECKED"]
     args = {slot: names[pos] for pos, slot in enumerate(kernel._inputs)}
     consts = {"CHECKED": CHECKED, "PLAIN": frozenset((torch.Tensor, torch.nn.Parameter))}
-    consts |= {"compiling": torch.compiler.is_compiling, "grad": torch.is_grad_enabled, "empty": torch.empty}
-    device = "a0.device"
-    if allocs:
-        body.append(f"device = {device}")
+    consts |= {"compiling": torch.compiler.is_compiling, "grad": torch.is_grad_enabled, "empty": torch.empty, "fn": kernel._fn}
+    like = {}  # dtype -> an input of that dtype
+    for pos, slot in enumerate(kernel._inputs):
+        like.setdefault(kernel._dtypes[slot], names[pos])
     for slot, shape in allocs:
         dims = ", ".join(str(fixed[d]) if d in fixed else f"d_{d}" if isinstance(d, str) else str(d) for d in shape)
-        consts[f"t{slot}"] = kernel._dtypes[slot]
-        body.append(f"o{slot} = empty(({dims}{',' if len(shape) == 1 else ''}), dtype=t{slot}, device=device)")
+        dims = f"({dims}{',' if len(shape) == 1 else ''})"
+        dtype = kernel._dtypes[slot]
+        if dtype in like:
+            body.append(f"o{slot} = {like[dtype]}.new_empty({dims})")
+        else:
+            consts[f"t{slot}"] = dtype
+            body.append(f"o{slot} = empty({dims}, dtype=t{slot}, device=a0.device)")
         args[slot] = f"o{slot}"
     call = ", ".join(args[slot] for slot in range(len(kernel.abi["params"])))
     body += [
         "try:",
-        f"    returned = kernel._fn({call})",
+        f"    returned = fn({call})",
         "except Exception:",
         "    kernel.check_inputs(inputs)  # raises the checked path's error for what the library refused",
         "    raise",
