@@ -24,10 +24,21 @@ CHECKED = object()  # the fast call's answer when a call must take the checked p
 
 def make(kernel):
     """`fast(kernel, inputs)` for `kernel` (a client.loader.Kernel), or None when every call of
-    it takes the checked path (C kernels check nothing themselves; a size no input carries)."""
-    abi = kernel.abi
-    if abi["loader"] != "tvm_ffi" or not kernel._inputs:
+    it takes the checked path (C kernels check nothing themselves). The code is generated on the
+    first call, not at load: a warm start loads kernels it may never call."""
+    if kernel.abi["loader"] != "tvm_ffi" or not kernel._inputs:
         return None
+    return _first
+
+
+def _first(kernel, inputs):
+    kernel._fast = fast = _build(kernel)
+    return CHECKED if fast is None else fast(kernel, inputs)
+
+
+def _build(kernel):
+    """The fast call of `kernel`, or None when a size of an output no input carries."""
+    abi = kernel.abi
     params, fixed = abi["params"], abi.get("fixed", {})
     places: dict[str, tuple[int, int]] = {}  # runtime dim -> the first (input, axis) that carries it
     for pos, slot in enumerate(kernel._inputs):
