@@ -22,9 +22,9 @@ compared with eager (`max_diff`: logits / hidden states at non-padded positions;
 fraction of generated tokens equal to eager's). kernel-service runs last: transformers shares
 `apply_rotary_pos_emb` between models of a family, so kernelizing swaps it process-wide.
 
-Padded batches are served one sequence at a time in eager mode; under torch.compile a padded
-mask keeps sdpa (reading it is data-dependent), so `modernbert` compares kernel-service eager
-with compile.
+A padded batch is one varlen `attention` call per layer in eager mode (sliding layers with their
+window); under torch.compile a padded mask keeps sdpa (reading it is data-dependent), so
+`modernbert` compares kernel-service eager with compile.
 """
 
 from __future__ import annotations

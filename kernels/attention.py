@@ -1,4 +1,5 @@
-"""FlashAttention-style forward: O = softmax(Q K^T / sqrt(d)) V, online softmax, GQA."""
+"""FlashAttention-style forward: O = softmax(Q K^T / sqrt(d)) V, online softmax, GQA; optionally
+a padded batch (per-sequence key ranges) and a sliding window in the same call."""
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
@@ -6,7 +7,7 @@ import math
 
 from .launch import dependent_launch, grid_x
 from .registry import register
-from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
+from .spec import MAX_DIM, InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
 from .tiling import cuda_only, pow2, smem_limit
 
 LOG2E = 1.4426950408889634
@@ -20,7 +21,10 @@ class Attention(KernelKind):
     name = "attention"
     warm_up = ({"batch": 1, "heads": 8, "kv_heads": 8, "seq_len": 256, "head_dim": 128, "causal": True, "dtype": "float16"},)
     compile_cost = 3.0
-    doc = "O[b,s,h,d] = softmax(Q K^T / sqrt(d)) V with Q,O [batch,seq_len,heads,head_dim], K,V [batch,seq_len,kv_heads,head_dim]."
+    doc = (
+        "O[b,s,h,d] = softmax(Q K^T / sqrt(d)) V with Q,O [batch,seq_len,heads,head_dim], K,V [batch,seq_len,kv_heads,head_dim]; "
+        "varlen: also key_range int32 [batch,2] (after V)."
+    )
     params = (
         dim("batch", "None makes it a runtime size", dynamic=True),
         dim("heads", "query heads"),
@@ -28,6 +32,14 @@ class Attention(KernelKind):
         dim("seq_len", "query and key length; None makes it a runtime size", dynamic=True),
         dim("head_dim"),
         Param("causal", bool, default=False, doc="query i sees keys 0..i"),
+        Param("window", int, default=0, min=0, max=MAX_DIM, doc="query i sees only keys j with |i - j| <= window (0: no window)"),
+        Param(
+            "varlen",
+            bool,
+            default=False,
+            doc="a padded batch: takes key_range int32 [batch,2]; sequence b is rows and keys key_range[b,0] <= j < key_range[b,1]; "
+            "rows outside it, and rows that see no key, get zeros",
+        ),
         dtype_param(),
         tile("block_M", "query rows per block"),
         tile("block_N", "keys per inner step"),
@@ -63,11 +75,11 @@ class Attention(KernelKind):
             raise InvalidSpec("threads", f"must be 128 or 256, got {p['threads']}")
         if p["block_M"] is None and p["threads"] is not None:
             p["block_M"] = p["threads"] // 2
-        # TileLang 0.1.15's cp.async pipeline (pre-Hopper) cannot code-generate a
-        # variable trip count (causal, or a runtime seq_len): one stage there.
-        if target.compute_capability < 90 and (p["causal"] or p["seq_len"] is None):
+        # TileLang 0.1.15's cp.async pipeline (pre-Hopper) cannot code-generate a variable
+        # trip count (causal, a runtime seq_len, key ranges or a window): one stage there.
+        if target.compute_capability < 90 and (p["causal"] or p["seq_len"] is None or self._masked(p)):
             if p["num_stages"] not in (None, 1):
-                raise InvalidSpec("num_stages", f"must be 1 on {target} when causal or seq_len is a runtime size")
+                raise InvalidSpec("num_stages", f"must be 1 on {target} when causal, varlen, windowed or seq_len is a runtime size")
             p["num_stages"] = 1
         # Defaults: the largest tiles that fit, among those the caller left open (128x128 keys
         # in 2 stages for d=128 on Hopper; docs/measured.md, section "Kernel speed on the H200").
@@ -100,12 +112,17 @@ class Attention(KernelKind):
         # With TMA (sm_90 and newer) batch and, when causal, seq_len only size the grid and the
         # descriptors, except where TileLang lowers a static size otherwise: batch 1 (block z
         # is 0), or so few key blocks that it unrolls the pipeline's barrier phases.
-        if target.is_cpu or target.compute_capability < 90:
-            return ()
+        if target.is_cpu or target.compute_capability < 90 or self._masked(p):
+            return ()  # masked forms: not claimed (they are served with runtime sizes)
         dims = () if p["batch"] == 1 else ("batch",)
         if p["causal"] and (p["seq_len"] is None or -(-p["seq_len"] // p["block_N"]) > 2 * p["num_stages"]):
             dims += ("seq_len",)
         return dims
+
+    @staticmethod
+    def _masked(p):
+        """Key ranges or a window: the forms whose rows may see no key at all."""
+        return p["varlen"] or p["window"] > 0
 
     @staticmethod
     def _smem(bm, bn, stages, d):
@@ -121,13 +138,15 @@ class Attention(KernelKind):
         import tilelang.language as T
 
         batch, seq, q_shape, kv_shape = self._shapes(T, p)
-        d, dtype, causal = p["head_dim"], p["dtype"], p["causal"]
+        d, causal = p["head_dim"], p["causal"]
         bm, bn = p["block_M"], p["block_N"]
         group = p["heads"] // p["kv_heads"]
         scale = LOG2E / math.sqrt(d)  # exp2 of pre-scaled scores: one multiply per score
 
-        @T.prim_func
-        def main(Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype), V: T.Tensor(kv_shape, dtype), O: T.Tensor(q_shape, dtype)):
+        masked, window = self._masked(p), p["window"]
+
+        @T.macro
+        def body(Q, K, V, R, O):
             with T.Kernel(T.ceildiv(seq, bm), p["heads"], batch) as (bx, h, b):
                 s = T.alloc_local((bm, bn), "float32")
                 acc = T.alloc_local((bm, d), "float32")
@@ -144,7 +163,7 @@ class Attention(KernelKind):
                     for i, j in T.grid(bm, bn):
                         q, k = bx * bm + i, kb * bn + j
                         s[i, j] = -T.infinity("float32")
-                        if q < seq and k < seq and (not causal or k <= q):
+                        if q < seq and k < seq and (not causal or k <= q) and (not masked or self._visible(T, R, b, q, k, window)):
                             s[i, j] = 0
                             for c in T.serial(d):
                                 s[i, j] += Q[b, q, h, c] * K[b, k, h // group, c]
@@ -168,7 +187,47 @@ class Attention(KernelKind):
                             acc[i, c] += s[i, j] * V[b, kb * bn + j, h // group, c]
                 for i, c in T.grid(bm, d):
                     if bx * bm + i < seq:
-                        O[b, bx * bm + i, h, c] = acc[i, c] / lsum[i]
+                        if masked:  # a row that saw no key: zeros
+                            O[b, bx * bm + i, h, c] = T.if_then_else(lsum[i] == 0, 0, acc[i, c] / lsum[i])
+                        else:
+                            O[b, bx * bm + i, h, c] = acc[i, c] / lsum[i]
+
+        return self._prim_func(T, p, q_shape, kv_shape, batch, body)
+
+    @staticmethod
+    def _visible(T, R, b, q, k, window):
+        """The masked forms' rule beyond causal: query q and key k inside sequence b's range
+        (varlen: R is key_range), and k within the window of q."""
+        rule = []
+        if R is not None:
+            rule += [R[b, 0] <= q, q < R[b, 1], R[b, 0] <= k, k < R[b, 1]]
+        if window:  # as |q - k|: two comparisons made TileLang's ThreadSync pass fail on sm_90a (a 252-thread guard)
+            rule += [T.abs(q - k) <= window]
+        out = rule[0]
+        for c in rule[1:]:
+            out = T.And(out, c)
+        return out
+
+    @staticmethod
+    def _prim_func(T, p, q_shape, kv_shape, batch, body):
+        """The PrimFunc of the ABI: (Q, K, V[, key_range], O)."""
+        dtype = p["dtype"]
+        if p["varlen"]:
+
+            @T.prim_func
+            def main(
+                Q: T.Tensor(q_shape, dtype),
+                K: T.Tensor(kv_shape, dtype),
+                V: T.Tensor(kv_shape, dtype),
+                key_range: T.Tensor((batch, 2), "int32"),
+                O: T.Tensor(q_shape, dtype),
+            ):
+                body(Q, K, V, key_range, O)
+        else:
+
+            @T.prim_func
+            def main(Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype), V: T.Tensor(kv_shape, dtype), O: T.Tensor(q_shape, dtype)):
+                body(Q, K, V, None, O)
 
         return main
 
@@ -181,9 +240,10 @@ class Attention(KernelKind):
         group = p["heads"] // p["kv_heads"]
         scale = LOG2E / math.sqrt(d)
         acc_t = "float32"
+        masked, window = self._masked(p), p["window"]
 
-        @T.prim_func
-        def main(Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype), V: T.Tensor(kv_shape, dtype), O: T.Tensor(q_shape, dtype)):
+        @T.macro
+        def body(Q, K, V, R, O):
             with T.Kernel(T.ceildiv(seq, bm), p["heads"], batch, threads=p["threads"]) as (bid, h, b):
                 dependent_launch(target)
                 # Causal blocks differ in work (query block i reads i + 1 key blocks): the longest
@@ -211,22 +271,52 @@ class Attention(KernelKind):
                 # Causal blocks stop at the diagonal: keys past the last query row are all masked.
                 # No min with seq_len: past it only the last block's rows look, at keys the mask
                 # hides and TMA zero-fills; so seq_len stays out of the device code (host_side_dims).
-                steps = T.ceildiv((bx + 1) * bm, bn) if causal else T.ceildiv(seq, bn)
-                for kb in T.Pipelined(steps, num_stages=p["num_stages"]):
+                if masked:
+                    # Only the key blocks that some row of this block sees: [k0, k1) from the rows'
+                    # range [r0, r1) and the window. This skipping is what makes a padded or windowed
+                    # batch cheap. A block whose rows see nothing still takes one (fully masked) step:
+                    # the pipeline's first step is what waits for the Q tile's TMA load, which must
+                    # not outlive the block.
+                    lo = R[b, 0] if R is not None else 0
+                    hi = R[b, 1] if R is not None else seq
+                    r0, r1 = T.max(bx * bm, lo), T.min((bx + 1) * bm, hi)
+                    k0 = T.max(lo, r0 - window) if window else lo
+                    k1 = T.min(hi, r1 + window) if window else hi
+                    k1 = T.min(k1, r1) if causal else k1
+                    kb0 = k0 // bn
+                    kb1 = T.if_then_else(T.And(r0 < r1, k0 < k1), T.ceildiv(k1, bn), kb0 + 1)
+                else:
+                    steps = T.ceildiv((bx + 1) * bm, bn) if causal else T.ceildiv(seq, bn)
+                stages = p["num_stages"]
+                for kb in T.Pipelined(kb0, kb1, num_stages=stages) if masked else T.Pipelined(steps, num_stages=stages):
                     T.copy(K[b, kb * bn : (kb + 1) * bn, h // group, :], K_s)
                     # The mask rides in the accumulator's initial value: 0 where visible, -inf where not.
                     for i, j in T.Parallel(bm, bn):
-                        if causal:
+                        if masked:
+                            q, k = bx * bm + i, kb * bn + j
+                            s[i, j] = T.if_then_else(
+                                T.And(k <= q, self._visible(T, R, b, q, k, window)) if causal else self._visible(T, R, b, q, k, window),
+                                0,
+                                -T.infinity(acc_t),
+                            )
+                        elif causal:
                             s[i, j] = T.if_then_else(kb * bn + j <= bx * bm + i, 0, -T.infinity(acc_t))
                         else:
                             s[i, j] = T.if_then_else(kb * bn + j < seq, 0, -T.infinity(acc_t))
                     T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(m, m_prev)
                     T.reduce_max(s, m, dim=1, clear=False)
+                    # Masked forms: a row that has seen no key yet keeps m = -inf; exp2 of that must not be NaN.
                     for i in T.Parallel(bm):
-                        r[i] = T.exp2(m_prev[i] * scale - m[i] * scale)
+                        if masked:
+                            r[i] = T.if_then_else(m[i] == -T.infinity(acc_t), 1, T.exp2(m_prev[i] * scale - m[i] * scale))
+                        else:
+                            r[i] = T.exp2(m_prev[i] * scale - m[i] * scale)
                     for i, j in T.Parallel(bm, bn):
-                        s[i, j] = T.exp2(s[i, j] * scale - m[i] * scale)
+                        if masked:
+                            s[i, j] = T.if_then_else(m[i] == -T.infinity(acc_t), 0, T.exp2(s[i, j] * scale - m[i] * scale))
+                        else:
+                            s[i, j] = T.exp2(s[i, j] * scale - m[i] * scale)
                     T.reduce_sum(s, row_sum, dim=1)
                     for i in T.Parallel(bm):
                         lsum[i] = lsum[i] * r[i] + row_sum[i]
@@ -236,21 +326,48 @@ class Attention(KernelKind):
                     T.copy(V[b, kb * bn : (kb + 1) * bn, h // group, :], V_s)
                     T.gemm(s_cast, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(bm, d):
-                    acc[i, j] /= lsum[i]
+                    if masked:  # a row that saw no key: zeros
+                        acc[i, j] = T.if_then_else(lsum[i] == 0, 0, acc[i, j] / lsum[i])
+                    else:
+                        acc[i, j] /= lsum[i]
                 T.copy(acc, O_s)
                 T.copy(O_s, O[b, bx * bm : (bx + 1) * bm, h, :])
 
-        return main
+        return self._prim_func(T, p, q_shape, kv_shape, batch, body)
 
     def inputs(self, p, randn, size):
         b, s = size("batch"), size("seq_len")
         q = randn(b, s, p["heads"], p["head_dim"])
-        return [q, randn(b, s, p["kv_heads"], p["head_dim"]), randn(b, s, p["kv_heads"], p["head_dim"])]
+        x = [q, randn(b, s, p["kv_heads"], p["head_dim"]), randn(b, s, p["kv_heads"], p["head_dim"])]
+        if p["varlen"]:  # ragged ranges: the first sequence whole, the others padded on either side
+            import torch
+
+            u = (randn(b, 2).float().abs() * 0.4).clamp_max(0.45) * s
+            lo, hi = u[:, 0].long(), s - u[:, 1].long()
+            lo[0], hi[0] = 0, s
+            x.append(torch.stack((lo, hi), 1).to(device=q.device, dtype=torch.int32))
+        return x
 
     def reference(self, p, x):
-        import torch.nn.functional as F
+        import torch
 
-        q, k, v = (t.transpose(1, 2) for t in x)  # -> [batch, heads, seq, dim]
+        q, k, v = (t.transpose(1, 2) for t in x[:3])  # -> [batch, heads, seq, dim]
         groups = p["heads"] // p["kv_heads"]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=p["causal"]).transpose(1, 2)
+        if not self._masked(p):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=p["causal"]).transpose(1, 2)
+        s = q.shape[2]
+        i, j = torch.arange(s, device=q.device)[:, None], torch.arange(s, device=q.device)[None, :]
+        see = torch.ones(1, s, s, dtype=torch.bool, device=q.device)
+        if p["causal"]:
+            see = see & (j <= i)
+        if p["window"]:
+            see = see & ((i - j).abs() <= p["window"])
+        if p["varlen"]:
+            lo, hi = (x[3][:, c, None, None].long() for c in (0, 1))
+            see = see & (lo <= i) & (i < hi) & (lo <= j) & (j < hi)
+        # A masked softmax; a row that sees no key is zeros.
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(p["head_dim"])
+        scores = scores.masked_fill(~see[:, None], -torch.inf)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        return (probs @ v).transpose(1, 2)

@@ -8,6 +8,7 @@ forward put back (`own_rotary`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import os
@@ -119,18 +120,18 @@ def test_llama_swapped_and_matches(llamas):
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 
-def test_llama_padded_batch(llamas):
+def test_llama_padded_batch(llamas, monkeypatch):
     ref, model = llamas
     ids = torch.randint(3, VOCAB, (3, 10))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding
     mask[2, 7:] = 0  # right padding
     n = served(model)
-    with torch.inference_mode():
+    with torch.inference_mode(), counted_kernels(model, monkeypatch) as launches:
         out = model(ids, attention_mask=mask).logits
-        with own_rotary(modeling_llama):
-            want = ref(ids, attention_mask=mask).logits
-    assert model.kernel_service.calls["attention"] >= 2 and served(model) - n == 11
+    with torch.inference_mode(), own_rotary(modeling_llama):
+        want = ref(ids, attention_mask=mask).logits
+    assert launches == {"varlen": 2} and served(model) - n == 11  # one causal varlen call per layer
     valid = mask.bool()
     torch.testing.assert_close(out[valid], want[valid], atol=2e-5, rtol=1e-4)
 
@@ -150,33 +151,88 @@ def test_llama_generate(llamas):
     assert r.calls["kv_attention"] - kv == 2 * 4  # every decode step after the prefill, in both layers
 
 
-def test_modernbert_swapped_and_matches_padded(berts):
+def attention_entries(model):
+    return [m.__dict__[hf._ATTR] for m in model.modules() if hf._ATTR in m.__dict__ and m.__dict__[hf._ATTR].kind == "attention"]
+
+
+@contextlib.contextmanager
+def counted_kernels(model, monkeypatch):
+    """Counts each attention kernel's calls: the unmasked one ("plain") and the varlen one."""
+    counts = collections.Counter()
+
+    def counting(name, kernel):
+        def call(*args):
+            counts[name] += 1
+            return kernel(*args)
+
+        return call
+
+    with monkeypatch.context() as mp:
+        for e in attention_entries(model):
+            mp.setattr(e, "kernel", counting("plain", e.kernel))
+            mp.setitem(e.more, "varlen", counting("varlen", e.more["varlen"]))
+        yield counts
+
+
+def test_modernbert_swapped_and_matches_padded(berts, monkeypatch):
+    """A padded batch longer than the sliding layer's window: every layer, full and sliding, is one
+    varlen attention call for the whole batch (not one per sequence), matching transformers' eager."""
     ref, model = berts
     r = model.kernel_service
     assert r.backend == "kernel-service"
     assert set(r.swapped.values()) == {"layernorm", "rope", "attention"}, r
     assert all(v == "layernorm" for k, v in r.swapped.items() if "norm" in k)
-    ids = torch.randint(3, VOCAB, (3, 12))  # longer than the sliding layer's window: that layer keeps sdpa
+    windows = [e.more["window"] for e in attention_entries(model)]
+    assert windows == [0, 4, 0]  # layer 1 slides: local_attention 8 -> keys within 4 on each side
+    assert all(e.more["varlen"].spec["params"]["varlen"] for e in attention_entries(model))
+    ids = torch.randint(3, VOCAB, (4, 12))  # longer than the sliding layer's window
     mask = torch.ones_like(ids)
-    mask[1, 9:] = 0
+    mask[1, 9:] = 0  # right padding
     mask[2, 5:] = 0
+    mask[3, :3] = 0  # left padding
     before, fb = dict(r.calls), r.fallbacks["attention"]
-    with torch.inference_mode():
+    with torch.inference_mode(), counted_kernels(model, monkeypatch) as launches:
         out = model(ids, attention_mask=mask).last_hidden_state
-        with own_rotary(modeling_modernbert):
-            want = ref(ids, attention_mask=mask).last_hidden_state
-    assert r.calls["attention"] - before["attention"] == 2 and r.fallbacks["attention"] - fb == 1
+    with torch.inference_mode(), own_rotary(modeling_modernbert):
+        want = ref(ids, attention_mask=mask).last_hidden_state
+    assert launches == {"varlen": 3}  # one call per layer for the whole batch
+    assert r.calls["attention"] - before["attention"] == 3 and r.fallbacks["attention"] == fb
     assert r.calls["layernorm"] - before["layernorm"] > 0 and r.calls["rope"] - before["rope"] == 3
     valid = mask.bool()
     torch.testing.assert_close(out[valid], want[valid], atol=2e-5, rtol=1e-4)
-    short = ids[:, :5]  # within the window: the sliding layer is served too
-    with torch.inference_mode():
-        n = r.calls["attention"]
-        out = model(short).last_hidden_state
-        with own_rotary(modeling_modernbert):
-            want = ref(short).last_hidden_state
-    assert r.calls["attention"] - n == 3
+    with torch.inference_mode(), counted_kernels(model, monkeypatch) as launches:
+        out = model(ids).last_hidden_state  # no padding: the sliding layer still needs its window
+    with torch.inference_mode(), own_rotary(modeling_modernbert):
+        want = ref(ids).last_hidden_state
+    assert launches == {"plain": 2, "varlen": 1}
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    short = ids[:, :4]  # within the window (no mask at all): the sliding layer is the plain kernel too
+    with torch.inference_mode(), counted_kernels(model, monkeypatch) as launches:
+        out = model(short).last_hidden_state
+    with torch.inference_mode(), own_rotary(modeling_modernbert):
+        want = ref(short).last_hidden_state
+    assert launches == {"plain": 3}
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def test_modernbert_other_masks_keep_sdpa_or_raise_under_strict(berts, daemon):
+    """A 4D mask that is not padding (here: a random pattern) keeps sdpa, call by call; under
+    strict=True the call raises, naming the module."""
+    ref, model = berts
+    ids = torch.randint(3, VOCAB, (2, 12))
+    odd = torch.rand(2, 1, 12, 12, generator=torch.Generator().manual_seed(1)) < 0.6
+    odd |= torch.eye(12, dtype=torch.bool)
+    masks = {"full_attention": odd, "sliding_attention": odd}
+    fb = model.kernel_service.fallbacks["attention"]
+    with torch.inference_mode():
+        out = model(ids, attention_mask=masks).last_hidden_state
+        with own_rotary(modeling_modernbert):
+            want = ref(ids, attention_mask=masks).last_hidden_state
+    assert model.kernel_service.fallbacks["attention"] - fb == 3
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    strict = hf.kernelize(copy.deepcopy(ref), client=daemon[1], backend="kernel-service", strict=True, warmup=False)
+    with pytest.raises(RuntimeError, match=r"strict=True.*layers\.0\.attn.*not padding"), torch.inference_mode():
+        strict(ids, attention_mask=masks)
 
 
 def test_compile_fullgraph_matches(llamas):

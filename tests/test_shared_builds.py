@@ -95,6 +95,18 @@ def test_causal_attention_starts_its_longest_query_blocks_first(causal):
     assert bool(reversed_order) == causal
 
 
+def test_masked_attention_reads_only_the_key_blocks_its_rows_see():
+    """A padded (varlen) or windowed attention's key loop starts at the first block its query block's
+    rows see, read on the device from key_range, and ends where they stop seeing keys: that skipping
+    is what makes a padded batch cheap. Masked forms claim no host-side dims."""
+    p = dict(batch=None, heads=12, kv_heads=12, seq_len=None, head_dim=64, dtype="bfloat16", varlen=True, window=64)
+    src = cuda_source("attention", p, "sm_90a")
+    assert "const int* key_range" in src
+    assert re.search(r"for \(int kb = \(max\(lo, \(max\(\(\(\(int\)blockIdx\.x\) \* 128\), lo\) - 64\)\) >> 7\); kb < ", src), src[:4000]
+    spec = kernels.canonicalize("attention", {**p, "batch": 2, "seq_len": 512}, "sm_90a")
+    assert kernels.get_kind("attention").shared_build(spec) is None
+
+
 def _gemm(arch="sm_90a", **changes):
     params = {k: v for k, v in {**GEMM, **changes}.items() if k not in ("kind", "target")}
     return kernels.canonicalize("gemm", params, arch)

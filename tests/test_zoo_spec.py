@@ -65,6 +65,9 @@ def test_all_kinds_registered():
         ("attention", {**ATTN, "causal": True, "num_stages": 2}, "sm_80", "num_stages", "must be 1"),
         ("attention", {**ATTN, "head_dim": 256}, "sm_75", "num_stages", "shared memory"),
         ("attention", {**ATTN, "dtype": "float32", "head_dim": 8192}, "c", "head_dim", "scratch"),
+        ("attention", {**ATTN, "window": -1}, "sm_90a", "window", "at least 0"),
+        ("attention", {**ATTN, "varlen": 1}, "sm_90a", "varlen", "true or false"),
+        ("attention", {**ATTN, "varlen": True, "num_stages": 2}, "sm_80", "num_stages", "must be 1"),
         ("rmsnorm", {"M": 8, "N": 64, "dtype": "float32", "eps": -1.0}, "c", "eps", "at least"),
         ("rmsnorm", {"M": 8, "N": 64, "dtype": "float32", "eps": float("nan")}, "c", "eps", "finite"),
         ("rmsnorm", {"M": 8, "N": 64, "dtype": "float32", "eps": "1e-6"}, "c", "eps", "number"),
@@ -101,6 +104,7 @@ def test_defaults_filled_per_target():
     assert router["schedule"] == "auto" and router["block_N"] is None
     attn = kernels.canonicalize("attention", ATTN, "sm_90a").params
     assert attn["causal"] is False and attn["block_M"] and attn["block_N"]
+    assert attn["window"] == 0 and attn["varlen"] is False  # the unmasked form, today's kernel
 
 
 def test_explicit_default_tiling_is_the_same_key():

@@ -14,9 +14,11 @@ here, and through transformers' attention interfaces, keeping the model's own we
 - rotary (the modeling module's `apply_rotary_pos_emb`, replaced by a wrapper) -> `rope` with the
   model's own cos/sin as the cache;
 - attention, registered as `AttentionInterface` / `AttentionMaskInterface` "kernel_service":
-  `attention` for prefill and encoders, `kv_attention` for decode steps against a KV cache; padded
-  batches are served one sequence at a time (eager only: reading the mask is data-dependent),
-  ModernBERT's sliding-window layers where the window covers the sequence.
+  `attention` for prefill and encoders, `kv_attention` for decode steps against a KV cache. A
+  padded batch (and ModernBERT's sliding-window layers, at any length) is one `attention` call
+  with `varlen=True` (each sequence's key range, read off the mask) and the layer's `window`;
+  eager only: reading the mask is data-dependent. Padded decode steps go one sequence at a time
+  (`kv_attention` has no key start for left padding).
 
 A shape, dtype, mask or option a kind does not serve keeps the module's own forward (attention:
 transformers' `sdpa`), call by call; `strict=True` raises instead, naming the module and why.
@@ -36,6 +38,7 @@ import functools
 import sys
 import types
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -81,6 +84,7 @@ class Report:
     calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # kind -> eager calls served
     fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # kind -> calls that ran the module's own forward
     original_attn: str | None = None
+    strict: bool = False  # a call the kernels do not serve raises instead of running the module's own forward
 
 
 @dataclasses.dataclass(eq=False)
@@ -90,7 +94,7 @@ class _Entry:
     report: Report
     dtype: torch.dtype
     device_type: str
-    more: dict = dataclasses.field(default_factory=dict)  # attention: the kv_attention kernel
+    more: dict = dataclasses.field(default_factory=dict)  # attention: the kv_attention and varlen kernels, the window
 
 
 def _served(entry, module, *tensors):
@@ -233,6 +237,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             entry.report.calls[entry.kind] -= 1
             entry.report.calls[kind] += 1
         return out, None
+    if entry is not None and entry.report.strict:
+        raise RuntimeError(f"kernelize(strict=True): {entry.more.get('name', 'attention')} keeps sdpa for this call: {kind}")
     if entry is not None and not torch.compiler.is_compiling():  # counted as served above: it was not
         entry.report.calls[entry.kind] -= 1
         entry.report.fallbacks[entry.kind] += 1
@@ -242,51 +248,86 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
 
 def _serve_attention(entry, module, query, key, value, mask, sliding_window):
+    """(output, kind served) or, when the kernels do not serve this call, (None, why)."""
     b, h, q, d = query.shape
     kv = key.shape[2]
     causal = bool(getattr(module, "is_causal", False))
-    attn, kv_attn = entry.kernel, entry.more.get("kv_attention")
+    attn, kv_attn, varlen = entry.kernel, entry.more.get("kv_attention"), entry.more.get("varlen")
+    window = entry.more.get("window", 0)
     Q, K, V = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D] views
-    if mask is None:
-        if sliding_window is not None and kv > sliding_window:
-            return None, None
+    # transformers' sliding_window is flash's inclusive convention: query i sees keys within sliding_window - 1.
+    if mask is None and (sliding_window is None or kv <= sliding_window):  # the window covers every key
         if q == kv:
             return attn(Q.contiguous(), K.contiguous(), V.contiguous()), "attention"
         if causal and kv_attn is not None and q == 1:  # decode: one query at the end of the cache
             return kv_attn(Q.contiguous(), K.contiguous(), V.contiguous(), torch.full((b,), kv, dtype=torch.int32, device=query.device)), "kv_attention"
-        return None, None
-    if torch.compiler.is_compiling() or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
-        return None, None  # reading the mask would be data-dependent: a traced call keeps sdpa
-    # Padding, one sequence at a time: each row's keys must be one run [lo, hi) and its mask exactly
-    # that run (causal: up to the query's own position). Padded queries get zeros (HF's are meaningless).
-    out, kind = query.new_zeros(b, q, h, d), "attention"
-    off = kv - q
-    i = torch.arange(q, device=mask.device)[:, None]
-    j = torch.arange(kv, device=mask.device)[None, :]
+        return None, f"{q} queries against {kv} keys (served: as many queries as keys, or one decode query)"
+    if mask is not None and (torch.compiler.is_compiling() or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1):
+        return None, "a mask that is not a boolean [batch, 1, queries, keys] tensor read eagerly (a traced call keeps sdpa)"
+    if q == 1 and q != kv and mask is not None:
+        return _padded_decode(kv_attn, causal, Q, K, V, mask)
+    if q != kv or varlen is None:
+        return None, "a padded or windowed call with as many queries as keys needs the varlen attention kernel"
+    if (sliding_window or 1) - 1 != window:
+        return None, f"a sliding window of {(sliding_window or 1) - 1} keys, not this layer's kernel's {window}"
+    ranges = _key_ranges(mask, b, kv, causal, window) if mask is not None else _full_ranges(b, kv, query.device)
+    if ranges is None:
+        return None, "the mask is not padding (one run of keys per sequence) over this layer's causal and window pattern"
+    return varlen(Q.contiguous(), K.contiguous(), V.contiguous(), ranges), "attention"
+
+
+_RANGES: dict = {}  # (id(mask), causal, window) -> (weakref to the mask, key ranges or None): one check per mask and forward
+
+
+def _key_ranges(mask, b, kv, causal, window):
+    """Each sequence's keys [lo, hi) as int32 [batch, 2], when `mask` is exactly padding over the
+    layer's pattern: query i sees key j iff lo <= j < hi (and j <= i when causal, |i - j| <= window
+    when windowed). None for any other mask. Rows outside [lo, hi) are padding: the kernel gives
+    them zeros (transformers' outputs there are meaningless)."""
+    slot = (id(mask), causal, window)
+    hit = _RANGES.get(slot)
+    if hit is not None and hit[0]() is mask:
+        return hit[1]
+    m = mask[:, 0].expand(b, kv, kv)
+    seen = m.any(1)  # [batch, keys]: keys some query sees
+    j = torch.arange(kv, device=mask.device)
+    lo = torch.where(seen, j, kv).amin(1)
+    hi = torch.where(seen, j + 1, 0).amax(1)
+    lo = torch.minimum(lo, hi)  # a sequence that sees nothing: an empty range
+    want = (j >= lo[:, None, None]) & (j < hi[:, None, None])
+    i = j[:, None]
+    if causal:
+        want = want & (j <= i)
+    if window:
+        want = want & ((i - j).abs() <= window)
+    ranges = torch.stack((lo, hi), 1).to(torch.int32) if torch.equal(want.expand_as(m), m) else None
+    for k in [k for k, (ref, _) in _RANGES.items() if ref() is None]:
+        del _RANGES[k]
+    _RANGES[slot] = (weakref.ref(mask), ranges)
+    return ranges
+
+
+def _full_ranges(b, kv, device):
+    return torch.tensor([[0, kv]], dtype=torch.int32, device=device).expand(b, 2).contiguous()
+
+
+def _padded_decode(kv_attn, causal, Q, K, V, mask):
+    """One decode query per sequence against a padded cache, one sequence at a time: kv_attention
+    sees keys 0..seq_lens-1 and has no start for left padding. Each row's keys must be one run."""
+    if not causal or kv_attn is None:
+        return None, "one query against a padded cache needs kv_attention (causal models)"
+    b, _, h, d = Q.shape
+    out = Q.new_zeros(b, 1, h, d)
     for row in range(b):
-        m = mask[row, 0].expand(q, kv)
-        keys = m.any(0).nonzero()
+        keys = mask[row, 0, 0].nonzero()
         if keys.numel() == 0:
             continue
         lo, hi = int(keys[0]), int(keys[-1]) + 1
-        if causal:
-            r0, r1 = max(0, lo - off), hi - off
-            if r1 <= r0 or not torch.equal(m[r0:r1], ((j >= lo) & (j <= i + off))[r0:r1]):
-                return None, None
-        else:
-            r0, r1 = lo, hi
-            if q != kv or not torch.equal(m[lo:hi], ((j >= lo) & (j < hi)).expand(q, kv)[lo:hi]):
-                return None, None
-        qs, ks, vs = (t[row : row + 1, a:z].contiguous() for t, a, z in ((Q, r0, r1), (K, lo, hi), (V, lo, hi)))
-        if r1 - r0 == hi - lo:
-            out[row, r0:r1] = attn(qs, ks, vs)[0]
-            kind = "attention"
-        elif causal and kv_attn is not None and r1 - r0 == 1 == q:
-            out[row, r0:r1] = kv_attn(qs, ks, vs, torch.full((1,), hi - lo, dtype=torch.int32, device=query.device))[0]
-            kind = "kv_attention"
-        else:
-            return None, None
-    return out, kind
+        if keys.numel() != hi - lo:
+            return None, "a decode mask with a gap in a sequence's keys"
+        ks, vs = (t[row : row + 1, lo:hi].contiguous() for t in (K, V))
+        out[row] = kv_attn(Q[row : row + 1].contiguous(), ks, vs, torch.full((1,), hi - lo, dtype=torch.int32, device=Q.device))[0]
+    return out, "kv_attention"
 
 
 # ----- planning: which module gets which kernel
@@ -352,6 +393,10 @@ def _plan(model, device, dtype, target):
             kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
             shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": m.head_dim}
             plans.append((name, m, "attention", {"batch": None, "seq_len": None, "causal": bool(m.is_causal), **shape}))
+            # Padded batches and sliding windows: one call with each sequence's key range. ModernBERT's
+            # sliding layers keep `sliding_window` = window + 1 (flash's inclusive convention).
+            window = (getattr(m, "sliding_window", None) or 1) - 1
+            plans.append((name, m, "attention", {"batch": None, "seq_len": None, "causal": bool(m.is_causal), "varlen": True, "window": window, **shape}))
             if m.is_causal:
                 plans.append((name, m, "kv_attention", {"batch": None, "q_len": 1, **shape}))  # decode (split-KV); longer query chunks keep sdpa
             # The attention forward calls its modeling module's global `apply_rotary_pos_emb`.
@@ -415,13 +460,15 @@ def _serve(model, report: Report, client, strict: bool, device: torch.device, dt
     for name, m, kind, params in plans:
         got = index[_key(kind, params)]
         got = got if isinstance(got, Exception) else results[got]
-        if kind == "kv_attention":
+        if kind == "kv_attention" or params.get("varlen"):  # rides on the module's attention entry
             if not isinstance(got, Exception) and name in entries:
-                entries[name][1].more["kv_attention"] = got
+                entries[name][1].more["varlen" if params.get("varlen") else kind] = got
+                if params.get("varlen"):
+                    entries[name][1].more["window"] = params["window"]
         elif isinstance(got, Exception):
             report.kept[name] = f"{kind} is not served: {got}"
         else:
-            entries[name] = (m, _Entry(kind, got, report, dtype, device.type, {"params": params}))
+            entries[name] = (m, _Entry(kind, got, report, dtype, device.type, {"params": params, "name": name}))
     if strict and report.kept:
         name, why = next(iter(report.kept.items()))
         raise RuntimeError(f"kernelize(strict=True): {name} would keep its own forward: {why}")
@@ -492,7 +539,7 @@ def kernelize(model, *, client=None, backend: str = "auto", strict: bool = False
     param = _first_param(model)
     device, dtype = param.device, param.dtype
     cuda = device.type == "cuda"
-    report = Report(requested=backend)
+    report = Report(requested=backend, strict=strict)
     chosen = backend
     if backend == "auto" and not cuda:
         chosen, report.reason = "eager", "auto: the model is not on a CUDA device"

@@ -1,0 +1,75 @@
+"""attention's masked forms: a padded batch in one call (`varlen`: per-sequence key ranges) and a
+sliding window. The kind's own reference (what the GPU test and the benchmarks compare with)
+against an independent masked softmax, the CPU kernel against it through the daemon, and the
+CUDA form on a GPU where one is visible. CPU numerics of more shapes: tests/test_zoo_cpu.py;
+the CUDA form's key-block skipping, read off its source: tests/test_shared_builds.py."""
+
+import math
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from tests.marks import needs_gpu
+
+KIND = "attention"
+BERT = dict(batch=None, heads=12, kv_heads=12, seq_len=None, head_dim=64, varlen=True)  # ModernBERT-base's heads
+
+
+def masked_softmax(q, k, v, lo, hi, causal, window):
+    """Query i of sequence b sees key j when both lie in [lo[b], hi[b]), j <= i (causal) and
+    |i - j| <= window (window > 0); a row that sees no key is zeros. float64, [b, s, h, d]."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (t.transpose(1, 2).double() for t in (q, k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)))
+    n = q.shape[2]
+    i, j = torch.arange(n, device=q.device)[:, None], torch.arange(n, device=q.device)[None, :]
+    lo, hi = lo.long()[:, None, None, None], hi.long()[:, None, None, None]
+    see = (lo <= i) & (i < hi) & (lo <= j) & (j < hi)
+    see = see & (j <= i) if causal else see
+    see = see & ((i - j).abs() <= window) if window else see
+    s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~see, float("-inf"))
+    return (torch.softmax(s, -1).nan_to_num(0.0) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("causal,window", [(False, 0), (False, 6), (True, 0), (True, 6)])
+def test_the_kinds_reference_is_a_masked_softmax(causal, window):
+    p = kernels.canonicalize(KIND, dict(BERT, heads=4, kv_heads=2, head_dim=8, causal=causal, window=window, dtype="float32"), "c").params
+    q, k, v, ranges = reference.make_inputs(KIND, p, runtime=dict(batch=5, seq_len=40))
+    assert ranges.dtype == torch.int32 and ranges.shape == (5, 2) and ranges[0].tolist() == [0, 40]
+    assert (ranges[1:, 0] > 0).any() and (ranges[1:, 1] < 40).any()  # padded on the left and on the right
+    want = masked_softmax(q, k, v, ranges[:, 0], ranges[:, 1], causal, window)
+    torch.testing.assert_close(reference.reference(KIND, p, [q, k, v, ranges]).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_kernel_matches_the_reference(cpu_kernel):
+    k = cpu_kernel(KIND, **dict(BERT, heads=2, kv_heads=2, head_dim=16, window=5, dtype="float32", block_M=8, block_N=8))
+    ins = reference.make_inputs(KIND, k.spec["params"], runtime=dict(batch=3, seq_len=33))
+    torch.testing.assert_close(k(*ins), reference.reference(KIND, k.spec["params"], ins), **reference.tolerance("float32"))
+
+
+# ModernBERT-base's attention (12 heads of 64) at its benchmark's sequence length: full and sliding
+# (local_attention 128: a window of 64) layers, and a causal padded prefill.
+GPU_CASES = [
+    (dict(BERT, dtype="bfloat16"), dict(batch=6, seq_len=512)),
+    (dict(BERT, window=64, dtype="bfloat16"), dict(batch=6, seq_len=512)),
+    (dict(BERT, window=64, dtype="float16", block_N=64), dict(batch=3, seq_len=300)),
+    (dict(BERT, causal=True, dtype="bfloat16"), dict(batch=4, seq_len=700)),
+    (dict(BERT, heads=32, kv_heads=8, head_dim=128, causal=True, window=100, dtype="float16"), dict(batch=2, seq_len=1000)),
+]
+
+
+@needs_gpu
+def test_gpu_matches_the_reference(make_daemon):
+    import os
+
+    c = make_daemon(workers=min(8, os.cpu_count() or 2)).client()
+    built = c.prefetch([{"kind": KIND, "target": "auto", **params} for params, _ in GPU_CASES])
+    for (params, runtime), k in zip(GPU_CASES, built):
+        assert not isinstance(k, Exception), k
+        p = k.spec["params"]
+        ins = reference.make_inputs(KIND, p, "cuda", runtime=runtime)
+        ins[3][1] = torch.tensor([5, 5], dtype=torch.int32)  # an empty sequence: zeros
+        out = k(*ins)
+        assert torch.isfinite(out).all() and not out[1].any()
+        torch.testing.assert_close(out.float(), reference.reference(KIND, p, ins).float(), **reference.tolerance(p["dtype"]), msg=lambda m, p=p: f"{p}: {m}")
