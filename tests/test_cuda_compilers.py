@@ -7,6 +7,7 @@ torch sees a GPU (the H200 host) and is skipped elsewhere.
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import json
 import os
@@ -115,6 +116,26 @@ import ml_dtypes, numpy, tvm_ffi
 assert str(tvm_ffi.dtype(numpy.dtype(ml_dtypes.bfloat16))) == "bfloat16"
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120, cwd=ROOT)
+
+
+@needs_nvrtc
+def test_a_cuda_kernels_fast_call_is_made_at_its_first_call_not_at_load(make_daemon):
+    """A warm start loads kernels it may never call, so loading makes no code; the first call
+    makes the kernel's own straight-line call (no loop per call), and a call it does not take
+    (CPU tensors here) still gets the checked path's error."""
+    import torch
+
+    from client import fastcall
+
+    d = make_daemon("--cuda-compiler", NVRTC)
+    k = d.client().get_kernel("rmsnorm", target="sm_90a", M=None, N=1024, dtype="float16")
+    assert k._fast is fastcall._first
+    with pytest.raises(ValueError, match="built for cuda, inputs are on cpu"):
+        k(torch.randn(4, 1024, dtype=torch.float16), torch.randn(1024, dtype=torch.float16))
+    made = k._fast.source
+    assert "a0.new_empty((d_M, 1024))" in made and "fn(a0, a1, o2)" in made
+    loops = (ast.For, ast.While, ast.ListComp, ast.GeneratorExp, ast.DictComp, ast.SetComp, ast.List, ast.Dict)
+    assert not [type(n).__name__ for n in ast.walk(ast.parse(made)) if isinstance(n, loops)]
 
 
 @needs_nvrtc
