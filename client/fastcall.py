@@ -6,13 +6,13 @@ that. The fast call checks in Python only what that code cannot see: tracing, pl
 grad mode, that the first input is a CUDA tensor (meta tensors take the torch op), the sizes
 a shared build's spec fixes, and that an input the kernel updates shares no memory with
 another. (That every other tensor is on the first one's device is the library's check: a host
-pointer never reaches a launch.) It allocates the outputs, each with `new_empty`
-of an input of its dtype where there is one (it parses no dtype or device: a microsecond less
-than `torch.empty`), and calls the library.
+pointer never reaches a launch.) It allocates the outputs, each with `new_empty` of an input
+of its dtype where there is one (no dtype or device to parse, as `torch.empty` has), and calls
+the library.
 
-Each kernel's call is generated once, when it is loaded, as straight-line code for its own
+Each kernel's call is generated once, on its first call, as straight-line code for its own
 inputs and outputs: no loop, dict or list per call (a per-call loop over two tensors costs
-more than the checks it makes). It answers CHECKED for any call it does not take; then
+more than the checks it makes; docs/measured.md). It answers CHECKED for any call it does not take; then
 `Kernel.__call__` takes the checked path, which names the problem as on every other path, and
 so does a call the library refused.
 """
