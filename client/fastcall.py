@@ -19,6 +19,8 @@ so does a call the library refused.
 
 from __future__ import annotations
 
+import math
+
 CHECKED = object()  # the fast call's answer when a call must take the checked path
 
 
@@ -95,12 +97,19 @@ def _generate(kernel, places: dict, fixed: dict, allocs: list):
         checks = [f"d_{d} != {v!r}" for d, v in fixed.items() if d in places]
         if checks:
             body += [f"if {' or '.join(checks)}:", "    return CHECKED"]
+    params = kernel.abi["params"]
+
+    def nbytes(pos):  # a static shape's bytes are known now (a call whose shapes differ, the library refuses)
+        slot = kernel._inputs[pos]
+        shape = [fixed.get(d, d) for d in params[slot]["shape"]]
+        return str(math.prod(shape) * kernel._dtypes[slot].itemsize) if all(isinstance(d, int) for d in shape) else f"{names[pos]}.nbytes"
+
     for name in kernel.writes:  # an updated input may not alias another: nothing below sees that
-        w = names[kernel.input_names.index(name)]
-        body += [f"w, wn = {w}.data_ptr(), {w}.nbytes"]
-        for other in names:
-            if other != w:
-                body += [f"x, xn = {other}.data_ptr(), {other}.nbytes", "if wn and xn and w < x + xn and x < w + wn:", "    return CHECKED"]
+        wpos = kernel.input_names.index(name)
+        body += [f"w, wn = {names[wpos]}.data_ptr(), {nbytes(wpos)}"]
+        for pos in range(n):
+            if pos != wpos:
+                body += [f"x, xn = {names[pos]}.data_ptr(), {nbytes(pos)}", "if wn and xn and w < x + xn and x < w + wn:", "    return CHECKED"]
     args = {slot: names[pos] for pos, slot in enumerate(kernel._inputs)}
     consts = {"CHECKED": CHECKED, "PLAIN": frozenset((torch.Tensor, torch.nn.Parameter))}
     consts |= {"compiling": torch.compiler.is_compiling, "grad": torch.is_grad_enabled, "empty": torch.empty, "fn": kernel._fn}

@@ -484,6 +484,25 @@ def test_gpu_rope_writes_the_cache(gpu_client, heads, kv_heads, d, rot):
 
 
 @needs_gpu
+def test_gpu_static_sized_cache_updates_refuse_an_aliased_cache(gpu_client):
+    """With static sizes the plain CUDA call knows each tensor's bytes from the ABI; an updated
+    cache that aliases another input, whole or in part, is still refused."""
+    k = gpu_client.get_kernel(
+        "rope", tokens=8, heads=4, kv_heads=2, head_dim=64, rotary_dim=64, dtype="bfloat16", packed=True, write_cache=True, target="sm_90a"
+    )
+    pos = torch.arange(8, device="cuda")
+    qkv = torch.randn(8, 8, 64, device="cuda", dtype=torch.bfloat16)
+    cache = cos_sin_cache(64, 64, device="cuda").to(torch.bfloat16)
+    slots = torch.arange(8, device="cuda")
+    k_cache = torch.zeros(8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k(pos, qkv, cache, slots, k_cache, torch.zeros_like(k_cache))  # apart: runs
+    both = torch.zeros(16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    for k_c, v_c in ((k_cache, k_cache), (both[:8], both[4:12])):
+        with pytest.raises(ValueError, match="which the kernel updates, overlaps input"):
+            k(pos, qkv, cache, slots, k_c, v_c)
+
+
+@needs_gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("N", [14336, 1000])
 def test_gpu_swiglu_packed(gpu_client, dtype, N):
