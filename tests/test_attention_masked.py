@@ -1,8 +1,8 @@
 """attention's masked forms: a padded batch in one call (`varlen`: per-sequence key ranges) and a
 sliding window. The kind's own reference (what the GPU test and the benchmarks compare with)
-against an independent masked softmax, the CPU kernel against it through the daemon, and the
-CUDA form on a GPU where one is visible. CPU numerics of more shapes: tests/test_zoo_cpu.py;
-the CUDA form's key-block skipping, read off its source: tests/test_shared_builds.py."""
+against an independent masked softmax, the CPU kernel against it through the daemon (ragged
+ranges, windows, causal), and the CUDA form on a GPU where one is visible. The CUDA form's
+key-block skipping, read off its source: tests/test_shared_builds.py."""
 
 import math
 
@@ -46,6 +46,31 @@ def test_the_cpu_kernel_matches_the_reference(cpu_kernel):
     k = cpu_kernel(KIND, **dict(BERT, heads=2, kv_heads=2, head_dim=16, window=5, dtype="float32", block_M=8, block_N=8))
     ins = reference.make_inputs(KIND, k.spec["params"], runtime=dict(batch=3, seq_len=33))
     torch.testing.assert_close(k(*ins), reference.reference(KIND, k.spec["params"], ins), **reference.tolerance("float32"))
+
+
+def close(out, want):
+    torch.testing.assert_close(out.double(), want, **reference.tolerance("float32"))
+
+
+@pytest.mark.parametrize("causal,window", [(False, 0), (False, 5), (True, 0), (True, 4)])
+def test_attention_varlen_and_window(cpu_kernel, causal, window):
+    """One call for a padded batch: ragged key ranges (right, left and both-sided padding, an empty
+    sequence), with and without a sliding window; rows outside a range are zeros."""
+    k = cpu_kernel(
+        "attention", batch=None, heads=4, kv_heads=2, seq_len=None, head_dim=8, causal=causal, window=window, varlen=True, dtype="float32", block_M=8, block_N=4
+    )
+    assert k.input_names == ["Q", "K", "V", "key_range"]
+    q, kk, v = torch.randn(5, 29, 4, 8), torch.randn(5, 29, 2, 8), torch.randn(5, 29, 2, 8)
+    lo, hi = torch.tensor([0, 0, 7, 3, 9]), torch.tensor([29, 13, 29, 20, 9])
+    out = k(q, kk, v, torch.stack((lo, hi), 1).to(torch.int32))
+    close(out, masked_softmax(q, kk, v, lo, hi, causal, window))
+    assert not out[1, 13:].any() and not out[2, :7].any() and not out[4].any()  # padding rows: zeros
+
+
+def test_attention_window_without_varlen(cpu_kernel):
+    k = cpu_kernel("attention", batch=2, heads=2, kv_heads=2, seq_len=23, head_dim=8, window=3, dtype="float32", block_M=8, block_N=4)
+    q, kk, v = torch.randn(2, 23, 2, 8), torch.randn(2, 23, 2, 8), torch.randn(2, 23, 2, 8)
+    close(k(q, kk, v), masked_softmax(q, kk, v, torch.zeros(2, dtype=torch.long), torch.full((2,), 23), False, 3))
 
 
 # ModernBERT-base's attention (12 heads of 64) at its benchmark's sequence length: full and sliding

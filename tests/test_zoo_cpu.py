@@ -108,42 +108,6 @@ def test_attention_dynamic_batch_and_seq(cpu_kernel):
         close(k(q, kk, v), attention_ref(q, kk, v, True))
 
 
-def masked_ref(q, k, v, lo, hi, causal, window):
-    """A masked softmax in float64: query i of sequence b sees key j when both lie in [lo[b], hi[b]),
-    j <= i (causal) and |i - j| <= window (window > 0); a row that sees no key is zeros."""
-    group = q.shape[2] // k.shape[2]
-    q, k, v = (t.transpose(1, 2).double() for t in (q, k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)))
-    n = q.shape[2]
-    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    lo, hi = lo[:, None, None, None], hi[:, None, None, None]
-    see = (lo <= i) & (i < hi) & (lo <= j) & (j < hi)
-    see = see & (j <= i) if causal else see
-    see = see & ((i - j).abs() <= window) if window else see
-    s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~see, float("-inf"))
-    return (torch.softmax(s, -1).nan_to_num(0.0) @ v).transpose(1, 2)
-
-
-@pytest.mark.parametrize("causal,window", [(False, 0), (False, 5), (True, 0), (True, 4)])
-def test_attention_varlen_and_window(cpu_kernel, causal, window):
-    """One call for a padded batch: ragged key ranges (right, left and both-sided padding, an empty
-    sequence), with and without a sliding window; rows outside a range are zeros."""
-    k = cpu_kernel(
-        "attention", batch=None, heads=4, kv_heads=2, seq_len=None, head_dim=8, causal=causal, window=window, varlen=True, dtype="float32", block_M=8, block_N=4
-    )
-    assert k.input_names == ["Q", "K", "V", "key_range"]
-    q, kk, v = torch.randn(5, 29, 4, 8), torch.randn(5, 29, 2, 8), torch.randn(5, 29, 2, 8)
-    lo, hi = torch.tensor([0, 0, 7, 3, 9]), torch.tensor([29, 13, 29, 20, 9])
-    out = k(q, kk, v, torch.stack((lo, hi), 1).to(torch.int32))
-    close(out, masked_ref(q, kk, v, lo, hi, causal, window))
-    assert not out[1, 13:].any() and not out[2, :7].any() and not out[4].any()  # padding rows: zeros
-
-
-def test_attention_window_without_varlen(cpu_kernel):
-    k = cpu_kernel("attention", batch=2, heads=2, kv_heads=2, seq_len=23, head_dim=8, window=3, dtype="float32", block_M=8, block_N=4)
-    q, kk, v = torch.randn(2, 23, 2, 8), torch.randn(2, 23, 2, 8), torch.randn(2, 23, 2, 8)
-    close(k(q, kk, v), masked_ref(q, kk, v, torch.zeros(2, dtype=torch.long), torch.full((2,), 23), False, 3))
-
-
 # --- row kernels ------------------------------------------------------------
 
 
