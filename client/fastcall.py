@@ -81,6 +81,7 @@ def _generate(kernel, places: dict, fixed: dict, allocs: list):
     names = [f"a{i}" for i in range(n)]
     used = {d for _, shape in allocs for d in shape if isinstance(d, str) and d not in fixed}
     read = {d: places[d] for d in used} | {d: places[d] for d in fixed if d in places}
+    var = {d: f"d{i}" for i, d in enumerate(read)}  # the ABI's dim names never enter the source: any string is a name there
     body = [
         f"if len(inputs) != {n} or compiling():",
         "    return CHECKED",
@@ -92,9 +93,9 @@ def _generate(kernel, places: dict, fixed: dict, allocs: list):
     ]
     if read:
         body.append("try:")
-        body += [f"    d_{d} = a{pos}.shape[{axis}]" for d, (pos, axis) in read.items()]
+        body += [f"    {var[d]} = a{pos}.shape[{axis}]" for d, (pos, axis) in read.items()]
         body += ["except IndexError:  # fewer dims than the ABI says", "    return CHECKED"]
-        checks = [f"d_{d} != {v!r}" for d, v in fixed.items() if d in places]
+        checks = [f"{var[d]} != {int(v)}" for d, v in fixed.items() if d in places]
         if checks:
             body += [f"if {' or '.join(checks)}:", "    return CHECKED"]
     params = kernel.abi["params"]
@@ -117,7 +118,7 @@ def _generate(kernel, places: dict, fixed: dict, allocs: list):
     for pos, slot in enumerate(kernel._inputs):
         like.setdefault(kernel._dtypes[slot], names[pos])
     for slot, shape in allocs:
-        dims = ", ".join(str(fixed[d]) if d in fixed else f"d_{d}" if isinstance(d, str) else str(d) for d in shape)
+        dims = ", ".join(str(int(fixed[d])) if d in fixed else var[d] if isinstance(d, str) else str(int(d)) for d in shape)
         dims = f"({dims}{',' if len(shape) == 1 else ''})"
         dtype = kernel._dtypes[slot]
         if dtype in like:

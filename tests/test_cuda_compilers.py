@@ -133,9 +133,29 @@ def test_a_cuda_kernels_fast_call_is_made_at_its_first_call_not_at_load(make_dae
     with pytest.raises(ValueError, match="built for cuda, inputs are on cpu"):
         k(torch.randn(4, 1024, dtype=torch.float16), torch.randn(1024, dtype=torch.float16))
     made = k._fast.source
-    assert "a0.new_empty((d_M, 1024))" in made and "fn(a0, a1, o2)" in made
+    assert "d0 = a0.shape[0]" in made and "a0.new_empty((d0, 1024))" in made and "fn(a0, a1, o2)" in made
     loops = (ast.For, ast.While, ast.ListComp, ast.GeneratorExp, ast.DictComp, ast.SetComp, ast.List, ast.Dict)
     assert not [type(n).__name__ for n in ast.walk(ast.parse(made)) if isinstance(n, loops)]
+
+
+def test_the_fast_call_never_puts_an_abi_name_in_its_source():
+    """Dim names are any strings in the ABI: the generated call names dims by position, so a name
+    cannot become code."""
+    from client import fastcall
+    from client.loader import Kernel
+
+    evil = "M), __import__('os').system('false'), (1"
+    abi = {
+        "loader": "tvm_ffi",
+        "symbol": "main",
+        "device": "cuda",
+        "params": [{"name": "X", "dtype": "float16", "shape": [evil, 8]}, {"name": "Y", "dtype": "float16", "shape": [evil, 8]}],
+        "outputs": [1],
+        "dynamic": [{"name": evil, "dtype": "int32"}],
+    }
+    k = Kernel(lambda *args: None, abi, {"kind": "copy", "params": {}, "target": "sm_90a"}, "0" * 64, Path("/nonexistent"))
+    made = fastcall._build(k).source
+    assert evil not in made and "__import__" not in made and "d0 = a0.shape[0]" in made
 
 
 @needs_nvrtc
