@@ -19,9 +19,19 @@ so does a call the library refused.
 
 from __future__ import annotations
 
+import functools
 import math
 
 CHECKED = object()  # the fast call's answer when a call must take the checked path
+
+
+@functools.cache
+def plain_types() -> frozenset:
+    """The tensor types a call runs on directly; any other (fake, meta-dispatching subclasses)
+    goes through the torch op."""
+    import torch
+
+    return frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def make(kernel):
@@ -112,7 +122,7 @@ def _generate(kernel, places: dict, fixed: dict, allocs: list):
             if pos != wpos:
                 body += [f"x, xn = {names[pos]}.data_ptr(), {nbytes(pos)}", "if wn and xn and w < x + xn and x < w + wn:", "    return CHECKED"]
     args = {slot: names[pos] for pos, slot in enumerate(kernel._inputs)}
-    consts = {"CHECKED": CHECKED, "PLAIN": frozenset((torch.Tensor, torch.nn.Parameter))}
+    consts = {"CHECKED": CHECKED, "PLAIN": plain_types()}
     consts |= {"compiling": torch.compiler.is_compiling, "grad": torch.is_grad_enabled, "empty": torch.empty, "fn": kernel._fn}
     like = {}  # dtype -> an input of that dtype
     for pos, slot in enumerate(kernel._inputs):

@@ -72,13 +72,6 @@ def _torch_dtype(name: str):
     return getattr(torch, _DTYPES[name])
 
 
-@functools.cache
-def _plain_types() -> frozenset:
-    import torch
-
-    return frozenset((torch.Tensor, torch.nn.Parameter))
-
-
 @contextlib.contextmanager
 def _as_corrupt():
     """The contract's refusals (proto.entry, proto.trust), and a file gone meanwhile, raised as
@@ -450,7 +443,7 @@ class Kernel:
                 return result
         import torch
 
-        if torch.compiler.is_compiling() or not all(type(t) in _plain_types() for t in inputs):
+        if torch.compiler.is_compiling() or not all(type(t) in fastcall.plain_types() for t in inputs):
             return self._call_op(inputs, out)  # traced: the torch op, whose fake derives shapes from the ABI
         self.check_grad(inputs)
         return self.run(inputs, out)
