@@ -136,19 +136,30 @@ def test_llama_padded_batch(llamas, monkeypatch):
     torch.testing.assert_close(out[valid], want[valid], atol=2e-5, rtol=1e-4)
 
 
-def test_llama_generate(llamas):
+@pytest.mark.parametrize("padding, cache", [("left", "dynamic"), ("none", "dynamic"), ("left", "static"), ("none", "static")])
+def test_llama_generate(llamas, monkeypatch, padding, cache):
+    """generate() matches transformers' own, and each decode step is one kv_attention launch per
+    layer: with left padding each sequence's cache is rotated to start at its first key; a static
+    cache's mask hides the keys past the current one (a run from key 0: no rotation)."""
     ref, model = llamas
-    ids = torch.randint(3, VOCAB, (2, 6))
+    ids = torch.randint(3, VOCAB, (3, 6))
     mask = torch.ones_like(ids)
-    mask[0, :2] = 0  # generate pads on the left
+    if padding == "left":  # as generate pads
+        mask[0, :2] = 0
+        mask[2, :5] = 0
+    options = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        options["cache_implementation"] = "static"
     r = model.kernel_service
     kv = r.calls["kv_attention"]
     with torch.inference_mode():
-        got = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        with counted_kernels(model, monkeypatch) as launches:
+            got = model.generate(ids, **options)
         with own_rotary(modeling_llama):
-            want = ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+            want = ref.generate(ids, **options)
     assert torch.equal(got, want)
     assert r.calls["kv_attention"] - kv == 2 * 4  # every decode step after the prefill, in both layers
+    assert launches["kv"] == 2 * 4, launches
 
 
 def attention_entries(model):
@@ -157,7 +168,7 @@ def attention_entries(model):
 
 @contextlib.contextmanager
 def counted_kernels(model, monkeypatch):
-    """Counts each attention kernel's calls: the unmasked one ("plain") and the varlen one."""
+    """Counts each attention kernel's calls: the unmasked one ("plain"), the varlen one and kv_attention ("kv")."""
     counts = collections.Counter()
 
     def counting(name, kernel):
@@ -171,6 +182,8 @@ def counted_kernels(model, monkeypatch):
         for e in attention_entries(model):
             mp.setattr(e, "kernel", counting("plain", e.kernel))
             mp.setitem(e.more, "varlen", counting("varlen", e.more["varlen"]))
+            if "kv_attention" in e.more:
+                mp.setitem(e.more, "kv_attention", counting("kv", e.more["kv_attention"]))
         yield counts
 
 

@@ -17,8 +17,8 @@ here, and through transformers' attention interfaces, keeping the model's own we
   `attention` for prefill and encoders, `kv_attention` for decode steps against a KV cache. A
   padded batch (and ModernBERT's sliding-window layers, at any length) is one `attention` call
   with `varlen=True` (each sequence's key range, read off the mask) and the layer's `window`;
-  eager only: reading the mask is data-dependent. Padded decode steps go one sequence at a time
-  (`kv_attention` has no key start for left padding).
+  eager only: reading the mask is data-dependent. A padded decode step is one `kv_attention` call,
+  each sequence's cache rotated to start at its first key (`kv_attention` has no key start).
 
 A shape, dtype, mask or option a kind does not serve keeps the module's own forward (attention:
 transformers' `sdpa`), call by call; `strict=True` raises instead, naming the module and why.
@@ -276,7 +276,28 @@ def _serve_attention(entry, module, query, key, value, mask, sliding_window):
     return varlen(Q.contiguous(), K.contiguous(), V.contiguous(), ranges), "attention"
 
 
-_RANGES: dict = {}  # (id(mask), causal, window) -> (weakref to the mask, key ranges or None): one check per mask and forward
+_PER_MASK: dict = {}  # (id(mask), what) -> (weakref to the mask, result): one check per mask and forward, not per layer
+
+
+def _per_mask(mask, what, compute):
+    """compute() for this mask object, once: every layer of a forward gets the same mask."""
+    slot = (id(mask), what)
+    hit = _PER_MASK.get(slot)
+    if hit is not None and hit[0]() is mask:
+        return hit[1]
+    result = compute()
+    for k in [k for k, (ref, _) in _PER_MASK.items() if ref() is None]:
+        del _PER_MASK[k]
+    _PER_MASK[slot] = (weakref.ref(mask), result)
+    return result
+
+
+def _runs(seen, kv):
+    """Each row's first and one-past-last True column, [lo, hi) (an empty row: [0, 0))."""
+    j = torch.arange(kv, device=seen.device)
+    lo = torch.where(seen, j, kv).amin(1)
+    hi = torch.where(seen, j + 1, 0).amax(1)
+    return torch.minimum(lo, hi), hi
 
 
 def _key_ranges(mask, b, kv, causal, window):
@@ -284,50 +305,59 @@ def _key_ranges(mask, b, kv, causal, window):
     layer's pattern: query i sees key j iff lo <= j < hi (and j <= i when causal, |i - j| <= window
     when windowed). None for any other mask. Rows outside [lo, hi) are padding: the kernel gives
     them zeros (transformers' outputs there are meaningless)."""
-    slot = (id(mask), causal, window)
-    hit = _RANGES.get(slot)
-    if hit is not None and hit[0]() is mask:
-        return hit[1]
-    m = mask[:, 0].expand(b, kv, kv)
-    seen = m.any(1)  # [batch, keys]: keys some query sees
-    j = torch.arange(kv, device=mask.device)
-    lo = torch.where(seen, j, kv).amin(1)
-    hi = torch.where(seen, j + 1, 0).amax(1)
-    lo = torch.minimum(lo, hi)  # a sequence that sees nothing: an empty range
-    want = (j >= lo[:, None, None]) & (j < hi[:, None, None])
-    i = j[:, None]
-    if causal:
-        want = want & (j <= i)
-    if window:
-        want = want & ((i - j).abs() <= window)
-    ranges = torch.stack((lo, hi), 1).to(torch.int32) if torch.equal(want.expand_as(m), m) else None
-    for k in [k for k, (ref, _) in _RANGES.items() if ref() is None]:
-        del _RANGES[k]
-    _RANGES[slot] = (weakref.ref(mask), ranges)
-    return ranges
+
+    def compute():
+        m = mask[:, 0].expand(b, kv, kv)
+        lo, hi = _runs(m.any(1), kv)  # the keys some query sees
+        j = torch.arange(kv, device=mask.device)
+        want = (j >= lo[:, None, None]) & (j < hi[:, None, None])
+        i = j[:, None]
+        if causal:
+            want = want & (j <= i)
+        if window:
+            want = want & ((i - j).abs() <= window)
+        return torch.stack((lo, hi), 1).to(torch.int32) if torch.equal(want.expand_as(m), m) else None
+
+    return _per_mask(mask, ("prefill", causal, window), compute)
 
 
 def _full_ranges(b, kv, device):
     return torch.tensor([[0, kv]], dtype=torch.int32, device=device).expand(b, 2).contiguous()
 
 
+def _decode_runs(mask, b, kv):
+    """A decode mask [batch, 1, 1, keys] as each sequence's one run of keys: (lo int64 [batch],
+    seq_lens int32 [batch], whether every lo is 0), or None when a sequence's keys have a gap."""
+
+    def compute():
+        seen = mask[:, 0, 0].expand(b, kv)
+        lo, hi = _runs(seen, kv)
+        one_run, at_zero = torch.stack(((seen.sum(1) == hi - lo).all(), (lo == 0).all())).tolist()  # one sync
+        return (lo, (hi - lo).to(torch.int32), at_zero) if one_run else None
+
+    return _per_mask(mask, "decode", compute)
+
+
 def _padded_decode(kv_attn, causal, Q, K, V, mask):
-    """One decode query per sequence against a padded cache, one sequence at a time: kv_attention
-    sees keys 0..seq_lens-1 and has no start for left padding. Each row's keys must be one run."""
+    """One decode query per sequence against a padded cache, in one kv_attention call. The kernel
+    sees keys 0..seq_lens-1; a decode query sees every key of its run, so their order does not
+    matter: each sequence's cache is rotated to start at its first key (a gather, as costly as the
+    copy that makes the cache contiguous anyway; none when every run starts at 0, as with right
+    padding). Each sequence's keys must be one run."""
     if not causal or kv_attn is None:
         return None, "one query against a padded cache needs kv_attention (causal models)"
-    b, _, h, d = Q.shape
-    out = Q.new_zeros(b, 1, h, d)
-    for row in range(b):
-        keys = mask[row, 0, 0].nonzero()
-        if keys.numel() == 0:
-            continue
-        lo, hi = int(keys[0]), int(keys[-1]) + 1
-        if keys.numel() != hi - lo:
-            return None, "a decode mask with a gap in a sequence's keys"
-        ks, vs = (t[row : row + 1, lo:hi].contiguous() for t in (K, V))
-        out[row] = kv_attn(Q[row : row + 1].contiguous(), ks, vs, torch.full((1,), hi - lo, dtype=torch.int32, device=Q.device))[0]
-    return out, "kv_attention"
+    b, kv = K.shape[0], K.shape[1]
+    runs = _decode_runs(mask, b, kv)
+    if runs is None:
+        return None, "a decode mask with a gap in a sequence's keys"
+    lo, seq_lens, at_zero = runs
+    if at_zero:
+        K, V = K.contiguous(), V.contiguous()
+    else:
+        keys = (lo[:, None] + torch.arange(kv, device=K.device)) % kv  # [batch, keys]: the run first
+        rows = torch.arange(b, device=K.device)[:, None]
+        K, V = K[rows, keys], V[rows, keys]
+    return kv_attn(Q.contiguous(), K, V, seq_lens), "kv_attention"
 
 
 # ----- planning: which module gets which kernel
