@@ -1,7 +1,7 @@
-"""out = silu(gate) * up, elementwise, computed in fp32.
+"""out = silu(gate) * up (`swiglu`) or gelu(gate) * up (`geglu`), elementwise, computed in fp32.
 
 Gate and up come as two tensors, or with `packed` as one X[M, 2N] = [gate | up] along
-the last dim: a fused gate/up GEMM's output (vLLM's silu_and_mul layout).
+the last dim: a fused gate/up GEMM's output (vLLM's silu_and_mul / gelu_and_mul layout).
 """
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
@@ -15,6 +15,16 @@ from .tiling import check_row_alignment, pow2
 def _silu_mul(T, g, u):
     g = T.cast(g, "float32")
     return g / (1.0 + T.exp(-g)) * T.cast(u, "float32")
+
+
+def _gelu_mul(T, g, u, approximate):
+    """torch's F.gelu(g, approximate=...) * u."""
+    g = T.cast(g, "float32")
+    if approximate == "tanh":
+        act = 0.5 * g * (1.0 + T.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))  # sqrt(2/pi)
+    else:
+        act = 0.5 * g * (1.0 + T.erf(g * 0.7071067811865476))  # 1/sqrt(2)
+    return act * T.cast(u, "float32")
 
 
 def prim_func(T, body, M, N, dtype, packed):
@@ -49,6 +59,11 @@ class SwiGLU(KernelKind):
         tile("block_N", "columns per block"),
     )
 
+    @staticmethod
+    def act_mul(T, p, g, u):
+        """The gated product of one element, in fp32."""
+        return _silu_mul(T, g, u)
+
     def inplace(self, p):
         # Elementwise: each element read, then written, by one thread. Packed, Y is half X's size.
         return {} if p["packed"] else {"Y": "G"}
@@ -78,7 +93,7 @@ class SwiGLU(KernelKind):
             with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm)) as (bx, by):
                 for i, j in T.grid(bm, bn):
                     if by * bm + i < M and bx * bn + j < N:
-                        Y[by * bm + i, bx * bn + j] = _silu_mul(T, G[by * bm + i, bx * bn + j], U[by * bm + i, up + bx * bn + j])
+                        Y[by * bm + i, bx * bn + j] = self.act_mul(T, p, G[by * bm + i, bx * bn + j], U[by * bm + i, up + bx * bn + j])
 
         return prim_func(T, body, M, N, dtype, p["packed"])
 
@@ -99,7 +114,7 @@ class SwiGLU(KernelKind):
                 T.copy(G[by * bm, bx * bn], g)
                 T.copy(U[by * bm, up + bx * bn], u)
                 for i, j in T.Parallel(bm, bn):
-                    g[i, j] = _silu_mul(T, g[i, j], u[i, j])
+                    g[i, j] = self.act_mul(T, p, g[i, j], u[i, j])
                 T.copy(g, Y[by * bm, bx * bn])
 
         return prim_func(T, body, M, N, dtype, p["packed"])
@@ -114,3 +129,24 @@ class SwiGLU(KernelKind):
 
         gate, up = x[0].chunk(2, dim=-1) if p["packed"] else x
         return F.silu(gate) * up
+
+
+@register
+class GeGLU(SwiGLU):
+    name = "geglu"
+    warm_up = ()  # swiglu's warm-up parses the same headers
+    doc = "out[M,N] = gelu(gate[M,N]) * up[M,N] (torch's F.gelu, exact or tanh); packed: one X[M,2N] = [gate | up] (vLLM's gelu_and_mul)."
+    params = (
+        *SwiGLU.params,
+        Param("approximate", str, default="none", choices=("none", "tanh"), doc="as torch's F.gelu: 'none' (erf) or 'tanh'"),
+    )
+
+    @staticmethod
+    def act_mul(T, p, g, u):
+        return _gelu_mul(T, g, u, p["approximate"])
+
+    def reference(self, p, x):
+        import torch.nn.functional as F
+
+        gate, up = x[0].chunk(2, dim=-1) if p["packed"] else x
+        return F.gelu(gate, approximate=p["approximate"]) * up

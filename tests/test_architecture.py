@@ -155,6 +155,7 @@ def test_editing_one_kind_changes_that_kinds_keys_and_no_others(tmp_path):
         "rmsnorm",
         "softmax",
         "swiglu",
+        "geglu",
         "add_rmsnorm",
         "layernorm",
         "rope",

@@ -1,5 +1,5 @@
-"""The fused kinds agents used to write by hand: add_rmsnorm, layernorm, rope (issue #18), and the
-packed forms of rope and swiglu that take a fused QKV or gate/up GEMM's output.
+"""The fused kinds agents used to write by hand: add_rmsnorm, layernorm, rope (issue #18), geglu, and
+the packed forms of rope, swiglu and geglu that take a fused QKV or gate/up GEMM's output.
 
 CPU numerics through the session daemon (float32, ragged sizes, in-place use through
 `out=`); validation; CUDA lowering for sm_90a on this machine (and a full nvcc build
@@ -264,6 +264,23 @@ def test_swiglu_packed(cpu_kernel, M, N):
         close(k(x), F.silu(gate) * up)
 
 
+# ----- geglu: gelu(gate) * up, torch's exact (erf) or tanh form (ModernBERT's MLP, issue 29)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("M,N,packed", [(None, 100, True), (7, 64, False), (None, 33, False)])
+def test_geglu(cpu_kernel, M, N, packed, approximate):
+    k = cpu_kernel("geglu", M=M, N=N, dtype="float32", packed=packed, approximate=approximate)
+    for rows in (1, 3, 37) if M is None else (M,):
+        x = torch.randn(rows, 2 * N) * 3
+        gate, up = x[:, :N], x[:, N:]
+        want = F.gelu(gate, approximate=approximate) * up
+        close(k(x) if packed else k(gate.contiguous(), up.contiguous()), want)
+        # the two forms differ by more than the tolerance: each kernel computes the one it names
+        other = F.gelu(gate, approximate="tanh" if approximate == "none" else "none") * up
+        assert (other - want).abs().max() > 1e-4
+
+
 # ----- validation
 
 
@@ -289,6 +306,8 @@ def test_swiglu_packed(cpu_kernel, M, N):
         ("rope", {**ROPE, "tokens": None, "packed": True, "dtype": "float16"}, "sm_90a", "head_dim", "multiple of 8"),
         ("swiglu", {"M": None, "N": 64, "dtype": "float32", "packed": 1}, "c", "packed", "true or false"),
         ("swiglu", {"M": None, "N": 60, "dtype": "float16", "packed": True}, "sm_90a", "N", "multiple of 8"),
+        ("geglu", {"M": None, "N": 64, "dtype": "float32", "approximate": "erf"}, "c", "approximate", "not one of"),
+        ("geglu", {"M": None, "N": 60, "dtype": "float16", "packed": True}, "sm_90a", "N", "multiple of 8"),
         ("rope", {**ROPE, "tokens": None, "write_cache": True}, "c", "write_cache", "packed=True"),
     ],
 )
@@ -330,6 +349,8 @@ CUDA_SPECS = [
     ("rope", {"tokens": None, **LLAMA, "dtype": "bfloat16", "packed": True, "write_cache": True}),
     ("swiglu", {"M": None, "N": 14336, "dtype": "bfloat16", "packed": True}),
     ("swiglu", {"M": None, "N": 1000, "dtype": "float16", "packed": True}),
+    ("geglu", {"M": None, "N": 1152, "dtype": "bfloat16", "packed": True}),
+    ("geglu", {"M": None, "N": 1000, "dtype": "float16", "approximate": "tanh"}),
 ]
 
 
@@ -512,6 +533,19 @@ def test_gpu_swiglu_packed(gpu_client, dtype, N):
         x = torch.randn(rows, 2 * N, device="cuda", dtype=t)
         gate, up = x[:, :N].float(), x[:, N:].float()
         _assert_close(k(x), F.silu(gate) * up, dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_geglu_packed(gpu_client, dtype, approximate):
+    N = 1152  # ModernBERT-base's intermediate size
+    k = gpu_client.get_kernel("geglu", M=None, N=N, dtype=dtype, packed=True, approximate=approximate, target="sm_90a")
+    t = getattr(torch, dtype)
+    for rows in (1, 7, 333, 2048):
+        x = torch.randn(rows, 2 * N, device="cuda", dtype=t)
+        gate, up = x[:, :N].float(), x[:, N:].float()
+        _assert_close(k(x), F.gelu(gate, approximate=approximate) * up, dtype)
 
 
 def test_rope_position_outside_the_cache_reads_zeros_not_memory(cpu_kernel):

@@ -60,24 +60,26 @@ def llama(**extra):
     return LlamaForCausalLM(cfg).eval()
 
 
+# Layers 0 and 2 full, layer 1 sliding with a window of +-4 tokens (local_attention 8).
+BERT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    global_attn_every_n_layers=2,
+    local_attention=8,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    cls_token_id=1,
+    sep_token_id=2,
+)
+
+
 def modernbert():
     torch.manual_seed(0)
-    # Layers 0 and 2 full, layer 1 sliding with a window of +-4 tokens (local_attention 8).
-    cfg = ModernBertConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        global_attn_every_n_layers=2,
-        local_attention=8,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        cls_token_id=1,
-        sep_token_id=2,
-    )
-    return ModernBertModel(cfg).eval()
+    return ModernBertModel(ModernBertConfig(**BERT)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +195,10 @@ def test_modernbert_swapped_and_matches_padded(berts, monkeypatch):
     ref, model = berts
     r = model.kernel_service
     assert r.backend == "kernel-service"
-    assert set(r.swapped.values()) == {"layernorm", "rope", "attention"}, r
+    assert set(r.swapped.values()) == {"layernorm", "rope", "attention", "geglu"} and not r.kept, r
     assert all(v == "layernorm" for k, v in r.swapped.items() if "norm" in k)
+    assert [k for k, v in r.swapped.items() if v == "geglu"] == [f"layers.{i}.mlp" for i in range(3)]
+    assert model.layers[0].mlp.forward.__func__ is hf.GeGLUMLPLayer.forward
     windows = [e.more["window"] for e in attention_entries(model)]
     assert windows == [0, 4, 0]  # layer 1 slides: local_attention 8 -> keys within 4 on each side
     assert all(e.more["varlen"].spec["params"]["varlen"] for e in attention_entries(model))
@@ -210,7 +214,7 @@ def test_modernbert_swapped_and_matches_padded(berts, monkeypatch):
         want = ref(ids, attention_mask=mask).last_hidden_state
     assert launches == {"varlen": 3}  # one call per layer for the whole batch
     assert r.calls["attention"] - before["attention"] == 3 and r.fallbacks["attention"] == fb
-    assert r.calls["layernorm"] - before["layernorm"] > 0 and r.calls["rope"] - before["rope"] == 3
+    assert r.calls["layernorm"] - before["layernorm"] > 0 and r.calls["rope"] - before["rope"] == 3 and r.calls["geglu"] - before["geglu"] == 3
     valid = mask.bool()
     torch.testing.assert_close(out[valid], want[valid], atol=2e-5, rtol=1e-4)
     with torch.inference_mode(), counted_kernels(model, monkeypatch) as launches:
@@ -225,6 +229,25 @@ def test_modernbert_swapped_and_matches_padded(berts, monkeypatch):
     with torch.inference_mode(), own_rotary(modeling_modernbert):
         want = ref(short).last_hidden_state
     assert launches == {"plain": 3}
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("act, served", [("gelu_pytorch_tanh", True), ("gelu_new", False), ("silu", False)])
+def test_modernbert_mlp_is_served_for_torchs_gelu_only(daemon, act, served):
+    """geglu serves F.gelu (exact, and tanh: gelu_pytorch_tanh); another activation keeps the
+    MLP's own forward, saying why; outputs match transformers' either way."""
+    torch.manual_seed(0)
+    ref = ModernBertModel(ModernBertConfig(**{**BERT, "num_hidden_layers": 1, "hidden_activation": act})).eval()
+    model = hf.kernelize(copy.deepcopy(ref), client=daemon[1], backend="kernel-service")
+    r = model.kernel_service
+    assert (r.swapped.get("layers.0.mlp") == "geglu") is served, r
+    if not served:
+        assert "not torch's GELU" in r.kept["layers.0.mlp"]
+    ids = torch.randint(3, VOCAB, (2, 7))
+    with torch.inference_mode():
+        out = model(ids).last_hidden_state
+        with own_rotary(modeling_modernbert):
+            want = ref(ids).last_hidden_state
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 

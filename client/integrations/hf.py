@@ -10,6 +10,8 @@ here, and through transformers' attention interfaces, keeping the model's own we
 
 - RMSNorm (`LlamaRMSNorm` and its modular copies) -> `rmsnorm`;
 - the Llama MLP (`act(gate(x)) * up(x)` with SiLU) -> `swiglu` between the model's own projections;
+- ModernBERT's GLU MLP (`Wo(act(input) * gate)`, `input | gate` one `Wi` output, GELU) -> `geglu`
+  (packed) between its own `Wi` and `Wo`;
 - `nn.LayerNorm` with weights (ModernBERT; this model's instances only) -> `layernorm`;
 - rotary (the modeling module's `apply_rotary_pos_emb`, replaced by a wrapper) -> `rope` with the
   model's own cos/sin as the cache;
@@ -153,6 +155,21 @@ class SwiGLUMLPLayer(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         n = gate.shape[-1]
         return self.down_proj(entry.kernel(gate.reshape(-1, n), up.reshape(-1, n)).view(gate.shape))
+
+
+class GeGLUMLPLayer(nn.Module):
+    """ModernBERT's MLP: Wi's output is [input | gate] along the last dim, the packed layout."""
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, hidden_states):
+        entry = _served(self.__dict__.get(_ATTR), self, hidden_states, self.Wi.weight)
+        if entry is None:
+            return type(self).forward(self, hidden_states)
+        x = self.Wi(hidden_states)
+        n = x.shape[-1]
+        return self.Wo(entry.kernel(x.reshape(-1, n)).view(*x.shape[:-1], n // 2))  # dropout: identity in eval
 
 
 class RotaryLayer(nn.Module):
@@ -376,6 +393,7 @@ def _known():
     return {
         "rmsnorm": {_code(llama.LlamaRMSNorm.forward)},
         "swiglu": {_code(llama.LlamaMLP.forward)},
+        "geglu": {_code(modernbert.ModernBertMLP.forward)},
         "rope": {_code(_unwrapped(llama.apply_rotary_pos_emb)), _code(_unwrapped(modernbert.apply_rotary_pos_emb))},
     }
 
@@ -396,6 +414,16 @@ def _rotary(original):
     return apply_rotary_pos_emb
 
 
+def _gelu_form(act):
+    """F.gelu's `approximate` when `act` (a transformers activation module) is exactly torch's GELU, else None."""
+    fn = getattr(act, "act", None)
+    if fn is torch.nn.functional.gelu:
+        return "none"
+    if isinstance(fn, functools.partial) and fn.func is torch.nn.functional.gelu and not fn.args and fn.keywords == {"approximate": "tanh"}:
+        return "tanh"
+    return None
+
+
 def _plan(model, device, dtype, target):
     """(module name, module, kind, params) for every module kernelize could swap, plus why others are kept."""
     known = _known()
@@ -412,6 +440,12 @@ def _plan(model, device, dtype, target):
                 plans.append((name, m, "swiglu", {"M": None, "N": m.gate_proj.out_features}))
             else:
                 kept[name] = f"activation {act!r} is not SiLU (swiglu serves silu(gate) * up)"
+        elif code in known["geglu"]:
+            approximate = _gelu_form(m.act)
+            if approximate is None:
+                kept[name] = f"activation {type(m.act).__name__} is not torch's GELU (geglu serves F.gelu, exact or tanh)"
+            else:
+                plans.append((name, m, "geglu", {"M": None, "N": m.Wo.in_features, "packed": True, "approximate": approximate}))
         elif cls is nn.LayerNorm:
             if m.weight is None or len(m.normalized_shape) != 1:
                 kept[name] = "layernorm serves one normalized dim with weights"
@@ -455,7 +489,7 @@ def _key(kind, params):
     return kind, tuple(sorted((k, str(v)) for k, v in params.items()))
 
 
-_LAYERS = {"rmsnorm": RMSNormLayer, "swiglu": SwiGLUMLPLayer, "layernorm": LayerNormLayer, "rope": RotaryLayer}
+_LAYERS = {"rmsnorm": RMSNormLayer, "swiglu": SwiGLUMLPLayer, "geglu": GeGLUMLPLayer, "layernorm": LayerNormLayer, "rope": RotaryLayer}
 
 
 def _serve(model, report: Report, client, strict: bool, device: torch.device, dtype: torch.dtype) -> str:
