@@ -8,7 +8,8 @@ Workloads (random weights, no download):
 - `llama prefill`: a 2-layer Llama-3-8B-shaped LlamaForCausalLM (hidden 4096, 32/8 heads of 128,
   FFN 14336, vocab 128256), one forward of 2048 tokens at batch 1 (no cache);
 - `llama generate`: the same model, `generate` of 128 new tokens (greedy, exactly 128) after a
-  128-token prompt, at batch 1 and 8;
+  128-token prompt, at batch 1 and 8, and at batch 8 left-padded (`b8 padded`: prompts of 64 to
+  128 tokens, as a tokenizer pads a batch for generate);
 - `modernbert`: a ModernBERT-base-shaped encoder (22 layers, hidden 768, 12 heads, local
   attention 128 every third layer global), batch 32 x 512 tokens, right-padded to random lengths
   in [256, 512] (an attention_mask).
@@ -148,7 +149,7 @@ def run_workload(name, base, inputs, call, compare, device, reps, c, rows, extra
             row["kept"] = dict(r.kept)
             row["fallbacks"] = dict(r.fallbacks)
         rows.append(row)
-        print(f"  {name:<22} {variant:<15} ready {ready:8.2f} s  {sec * 1e3:10.3f} ms", flush=True)
+        print(f"  {name:<26} {variant:<15} ready {ready:8.2f} s  {sec * 1e3:10.3f} ms", flush=True)
         del model, first
 
 
@@ -195,16 +196,21 @@ def main() -> None:
                 )
             if "generate" in only:
                 prompt, new = (8, 8) if small else (128, 128)
-                for batch in (1, 8):
+                for batch, padded in ((1, False), (8, False), (8, True)):
                     ids = torch.randint(3, cfg.vocab_size, (batch, prompt), generator=g).to(device)
+                    mask = torch.ones_like(ids)
+                    if padded:  # left padding: each prompt's own length, from half the prompt to all of it
+                        pads = torch.randint(0, prompt // 2 + 1, (batch,), generator=g)
+                        mask = (torch.arange(prompt)[None, :] >= pads[:, None]).to(device=device, dtype=torch.long)
 
-                    def gen(m, x, new=new):
-                        return m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+                    def gen(m, x, new=new, mask=mask):
+                        return m.generate(x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
 
                     def same(out, ref, prompt=prompt):
                         return {"same_tokens": float((out[:, prompt:] == ref[:, prompt:]).float().mean())}
 
-                    run_workload(f"llama generate b{batch}", base, ids, gen, same, device, reps, c, rows, {"batch": batch, "new_tokens": new})
+                    name = f"llama generate b{batch}" + (" padded" if padded else "")
+                    run_workload(name, base, ids, gen, same, device, reps, c, rows, {"batch": batch, "new_tokens": new, "padded": padded})
             del base
         if "modernbert" in only:
             cfg = bert_config(small)
@@ -236,12 +242,12 @@ def main() -> None:
             daemon.stop()
     eager = {r["workload"]: r["ms"] for r in rows if r["variant"] == "eager"}
     compiled = {r["workload"]: r["ms"] for r in rows if r["variant"] == "compile"}
-    print(f"\n{'workload':<22} {'variant':<15} {'ready s':>9} {'ms':>10} {'x eager':>8} {'x compile':>10}  check")
+    print(f"\n{'workload':<26} {'variant':<15} {'ready s':>9} {'ms':>10} {'x eager':>8} {'x compile':>10}  check")
     for r in rows:
         r["x_eager"] = round(eager[r["workload"]] / r["ms"], 3)
         r["x_compile"] = round(compiled[r["workload"]] / r["ms"], 3) if r["workload"] in compiled else None
         check = f"max_diff {r['max_diff']:.3g}" if "max_diff" in r else f"same tokens {r['same_tokens']:.0%}"
-        print(f"{r['workload']:<22} {r['variant']:<15} {r['ready_s']:>9.2f} {r['ms']:>10.3f} {r['x_eager']:>8.2f} {r['x_compile'] or 0:>10.2f}  {check}")
+        print(f"{r['workload']:<26} {r['variant']:<15} {r['ready_s']:>9.2f} {r['ms']:>10.3f} {r['x_eager']:>8.2f} {r['x_compile'] or 0:>10.2f}  {check}")
     if args.json:
         Path(args.json).write_text(
             json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype), "rows": rows}, indent=1)
