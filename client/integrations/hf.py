@@ -359,8 +359,8 @@ def _padded_decode(kv_attn, causal, Q, K, V, mask):
     """One decode query per sequence against a padded cache, in one kv_attention call. The kernel
     sees keys 0..seq_lens-1; a decode query sees every key of its run, so their order does not
     matter: each sequence's cache is rotated to start at its first key (a gather, as costly as the
-    copy that makes the cache contiguous anyway; none when every run starts at 0, as with right
-    padding). Each sequence's keys must be one run."""
+    copy that makes the cache contiguous anyway; none when every run starts at 0, as in a static
+    cache without padding). Each sequence's keys must be one run."""
     if not causal or kv_attn is None:
         return None, "one query against a padded cache needs kv_attention (causal models)"
     b, kv = K.shape[0], K.shape[1]
