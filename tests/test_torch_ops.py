@@ -30,6 +30,7 @@ from llama_block import BlockConfig, ServedBlock, reference, rel_error  # noqa: 
 ZOO = (
     "add_rmsnorm",
     "attention",
+    "geglu",
     "gemm",
     "kv_attention",
     "layernorm",
