@@ -128,7 +128,12 @@ class SwiGLU(KernelKind):
         import torch.nn.functional as F
 
         gate, up = x[0].chunk(2, dim=-1) if p["packed"] else x
-        return F.silu(gate) * up
+        return self.torch_act(F, p, gate) * up
+
+    @staticmethod
+    def torch_act(F, p, gate):
+        """The activation in torch, for reference()."""
+        return F.silu(gate)
 
 
 @register
@@ -145,8 +150,6 @@ class GeGLU(SwiGLU):
     def act_mul(T, p, g, u):
         return _gelu_mul(T, g, u, p["approximate"])
 
-    def reference(self, p, x):
-        import torch.nn.functional as F
-
-        gate, up = x[0].chunk(2, dim=-1) if p["packed"] else x
-        return F.gelu(gate, approximate=p["approximate"]) * up
+    @staticmethod
+    def torch_act(F, p, gate):
+        return F.gelu(gate, approximate=p["approximate"])
