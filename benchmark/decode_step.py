@@ -286,19 +286,23 @@ def torch_layer(x, r, positions, batch_of, k_cache, v_cache, w: dict, cfg: Layer
 def make_weights(cfg: LayerConfig, device, seed: int = 0) -> dict:
     """The layer's weights: HF's separate projections (the torch layer's) and, built once from the
     same tensors, their concatenations "qkv" [(heads + 2*kv_heads)*d, hidden] and "gate_up"
-    [2*ffn, hidden] (the served layer's fused GEMMs, and the fused torch layer's). Random, from `seed`."""
+    [2*ffn, hidden] (the served layer's fused GEMMs, and the fused torch layer's). Random, from `seed`,
+    drawn on `device` (a CPU generator spends seconds on a Llama-3-8B layer)."""
     c, d = cfg, cfg.head_dim
     dtype = getattr(torch, c.dtype)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device)
 
     def weight(*shape):
-        return (torch.randn(*shape, generator=g) / math.sqrt(shape[-1])).to(device=device, dtype=dtype)
+        return (randn(*shape) / math.sqrt(shape[-1])).to(dtype)
 
     inv_freq = 1.0 / c.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     angles = torch.arange(c.max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
     w = {
-        "norm1": (1 + 0.1 * torch.randn(c.hidden, generator=g)).to(device=device, dtype=dtype),
-        "norm2": (1 + 0.1 * torch.randn(c.hidden, generator=g)).to(device=device, dtype=dtype),
+        "norm1": (1 + 0.1 * randn(c.hidden)).to(dtype),
+        "norm2": (1 + 0.1 * randn(c.hidden)).to(dtype),
         "q": weight(c.heads * d, c.hidden),
         "k": weight(c.kv_heads * d, c.hidden),
         "v": weight(c.kv_heads * d, c.hidden),

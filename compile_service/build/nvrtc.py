@@ -15,9 +15,20 @@ result; every later compile with the same prelude reuses it. TileLang emits a
 handful of distinct preludes (one per family of kernels), so a process pays the
 header parse once per family: an sm_90a GEMM's device code takes 1.4 s the
 first time and 0.25 s after. A PCH is tied to the address of NVRTC's heap in
-the process that made it, so workers cannot share one: each builds those an
-earlier warm-up found while its TileLang import runs (compiler.worker_init),
-and `warm()` builds the rest.
+the process that made it, so workers cannot share one.
+
+A compile uses, the first that fits:
+- its family's own prelude's PCH, built by the worker's warm-up (compiler.warm_step
+  and worker_init) once an earlier lowering of the kinds' warm-up examples has
+  named the preludes;
+- the shared prelude's (SHARED_PRELUDE: every header TileLang includes for the
+  zoo's kinds), which the worker's first such compile makes, whatever its family,
+  so that no later family's first compile in that worker parses the headers. A
+  compile through it reads headers it does not need, so it costs a little more
+  than through its family's own, far less than a header parse (docs/measured.md).
+  It serves only a source whose prelude holds nothing it lacks: a header or a
+  macro of the source's own would change how the headers read.
+Otherwise the compile parses the headers and leaves its own prelude's PCH behind.
 """
 
 from __future__ import annotations
@@ -35,6 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kernels.launch import GRID_X
+
 from ..fsutil import pid_alive
 
 log = logging.getLogger(__name__)
@@ -44,6 +57,37 @@ log = logging.getLogger(__name__)
 # (cudaGridDependencySynchronize), which nvcc includes implicitly. The same for every source, so
 # the include block a PCH covers is the same for warm-up and real compiles.
 _PREFIX = '#include <tl_templates/cuda/nvrtc_std.h>\n#include "cuda_device_runtime_api.h"\n'
+
+# The headers TileLang 0.1.15 includes in the zoo's kernels (the union of the preludes of the
+# kinds' warm-up examples), sm_90-only ones behind the arch; the zoo's one directive of its own
+# (kernels.launch.GRID_X); the bf16 fallbacks as TileLang guards them. Every line of a source's
+# prelude must be one of these lines for the shared PCH to serve it (shares_prelude).
+SHARED_PRELUDE = (
+    GRID_X
+    + "".join(
+        f"#include <{h}>\n"
+        for h in (
+            "tl_templates/cuda/instruction/mma.h",
+            "tl_templates/cuda/intrin.h",
+            "tl_templates/cuda/barrier.h",
+            "tl_templates/cuda/copy.h",
+            "math_constants.h",
+            "tl_templates/cuda/reduce.h",
+            "tl_templates/cuda/scan.h",
+            "tl_templates/cuda/ldsm.h",
+            "tl_templates/cuda/threadblock_swizzle.h",
+            "tl_templates/cuda/debug.h",
+        )
+    )
+    + "#if __CUDA_ARCH__ >= 900\n#include <tl_templates/cuda/instruction/wgmma.h>\n#include <tl_templates/cuda/copy_sm90.h>\n#endif\n"
+    + "#ifdef ENABLE_BF16\n#include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>\n#endif\n"
+)
+# Ends the shared prelude (a PCH covers the leading directives only), then numbers the source's
+# lines as they are numbered without it, for -lineinfo.
+_SHARED_END = f"namespace kernel_service_shared_prelude {{}}\n#line {_PREFIX.count(chr(10)) + 1}\n"
+
+# NVRTC's PCH heap: the shared prelude's headers need more than the 256 MB default.
+_PCH_HEAP_BYTES = 1 << 30
 
 # Diagnostics TileLang's headers trigger under NVRTC that say nothing about the kernel:
 # 1444 deprecated longlong4, 20012 host/device annotations ignored on defaulted members.
@@ -126,6 +170,33 @@ def prelude(code: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def shares_prelude(code: str) -> bool:
+    """Whether the shared prelude's PCH may serve `code`: every line of its prelude is one of the
+    shared prelude's, once blank lines, comments and MSVC-only blocks are dropped."""
+    lines = _active_lines(prelude(code))
+    return lines is not None and lines <= _SHARED_LINES
+
+
+def _active_lines(head: str) -> set[str] | None:
+    """The prelude's lines without blanks, comments and `#if defined(_MSC_VER) ...` blocks
+    (TileLang's, false under NVRTC); None when such a block has an #else or #elif branch."""
+    lines, depth = set(), 0
+    for line in head.splitlines():
+        s = line.strip()
+        if depth:
+            if s.startswith(("#else", "#elif")) and depth == 1:
+                return None
+            depth += s.startswith("#if") - s.startswith("#endif")
+        elif re.fullmatch(r"#\s*if\s+defined\s*\(\s*_MSC_VER\s*\)(\s*&&.*)?|#\s*ifdef\s+_MSC_VER", s):
+            depth = 1
+        elif s and not s.startswith("//"):
+            lines.add(s)
+    return lines
+
+
+_SHARED_LINES = _active_lines(SHARED_PRELUDE)
+
+
 def tilelang_include_dirs() -> tuple[str, str]:
     """TileLang's template and CUTLASS include directories, found as tilelang.env finds them
     ($TL_TEMPLATE_PATH, $TL_CUTLASS_PATH, else beside the package) but without importing
@@ -152,6 +223,10 @@ class Compiler:
         reason = unavailable_reason()
         if reason:
             raise NvrtcError(reason)
+        from cuda.bindings import nvrtc
+
+        if nvrtc.nvrtcGetPCHHeapSize()[1] < _PCH_HEAP_BYTES:  # process-wide, set before any PCH is made
+            nvrtc.nvrtcSetPCHHeapSize(_PCH_HEAP_BYTES)
         templates, cutlass = tilelang_include_dirs()
         self.options = [
             "-std=c++20",
@@ -165,8 +240,10 @@ class Compiler:
         ]
         self.pch_dir = pch_dir  # where this process writes the PCHs it makes; None: it makes none
         self._pch: dict[str, str] = {}  # prelude and options digest -> a PCH file made for them
+        self._no_pch: set[str] = set()  # digests whose PCH NVRTC could not make
         self.compiles = 0  # programs compiled (the device-binary cache answers the rest)
         self.header_parses = 0  # of those, the ones no PCH served (each parses every header)
+        self.shared_uses = 0  # of those, the ones the shared prelude's PCH served
 
     def has_pch(self, code: str, arch: str, extra: list[str] = ()) -> bool:
         return self._pch_key(_PREFIX + code, self._options(arch, extra)) in self._pch
@@ -178,13 +255,30 @@ class Compiler:
     def _pch_key(source: str, options: list[str]) -> str:
         return hashlib.sha256("\0".join([prelude(source), *options]).encode()).hexdigest()[:32]
 
-    def compile(self, code: str, arch: str, extra: list[str] = ()) -> bytes:
-        """A cubin for `arch` ("sm_90a") from TileLang's CUDA source."""
+    def compile(self, code: str, arch: str, extra: list[str] = (), own_pch: bool = False) -> bytes:
+        """A cubin for `arch` ("sm_90a") from TileLang's CUDA source. `own_pch`: never through
+        the shared prelude (a warm-up making the source's own PCH)."""
+        options = self._options(arch, extra)
+        own = _PREFIX + code
+        shared_key = self._pch_key(_PREFIX + SHARED_PRELUDE, options)
+        if own_pch or self._pch_key(own, options) in self._pch or shared_key in self._no_pch or not shares_prelude(code):
+            return self._compile(own, options, arch)
+        try:
+            cubin = self._compile(_PREFIX + SHARED_PRELUDE + _SHARED_END + code, options, arch)
+        except NvrtcError as exc:
+            cubin = self._compile(own, options, arch)  # raises when the kernel itself is at fault
+            self._no_pch.add(shared_key)  # the shared headers do not all compile here
+            log.warning("the shared prelude does not compile for %s; each family parses its own headers: %s", arch, exc)
+            return cubin
+        self.shared_uses += 1
+        return cubin
+
+    def _compile(self, source: str, options: list[str], arch: str) -> bytes:
+        """One NVRTC program: through its prelude's PCH, or making that PCH."""
         from cuda.bindings import nvrtc
 
-        source = _PREFIX + code
-        options = self._options(arch, extra)
         key = self._pch_key(source, options)
+        options = list(options)
         pch = self._pch.get(key)
         made = None
         if pch:
@@ -209,6 +303,7 @@ class Compiler:
                 if created == nvrtc.nvrtcResult.NVRTC_SUCCESS:
                     self._pch[key] = made
                 else:  # e.g. the PCH heap is full: this prelude is parsed each time
+                    self._no_pch.add(key)  # for the shared prelude: no longer tried
                     log.warning("NVRTC made no PCH for a prelude (%s); its kernels parse every header", created.name)
             _, size = nvrtc.nvrtcGetCUBINSize(program)
             cubin = b" " * size
@@ -235,7 +330,7 @@ class Compiler:
                 continue
             start = time.perf_counter()
             try:
-                self.compile(head + 'extern "C" __global__ void kernel_service_warm_up() {}\n', arch)
+                self.compile(head + 'extern "C" __global__ void kernel_service_warm_up() {}\n', arch, own_pch=True)
             except NvrtcError as exc:  # a prelude that no longer compiles only costs its PCH
                 log.warning("PCH warm-up failed for one prelude: %s", exc)
                 continue
