@@ -275,16 +275,18 @@ def _code_sections(cubin: bytes) -> dict[str, bytes]:
 
 
 @needs_nvrtc
-def test_the_shared_prelude_spares_each_later_familys_first_compile_its_header_parse(tmp_path):
+def test_shared_preludes_spare_each_later_familys_first_compile_its_header_parse(tmp_path):
     """Before a family's own prelude has a PCH (the warm-up's, or its first compile's), a worker's
-    first compile makes the shared prelude's PCH, whatever its family, and that PCH then serves
-    every other family: one header parse in all, and the same machine code as compiles through
-    each family's own prelude. This fails when a kind's prelude gains a header or directive the
-    shared prelude lacks, or when the shared prelude changes how a kernel compiles."""
+    first compile that fits a shared prelude makes that prelude's PCH, whatever its family, and
+    the PCH then serves the other families it fits: two header parses for four families here,
+    the elementwise one and the GEMM's (attention and decode attention ride on it), and the same
+    machine code as compiles through each family's own prelude. This fails when a kind's prelude
+    gains a header or directive no shared prelude has, or when a shared prelude changes how a
+    kernel compiles."""
     import kernels
 
     sources = [cuda_source(kind, dict(kernels.get_kind(kind).warm_up[0])) for kind in ("rmsnorm", "gemm", "attention", "kv_attention")]
-    assert all(nvrtc.shares_prelude(code) for code in sources)
+    assert [nvrtc.SHARED_PRELUDES.index(nvrtc.shared_prelude(code)) for code in sources] == [0, 1, 1, 1]
     (tmp_path / "shared").mkdir(), (tmp_path / "own").mkdir()
     shared, own = nvrtc.Compiler(str(tmp_path / "shared")), nvrtc.Compiler(str(tmp_path / "own"))
     own.warm(sources, "sm_90a")
@@ -292,10 +294,10 @@ def test_the_shared_prelude_spares_each_later_familys_first_compile_its_header_p
     for code in sources:
         through_shared, through_own = shared.compile(code, "sm_90a"), own.compile(code, "sm_90a")
         assert _code_sections(through_shared) == _code_sections(through_own) and _code_sections(through_own)
-    assert (shared.header_parses, shared.shared_uses) == (1, 4) and (own.header_parses - before, own.shared_uses) == (0, 0)
-    # A prelude with a directive or a header of its own is not the shared prelude's to serve.
-    assert not nvrtc.shares_prelude("#define TL_ENABLE_L2_PREFETCH 0\n" + sources[0])
-    assert not nvrtc.shares_prelude("#include <tl_templates/cuda/copy_sm100.h>\n" + sources[0])
+    assert (shared.header_parses, shared.shared_uses) == (2, 4) and (own.header_parses - before, own.shared_uses) == (0, 0)
+    # A prelude with a directive or a header of its own is no shared prelude's to serve.
+    assert nvrtc.shared_prelude("#define TL_ENABLE_L2_PREFETCH 0\n" + sources[0]) is None
+    assert nvrtc.shared_prelude("#include <tl_templates/cuda/copy_sm100.h>\n" + sources[1]) is None
 
 
 @needs_gpu

@@ -21,13 +21,14 @@ A compile uses, the first that fits:
 - its family's own prelude's PCH, built by the worker's warm-up (compiler.warm_step
   and worker_init) once an earlier lowering of the kinds' warm-up examples has
   named the preludes;
-- the shared prelude's (SHARED_PRELUDE: every header TileLang includes for the
-  zoo's kinds), which the worker's first such compile makes, whatever its family,
-  so that no later family's first compile in that worker parses the headers. A
-  compile through it reads headers it does not need, so it costs a little more
-  than through its family's own, far less than a header parse (docs/measured.md).
-  It serves only a source whose prelude holds nothing it lacks: a header or a
-  macro of the source's own would change how the headers read.
+- a shared prelude's (SHARED_PRELUDES: the headers TileLang includes for the
+  zoo's elementwise kinds, and for all of them), which the worker's first compile
+  that fits it makes, whatever its family, so that a later family's first compile
+  in that worker parses no header. A compile through it reads headers it does not
+  need, so it costs a little more than through its family's own, far less than a
+  header parse (docs/measured.md). It serves only a source whose prelude holds
+  nothing it lacks: a header or a macro of the source's own would change how the
+  headers read.
 Otherwise the compile parses the headers and leaves its own prelude's PCH behind.
 """
 
@@ -58,35 +59,34 @@ log = logging.getLogger(__name__)
 # the include block a PCH covers is the same for warm-up and real compiles.
 _PREFIX = '#include <tl_templates/cuda/nvrtc_std.h>\n#include "cuda_device_runtime_api.h"\n'
 
+
 # The headers TileLang 0.1.15 includes in the zoo's kernels (the union of the preludes of the
-# kinds' warm-up examples), sm_90-only ones behind the arch; the zoo's one directive of its own
-# (kernels.launch.GRID_X); the bf16 fallbacks as TileLang guards them. Every line of a source's
-# prelude must be one of these lines for the shared PCH to serve it (shares_prelude).
-SHARED_PRELUDE = (
-    GRID_X
-    + "".join(
-        f"#include <{h}>\n"
-        for h in (
-            "tl_templates/cuda/instruction/mma.h",
-            "tl_templates/cuda/intrin.h",
-            "tl_templates/cuda/barrier.h",
-            "tl_templates/cuda/copy.h",
-            "math_constants.h",
-            "tl_templates/cuda/reduce.h",
-            "tl_templates/cuda/scan.h",
-            "tl_templates/cuda/ldsm.h",
-            "tl_templates/cuda/threadblock_swizzle.h",
-            "tl_templates/cuda/debug.h",
-        )
-    )
-    + "#if __CUDA_ARCH__ >= 900\n#include <tl_templates/cuda/instruction/wgmma.h>\n#include <tl_templates/cuda/copy_sm90.h>\n#endif\n"
-    + "#ifdef ENABLE_BF16\n#include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>\n#endif\n"
+# kinds' warm-up examples), in two shared preludes: the elementwise and reduction kernels' few
+# (norms, activations, rope, softmax: a PCH a third the size, so a worker whose first kernel is
+# one of them pays no more than its own parse), and all of them, sm_90-only ones behind the arch
+# (GEMM, attention). Each also holds the zoo's one directive of its own (kernels.launch.GRID_X)
+# and the bf16 fallbacks as TileLang guards them. Every line of a source's prelude must be one
+# of a shared prelude's lines for its PCH to serve the source (shared_prelude).
+def _shared(headers: tuple[str, ...], sm90: tuple[str, ...] = ()) -> str:
+    includes = "".join(f"#include <{h}>\n" for h in headers)
+    if sm90:
+        includes += "#if __CUDA_ARCH__ >= 900\n" + "".join(f"#include <{h}>\n" for h in sm90) + "#endif\n"
+    return GRID_X + includes + "#ifdef ENABLE_BF16\n#include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>\n#endif\n"
+
+
+_ELEMENTWISE = ("math_constants.h", *(f"tl_templates/cuda/{h}.h" for h in ("reduce", "scan", "ldsm", "threadblock_swizzle", "debug")))
+SHARED_PRELUDES = (
+    _shared(_ELEMENTWISE),
+    _shared(
+        (*(f"tl_templates/cuda/{h}.h" for h in ("instruction/mma", "intrin", "barrier", "copy")), *_ELEMENTWISE),
+        sm90=("tl_templates/cuda/instruction/wgmma.h", "tl_templates/cuda/copy_sm90.h"),
+    ),
 )
-# Ends the shared prelude (a PCH covers the leading directives only), then numbers the source's
+# Ends a shared prelude (a PCH covers the leading directives only), then numbers the source's
 # lines as they are numbered without it, for -lineinfo.
 _SHARED_END = f"namespace kernel_service_shared_prelude {{}}\n#line {_PREFIX.count(chr(10)) + 1}\n"
 
-# NVRTC's PCH heap: the shared prelude's headers need more than the 256 MB default.
+# NVRTC's PCH heap: all the shared headers need more than the 256 MB default.
 _PCH_HEAP_BYTES = 1 << 30
 
 # Diagnostics TileLang's headers trigger under NVRTC that say nothing about the kernel:
@@ -170,11 +170,11 @@ def prelude(code: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def shares_prelude(code: str) -> bool:
-    """Whether the shared prelude's PCH may serve `code`: every line of its prelude is one of the
-    shared prelude's, once blank lines, comments and MSVC-only blocks are dropped."""
+def shared_prelude(code: str) -> str | None:
+    """The first of SHARED_PRELUDES whose PCH may serve `code`: every line of its prelude is one
+    of the shared prelude's, once blank lines, comments and MSVC-only blocks are dropped."""
     lines = _active_lines(prelude(code))
-    return lines is not None and lines <= _SHARED_LINES
+    return next((p for p, shared in zip(SHARED_PRELUDES, _SHARED_LINES) if lines is not None and lines <= shared), None)
 
 
 def _active_lines(head: str) -> set[str] | None:
@@ -194,7 +194,7 @@ def _active_lines(head: str) -> set[str] | None:
     return lines
 
 
-_SHARED_LINES = _active_lines(SHARED_PRELUDE)
+_SHARED_LINES = [_active_lines(p) for p in SHARED_PRELUDES]
 
 
 def tilelang_include_dirs() -> tuple[str, str]:
@@ -260,15 +260,16 @@ class Compiler:
         the shared prelude (a warm-up making the source's own PCH)."""
         options = self._options(arch, extra)
         own = _PREFIX + code
-        shared_key = self._pch_key(_PREFIX + SHARED_PRELUDE, options)
-        if own_pch or self._pch_key(own, options) in self._pch or shared_key in self._no_pch or not shares_prelude(code):
+        shared = None if own_pch or self._pch_key(own, options) in self._pch else shared_prelude(code)
+        shared_key = self._pch_key(_PREFIX + shared, options) if shared else None
+        if shared is None or shared_key in self._no_pch:
             return self._compile(own, options, arch)
         try:
-            cubin = self._compile(_PREFIX + SHARED_PRELUDE + _SHARED_END + code, options, arch)
+            cubin = self._compile(_PREFIX + shared + _SHARED_END + code, options, arch)
         except NvrtcError as exc:
             cubin = self._compile(own, options, arch)  # raises when the kernel itself is at fault
             self._no_pch.add(shared_key)  # the shared headers do not all compile here
-            log.warning("the shared prelude does not compile for %s; each family parses its own headers: %s", arch, exc)
+            log.warning("a shared prelude does not compile for %s; its families parse their own headers: %s", arch, exc)
             return cubin
         self.shared_uses += 1
         return cubin
