@@ -258,48 +258,6 @@ def test_warmed_up_preludes_spare_every_family_its_header_parse(tmp_path):
     assert (c.compiles - before[0], c.header_parses - before[1]) == (4, 0)
 
 
-def _code_sections(cubin: bytes) -> dict[str, bytes]:
-    """A cubin's machine code: its ELF sections named .text.* (kernels), by name."""
-    import struct
-
-    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
-    entsize, count, names_at = struct.unpack_from("<HHH", cubin, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
-    names = headers[names_at][4]
-
-    def name(h) -> str:
-        start = names + h[0]
-        return cubin[start : cubin.index(b"\0", start)].decode()
-
-    return {name(h): cubin[h[4] : h[4] + h[5]] for h in headers if name(h).startswith(".text.")}
-
-
-@needs_nvrtc
-def test_shared_preludes_spare_each_later_familys_first_compile_its_header_parse(tmp_path):
-    """Before a family's own prelude has a PCH (the warm-up's, or its first compile's), a worker's
-    first compile that fits a shared prelude makes that prelude's PCH, whatever its family, and
-    the PCH then serves the other families it fits: two header parses for four families here,
-    the elementwise one and the GEMM's (attention and decode attention ride on it), and the same
-    machine code as compiles through each family's own prelude. This fails when a kind's prelude
-    gains a header or directive no shared prelude has, or when a shared prelude changes how a
-    kernel compiles."""
-    import kernels
-
-    sources = [cuda_source(kind, dict(kernels.get_kind(kind).warm_up[0])) for kind in ("rmsnorm", "gemm", "attention", "kv_attention")]
-    assert [nvrtc.SHARED_PRELUDES.index(nvrtc.shared_prelude(code)) for code in sources] == [0, 1, 1, 1]
-    (tmp_path / "shared").mkdir(), (tmp_path / "own").mkdir()
-    shared, own = nvrtc.Compiler(str(tmp_path / "shared")), nvrtc.Compiler(str(tmp_path / "own"))
-    own.warm(sources, "sm_90a")
-    before = own.header_parses
-    for code in sources:
-        through_shared, through_own = shared.compile(code, "sm_90a"), own.compile(code, "sm_90a")
-        assert _code_sections(through_shared) == _code_sections(through_own) and _code_sections(through_own)
-    assert (shared.header_parses, shared.shared_uses) == (2, 4) and (own.header_parses - before, own.shared_uses) == (0, 0)
-    # A prelude with a directive or a header of its own is no shared prelude's to serve.
-    assert nvrtc.shared_prelude("#define TL_ENABLE_L2_PREFETCH 0\n" + sources[0]) is None
-    assert nvrtc.shared_prelude("#include <tl_templates/cuda/copy_sm100.h>\n" + sources[1]) is None
-
-
 @needs_gpu
 @needs_nvrtc
 def test_nvrtc_kernels_compute_what_nvcc_kernels_compute(make_daemon):

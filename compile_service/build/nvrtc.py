@@ -15,21 +15,9 @@ result; every later compile with the same prelude reuses it. TileLang emits a
 handful of distinct preludes (one per family of kernels), so a process pays the
 header parse once per family: an sm_90a GEMM's device code takes 1.4 s the
 first time and 0.25 s after. A PCH is tied to the address of NVRTC's heap in
-the process that made it, so workers cannot share one.
-
-A compile uses, the first that fits:
-- its family's own prelude's PCH, built by the worker's warm-up (compiler.warm_step
-  and worker_init) once an earlier lowering of the kinds' warm-up examples has
-  named the preludes;
-- a shared prelude's (SHARED_PRELUDES: the headers TileLang includes for the
-  zoo's elementwise kinds, and for all of them), which the worker's first compile
-  that fits it makes, whatever its family, so that a later family's first compile
-  in that worker parses no header. A compile through it reads headers it does not
-  need, so it costs a little more than through its family's own, far less than a
-  header parse (docs/measured.md). It serves only a source whose prelude holds
-  nothing it lacks: a header or a macro of the source's own would change how the
-  headers read.
-Otherwise the compile parses the headers and leaves its own prelude's PCH behind.
+the process that made it, so workers cannot share one: each builds those an
+earlier warm-up found while its TileLang import runs (compiler.worker_init),
+and `warm()` builds the rest.
 """
 
 from __future__ import annotations
@@ -47,8 +35,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from kernels.launch import GRID_X
-
 from ..fsutil import pid_alive
 
 log = logging.getLogger(__name__)
@@ -58,36 +44,6 @@ log = logging.getLogger(__name__)
 # (cudaGridDependencySynchronize), which nvcc includes implicitly. The same for every source, so
 # the include block a PCH covers is the same for warm-up and real compiles.
 _PREFIX = '#include <tl_templates/cuda/nvrtc_std.h>\n#include "cuda_device_runtime_api.h"\n'
-
-
-# The headers TileLang 0.1.15 includes in the zoo's kernels (the union of the preludes of the
-# kinds' warm-up examples), in two shared preludes: the elementwise and reduction kernels' few
-# (norms, activations, rope, softmax: a PCH a third the size, so a worker whose first kernel is
-# one of them pays no more than its own parse), and all of them, sm_90-only ones behind the arch
-# (GEMM, attention). Each also holds the zoo's one directive of its own (kernels.launch.GRID_X)
-# and the bf16 fallbacks as TileLang guards them. Every line of a source's prelude must be one
-# of a shared prelude's lines for its PCH to serve the source (shared_prelude).
-def _shared(headers: tuple[str, ...], sm90: tuple[str, ...] = ()) -> str:
-    includes = "".join(f"#include <{h}>\n" for h in headers)
-    if sm90:
-        includes += "#if __CUDA_ARCH__ >= 900\n" + "".join(f"#include <{h}>\n" for h in sm90) + "#endif\n"
-    return GRID_X + includes + "#ifdef ENABLE_BF16\n#include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>\n#endif\n"
-
-
-_ELEMENTWISE = ("math_constants.h", *(f"tl_templates/cuda/{h}.h" for h in ("reduce", "scan", "ldsm", "threadblock_swizzle", "debug")))
-SHARED_PRELUDES = (
-    _shared(_ELEMENTWISE),
-    _shared(
-        (*(f"tl_templates/cuda/{h}.h" for h in ("instruction/mma", "intrin", "barrier", "copy")), *_ELEMENTWISE),
-        sm90=("tl_templates/cuda/instruction/wgmma.h", "tl_templates/cuda/copy_sm90.h"),
-    ),
-)
-# Ends a shared prelude (a PCH covers the leading directives only), then numbers the source's
-# lines as they are numbered without it, for -lineinfo.
-_SHARED_END = f"namespace kernel_service_shared_prelude {{}}\n#line {_PREFIX.count(chr(10)) + 1}\n"
-
-# NVRTC's PCH heap: all the shared headers need more than the 256 MB default.
-_PCH_HEAP_BYTES = 1 << 30
 
 # Diagnostics TileLang's headers trigger under NVRTC that say nothing about the kernel:
 # 1444 deprecated longlong4, 20012 host/device annotations ignored on defaulted members.
@@ -170,33 +126,6 @@ def prelude(code: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def shared_prelude(code: str) -> str | None:
-    """The first of SHARED_PRELUDES whose PCH may serve `code`: every line of its prelude is one
-    of the shared prelude's, once blank lines, comments and MSVC-only blocks are dropped."""
-    lines = _active_lines(prelude(code))
-    return next((p for p, shared in zip(SHARED_PRELUDES, _SHARED_LINES) if lines is not None and lines <= shared), None)
-
-
-def _active_lines(head: str) -> set[str] | None:
-    """The prelude's lines without blanks, comments and `#if defined(_MSC_VER) ...` blocks
-    (TileLang's, false under NVRTC); None when such a block has an #else or #elif branch."""
-    lines, depth = set(), 0
-    for line in head.splitlines():
-        s = line.strip()
-        if depth:
-            if s.startswith(("#else", "#elif")) and depth == 1:
-                return None
-            depth += s.startswith("#if") - s.startswith("#endif")
-        elif re.fullmatch(r"#\s*if\s+defined\s*\(\s*_MSC_VER\s*\)(\s*&&.*)?|#\s*ifdef\s+_MSC_VER", s):
-            depth = 1
-        elif s and not s.startswith("//"):
-            lines.add(s)
-    return lines
-
-
-_SHARED_LINES = [_active_lines(p) for p in SHARED_PRELUDES]
-
-
 def tilelang_include_dirs() -> tuple[str, str]:
     """TileLang's template and CUTLASS include directories, found as tilelang.env finds them
     ($TL_TEMPLATE_PATH, $TL_CUTLASS_PATH, else beside the package) but without importing
@@ -223,10 +152,6 @@ class Compiler:
         reason = unavailable_reason()
         if reason:
             raise NvrtcError(reason)
-        from cuda.bindings import nvrtc
-
-        if nvrtc.nvrtcGetPCHHeapSize()[1] < _PCH_HEAP_BYTES:  # process-wide, set before any PCH is made
-            nvrtc.nvrtcSetPCHHeapSize(_PCH_HEAP_BYTES)
         templates, cutlass = tilelang_include_dirs()
         self.options = [
             "-std=c++20",
@@ -240,10 +165,8 @@ class Compiler:
         ]
         self.pch_dir = pch_dir  # where this process writes the PCHs it makes; None: it makes none
         self._pch: dict[str, str] = {}  # prelude and options digest -> a PCH file made for them
-        self._no_pch: set[str] = set()  # digests whose PCH NVRTC could not make
         self.compiles = 0  # programs compiled (the device-binary cache answers the rest)
         self.header_parses = 0  # of those, the ones no PCH served (each parses every header)
-        self.shared_uses = 0  # of those, the ones the shared prelude's PCH served
 
     def has_pch(self, code: str, arch: str, extra: list[str] = ()) -> bool:
         return self._pch_key(_PREFIX + code, self._options(arch, extra)) in self._pch
@@ -255,31 +178,13 @@ class Compiler:
     def _pch_key(source: str, options: list[str]) -> str:
         return hashlib.sha256("\0".join([prelude(source), *options]).encode()).hexdigest()[:32]
 
-    def compile(self, code: str, arch: str, extra: list[str] = (), own_pch: bool = False) -> bytes:
-        """A cubin for `arch` ("sm_90a") from TileLang's CUDA source. `own_pch`: never through
-        the shared prelude (a warm-up making the source's own PCH)."""
-        options = self._options(arch, extra)
-        own = _PREFIX + code
-        shared = None if own_pch or self._pch_key(own, options) in self._pch else shared_prelude(code)
-        shared_key = self._pch_key(_PREFIX + shared, options) if shared else None
-        if shared is None or shared_key in self._no_pch:
-            return self._compile(own, options, arch)
-        try:
-            cubin = self._compile(_PREFIX + shared + _SHARED_END + code, options, arch)
-        except NvrtcError as exc:
-            cubin = self._compile(own, options, arch)  # raises when the kernel itself is at fault
-            self._no_pch.add(shared_key)  # the shared headers do not all compile here
-            log.warning("a shared prelude does not compile for %s; its families parse their own headers: %s", arch, exc)
-            return cubin
-        self.shared_uses += 1
-        return cubin
-
-    def _compile(self, source: str, options: list[str], arch: str) -> bytes:
-        """One NVRTC program: through its prelude's PCH, or making that PCH."""
+    def compile(self, code: str, arch: str, extra: list[str] = ()) -> bytes:
+        """A cubin for `arch` ("sm_90a") from TileLang's CUDA source."""
         from cuda.bindings import nvrtc
 
+        source = _PREFIX + code
+        options = self._options(arch, extra)
         key = self._pch_key(source, options)
-        options = list(options)
         pch = self._pch.get(key)
         made = None
         if pch:
@@ -304,7 +209,6 @@ class Compiler:
                 if created == nvrtc.nvrtcResult.NVRTC_SUCCESS:
                     self._pch[key] = made
                 else:  # e.g. the PCH heap is full: this prelude is parsed each time
-                    self._no_pch.add(key)  # for the shared prelude: no longer tried
                     log.warning("NVRTC made no PCH for a prelude (%s); its kernels parse every header", created.name)
             _, size = nvrtc.nvrtcGetCUBINSize(program)
             cubin = b" " * size
@@ -331,7 +235,7 @@ class Compiler:
                 continue
             start = time.perf_counter()
             try:
-                self.compile(head + 'extern "C" __global__ void kernel_service_warm_up() {}\n', arch, own_pch=True)
+                self.compile(head + 'extern "C" __global__ void kernel_service_warm_up() {}\n', arch)
             except NvrtcError as exc:  # a prelude that no longer compiles only costs its PCH
                 log.warning("PCH warm-up failed for one prelude: %s", exc)
                 continue
