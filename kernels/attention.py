@@ -84,6 +84,8 @@ class Attention(KernelKind):
         # Defaults: the largest tiles that fit, among those the caller left open (128x128 keys
         # in 2 stages for d=128 on Hopper; docs/measured.md, section "Kernel speed on the H200").
         for bm, bn, st in DEFAULT_TILES:
+            if 0 < p["window"] < 128 and bn > 64:  # a narrow window reads a fraction of a 128-key block
+                continue
             chosen = (p["block_M"] or bm, p["block_N"] or bn, p["num_stages"] or st)
             if self._smem(*chosen, d) <= smem_limit(target):
                 break
@@ -209,6 +211,21 @@ class Attention(KernelKind):
         return out
 
     @staticmethod
+    def _whole(T, lo, hi, q0, bm, k0, bn, window, causal):
+        """Whether every query row of [q0, q0 + bm) sees every key of [k0, k0 + bn): all inside the
+        sequence's range [lo, hi), within the window of each other, and (causal) keys at or before
+        the first row."""
+        rule = [lo <= q0, q0 + bm <= hi, lo <= k0, k0 + bn <= hi]
+        if window:
+            rule += [q0 + bm - 1 - k0 <= window, k0 + bn - 1 - q0 <= window]
+        if causal:
+            rule += [k0 + bn - 1 <= q0]
+        out = rule[0]
+        for c in rule[1:]:
+            out = T.And(out, c)
+        return out
+
+    @staticmethod
     def _prim_func(T, p, q_shape, kv_shape, batch, body):
         """The PrimFunc of the ABI: (Q, K, V[, key_range], O)."""
         dtype = p["dtype"]
@@ -241,6 +258,22 @@ class Attention(KernelKind):
         scale = LOG2E / math.sqrt(d)
         acc_t = "float32"
         masked, window = self._masked(p), p["window"]
+
+        @T.macro
+        def exponentiate(s, m, m_prev, r):
+            # The online softmax's step: r rescales what the rows summed so far; s becomes exp2.
+            for i in T.Parallel(bm):
+                r[i] = T.exp2(m_prev[i] * scale - m[i] * scale)
+            for i, j in T.Parallel(bm, bn):
+                s[i, j] = T.exp2(s[i, j] * scale - m[i] * scale)
+
+        @T.macro
+        def exponentiate_masked(s, m, m_prev, r):
+            # A row that has seen no key yet keeps m = -inf; exp2 of that must not be NaN.
+            for i in T.Parallel(bm):
+                r[i] = T.if_then_else(m[i] == -T.infinity(acc_t), 1, T.exp2(m_prev[i] * scale - m[i] * scale))
+            for i, j in T.Parallel(bm, bn):
+                s[i, j] = T.if_then_else(m[i] == -T.infinity(acc_t), 0, T.exp2(s[i, j] * scale - m[i] * scale))
 
         @T.macro
         def body(Q, K, V, R, O):
@@ -291,32 +324,36 @@ class Attention(KernelKind):
                 for kb in T.Pipelined(kb0, kb1, num_stages=stages) if masked else T.Pipelined(steps, num_stages=stages):
                     T.copy(K[b, kb * bn : (kb + 1) * bn, h // group, :], K_s)
                     # The mask rides in the accumulator's initial value: 0 where visible, -inf where not.
-                    for i, j in T.Parallel(bm, bn):
-                        if masked:
-                            q, k = bx * bm + i, kb * bn + j
-                            s[i, j] = T.if_then_else(
-                                T.And(k <= q, self._visible(T, R, b, q, k, window)) if causal else self._visible(T, R, b, q, k, window),
-                                0,
-                                -T.infinity(acc_t),
-                            )
-                        elif causal:
-                            s[i, j] = T.if_then_else(kb * bn + j <= bx * bm + i, 0, -T.infinity(acc_t))
+                    if masked:
+                        # A key block that every row of the block sees whole (most of a padded batch's)
+                        # needs no mask, and leaves no row without a key.
+                        whole = self._whole(T, lo, hi, bx * bm, bm, kb * bn, bn, window, causal)
+                        if whole:
+                            T.clear(s)
                         else:
-                            s[i, j] = T.if_then_else(kb * bn + j < seq, 0, -T.infinity(acc_t))
+                            for i, j in T.Parallel(bm, bn):
+                                q, k = bx * bm + i, kb * bn + j
+                                s[i, j] = T.if_then_else(
+                                    T.And(k <= q, self._visible(T, R, b, q, k, window)) if causal else self._visible(T, R, b, q, k, window),
+                                    0,
+                                    -T.infinity(acc_t),
+                                )
+                    else:
+                        for i, j in T.Parallel(bm, bn):
+                            if causal:
+                                s[i, j] = T.if_then_else(kb * bn + j <= bx * bm + i, 0, -T.infinity(acc_t))
+                            else:
+                                s[i, j] = T.if_then_else(kb * bn + j < seq, 0, -T.infinity(acc_t))
                     T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(m, m_prev)
                     T.reduce_max(s, m, dim=1, clear=False)
-                    # Masked forms: a row that has seen no key yet keeps m = -inf; exp2 of that must not be NaN.
-                    for i in T.Parallel(bm):
-                        if masked:
-                            r[i] = T.if_then_else(m[i] == -T.infinity(acc_t), 1, T.exp2(m_prev[i] * scale - m[i] * scale))
+                    if masked:
+                        if whole:
+                            exponentiate(s, m, m_prev, r)
                         else:
-                            r[i] = T.exp2(m_prev[i] * scale - m[i] * scale)
-                    for i, j in T.Parallel(bm, bn):
-                        if masked:
-                            s[i, j] = T.if_then_else(m[i] == -T.infinity(acc_t), 0, T.exp2(s[i, j] * scale - m[i] * scale))
-                        else:
-                            s[i, j] = T.exp2(s[i, j] * scale - m[i] * scale)
+                            exponentiate_masked(s, m, m_prev, r)
+                    else:
+                        exponentiate(s, m, m_prev, r)
                     T.reduce_sum(s, row_sum, dim=1)
                     for i in T.Parallel(bm):
                         lsum[i] = lsum[i] * r[i] + row_sum[i]

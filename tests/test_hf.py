@@ -232,6 +232,42 @@ def test_modernbert_swapped_and_matches_padded(berts, monkeypatch):
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 
+def test_modernbert_rope_reads_the_fused_qkv_in_place(berts, monkeypatch):
+    """ModernBERT's query and key are head views of Wqkv's output: rope reads that buffer (its packed
+    form), with no copy of Q and K first; query and key of separate projections are not packed."""
+    ref, model = berts
+    (entry,) = [e for e in hf._ROPE.values() if e.report is model.kernel_service]
+    assert entry.more["packed"].spec["params"]["packed"]
+    counts = collections.Counter()
+    for slot, name in ((entry, "kernel"), (entry.more, "packed")):
+        kernel = slot[name] if slot is entry.more else slot.kernel
+
+        def call(*args, kernel=kernel, name=name):
+            counts[name] += 1
+            return kernel(*args)
+
+        (monkeypatch.setitem if slot is entry.more else monkeypatch.setattr)(slot, name, call)
+    ids = torch.randint(3, VOCAB, (3, 10))
+    with torch.inference_mode():
+        out = model(ids).last_hidden_state
+    with torch.inference_mode(), own_rotary(modeling_modernbert):
+        want = ref(ids).last_hidden_state
+    assert counts == {"packed": 3}  # every layer, and never the copying form
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+    b, s, h, kvh, d = 2, 5, 4, 2, 8
+    qkv = torch.randn(b, s, (h + 2 * kvh) * d)
+    heads = qkv.view(b, s, h + 2 * kvh, d).transpose(1, 2)  # [B, heads, S, D]
+    q, k = heads[:, :h], heads[:, h : h + kvh]
+    got = hf.packed_qkv(q, k)
+    assert got is not None and got.data_ptr() == qkv.data_ptr() and torch.equal(got, qkv.view(b * s, h + 2 * kvh, d))
+    assert hf.packed_qkv(q, heads[:, h + 1 : h + 1 + kvh]) is None  # key heads not right after the query heads
+    assert hf.packed_qkv(heads[:, kvh + 2 * kvh - 2 :][:, :h], k) is None
+    separate = torch.randn(b, s, h, d).transpose(1, 2), torch.randn(b, s, kvh, d).transpose(1, 2)  # Llama's q_proj, k_proj
+    assert hf.packed_qkv(*separate) is None
+    assert hf.packed_qkv(q[:, :, :, :4], k[:, :, :, :4]) is None  # not whole heads
+
+
 @pytest.mark.parametrize("act, served", [("gelu_pytorch_tanh", True), ("gelu_new", False), ("silu", False)])
 def test_modernbert_mlp_is_served_for_torchs_gelu_only(daemon, act, served):
     """geglu serves F.gelu (exact, and tanh: gelu_pytorch_tanh); another activation keeps the

@@ -14,7 +14,8 @@ here, and through transformers' attention interfaces, keeping the model's own we
   (packed) between its own `Wi` and `Wo`;
 - `nn.LayerNorm` with weights (ModernBERT; this model's instances only) -> `layernorm`;
 - rotary (the modeling module's `apply_rotary_pos_emb`, replaced by a wrapper) -> `rope` with the
-  model's own cos/sin as the cache;
+  model's own cos/sin as the cache; where query and key are head views of a fused QKV
+  projection's output (ModernBERT's `Wqkv`), `rope` packed reads them there, with no copy first;
 - attention, registered as `AttentionInterface` / `AttentionMaskInterface` "kernel_service":
   `attention` for prefill and encoders, `kv_attention` for decode steps against a KV cache. A
   padded batch (and ModernBERT's sliding-window layers, at any length) is one `attention` call
@@ -96,7 +97,7 @@ class _Entry:
     report: Report
     dtype: torch.dtype
     device_type: str
-    more: dict = dataclasses.field(default_factory=dict)  # attention: the kv_attention and varlen kernels, the window
+    more: dict = dataclasses.field(default_factory=dict)  # attention: the kv_attention and varlen kernels, the window; rope: the packed kernel
 
 
 def _served(entry, module, *tensors):
@@ -191,10 +192,31 @@ class RotaryLayer(nn.Module):
         positions = torch.arange(cache.shape[0], device=q.device)
         if cos.shape[0] != b:
             positions = positions.repeat(b)
-        qo, ko = entry.kernel(
-            positions, q.transpose(1, 2).reshape(b * s, h, d).contiguous(), k.transpose(1, 2).reshape(b * s, kvh, d).contiguous(), cache.contiguous()
-        )
+        packed = entry.more.get("packed")
+        qkv = None if packed is None or torch.compiler.is_compiling() else packed_qkv(q, k)
+        if qkv is not None:  # a fused QKV projection's heads, read in place: no copy of Q and K first
+            qo, ko = packed(positions, qkv, cache.contiguous())
+        else:
+            qo, ko = entry.kernel(
+                positions, q.transpose(1, 2).reshape(b * s, h, d).contiguous(), k.transpose(1, 2).reshape(b * s, kvh, d).contiguous(), cache.contiguous()
+            )
         return qo.view(b, s, h, d).transpose(1, 2), ko.view(b, s, kvh, d).transpose(1, 2)
+
+
+def packed_qkv(q, k):
+    """The QKV[tokens, heads + 2*kv_heads, head_dim] that query [B, H, S, D] and key [B, Hkv, S, D]
+    are head views of (a fused QKV projection's output, viewed per head and transposed, as
+    ModernBERT's attention does), or None when they are not."""
+    b, h, s, d = q.shape
+    kvh = k.shape[1]
+    w = (h + 2 * kvh) * d  # one token's row
+    if k.shape != (b, kvh, s, d) or q.stride() != (s * w, d, w, 1) or k.stride() != q.stride() or k.dtype != q.dtype:
+        return None
+    if k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr() or k.storage_offset() != q.storage_offset() + h * d:
+        return None
+    if q.storage_offset() + b * s * w > q.untyped_storage().nbytes() // q.element_size():  # V's heads past the storage
+        return None
+    return q.as_strided((b * s, h + 2 * kvh, d), (w, d, 1))
 
 
 # ----- attention
@@ -468,11 +490,15 @@ def _plan(model, device, dtype, target):
             fn = getattr(modeling, "apply_rotary_pos_emb", None)
             if fn is not None and "apply_rotary_pos_emb" in getattr(getattr(fwd, "__code__", None), "co_names", ()):
                 if _code(_unwrapped(fn)) in known["rope"]:
-                    rotary.setdefault(tuple(shape.values()), (f"{name}.rotary_pos_emb", set(), shape))[1].add(modeling)
+                    slot = rotary.setdefault(tuple(shape.values()), [f"{name}.rotary_pos_emb", set(), shape, False])
+                    slot[1].add(modeling)
+                    slot[3] = slot[3] or hasattr(m, "Wqkv")
                 else:
                     kept[f"{name}.rotary_pos_emb"] = "not a rotary form this integration knows"
-    for key, (name, modelings, shape) in rotary.items():
+    for key, (name, modelings, shape, fused) in rotary.items():
         plans.append((name, modelings, "rope", {"tokens": None, "max_position": None, "style": "neox", **shape}))
+        if fused:  # a fused QKV projection (ModernBERT's Wqkv): rope reads Q and K in place (packed)
+            plans.append((name, modelings, "rope", {"tokens": None, "max_position": None, "style": "neox", "packed": True, **shape}))
     for i, (name, m, kind, params) in enumerate(plans):
         plans[i] = (name, m, kind, {**params, "dtype": dtype, "target": target})
     return plans, kept
@@ -490,6 +516,18 @@ def _key(kind, params):
 
 
 _LAYERS = {"rmsnorm": RMSNormLayer, "swiglu": SwiGLUMLPLayer, "geglu": GeGLUMLPLayer, "layernorm": LayerNormLayer, "rope": RotaryLayer}
+
+
+def _rider(kind, params):
+    """The key a plan's kernel takes in its module's entry (`_Entry.more`) when it rides on another
+    plan's: attention's decode and varlen forms, rope's packed form; None for a plan of its own."""
+    if kind == "kv_attention":
+        return kind
+    if kind == "attention" and params.get("varlen"):
+        return "varlen"
+    if kind == "rope" and params.get("packed"):
+        return "packed"
+    return None
 
 
 def _serve(model, report: Report, client, strict: bool, device: torch.device, dtype: torch.dtype) -> str:
@@ -524,9 +562,10 @@ def _serve(model, report: Report, client, strict: bool, device: torch.device, dt
     for name, m, kind, params in plans:
         got = index[_key(kind, params)]
         got = got if isinstance(got, Exception) else results[got]
-        if kind == "kv_attention" or params.get("varlen"):  # rides on the module's attention entry
+        rides = _rider(kind, params)
+        if rides:
             if not isinstance(got, Exception) and name in entries:
-                entries[name][1].more["varlen" if params.get("varlen") else kind] = got
+                entries[name][1].more[rides] = got
                 if params.get("varlen"):
                     entries[name][1].more["window"] = params["window"]
         elif isinstance(got, Exception):
