@@ -102,7 +102,9 @@ def test_masked_attention_reads_only_the_key_blocks_its_rows_see():
     p = dict(batch=None, heads=12, kv_heads=12, seq_len=None, head_dim=64, dtype="bfloat16", varlen=True, window=64)
     src = cuda_source("attention", p, "sm_90a")
     assert "const int* key_range" in src
-    assert re.search(r"for \(int kb = \(max\(lo, \(max\(\(\(\(int\)blockIdx\.x\) \* 128\), lo\) - 64\)\) >> 7\); kb < ", src), src[:4000]
+    shift = kernels.canonicalize("attention", p, "sm_90a").params["block_N"].bit_length() - 1  # kb counts key blocks
+    first_block = rf"for \(int kb = \(max\(lo, \(max\(\(\(\(int\)blockIdx\.x\) \* 128\), lo\) - 64\)\) >> {shift}\); kb < "
+    assert re.search(first_block, src), src[:4000]
     spec = kernels.canonicalize("attention", {**p, "batch": 2, "seq_len": 512}, "sm_90a")
     assert kernels.get_kind("attention").shared_build(spec) is None
 
