@@ -5,6 +5,7 @@ a padded batch (per-sequence key ranges) and a sliding window in the same call."
 
 import math
 
+from .barriers import sync_shared, without_thread_sync
 from .launch import dependent_launch, grid_x
 from .registry import register
 from .spec import MAX_DIM, InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
@@ -298,6 +299,7 @@ class Attention(KernelKind):
                 lsum = T.alloc_fragment((bm,), acc_t)
 
                 T.copy(Q[b, bx * bm : (bx + 1) * bm, h, :], Q_s)
+                sync_shared(target)  # the barriers ThreadSync places (kernels/barriers.py)
                 T.fill(acc, 0)
                 T.fill(lsum, 0)
                 T.fill(m, -T.infinity(acc_t))
@@ -367,10 +369,12 @@ class Attention(KernelKind):
                         acc[i, j] = T.if_then_else(lsum[i] == 0, 0, acc[i, j] / lsum[i])
                     else:
                         acc[i, j] /= lsum[i]
+                sync_shared(target, p["threads"])
                 T.copy(acc, O_s)
+                sync_shared(target, p["threads"])
                 T.copy(O_s, O[b, bx * bm : (bx + 1) * bm, h, :])
 
-        return self._prim_func(T, p, q_shape, kv_shape, batch, body)
+        return without_thread_sync(self._prim_func(T, p, q_shape, kv_shape, batch, body), target)
 
     def inputs(self, p, randn, size):
         b, s = size("batch"), size("seq_len")

@@ -6,6 +6,7 @@ kernels/gemm_tuning.py."""
 
 import math
 
+from .barriers import sync_shared, without_thread_sync
 from .gemm_tuning import SPLITK_TILES, TILES, gemv_tiles, overrides_for, prefill_tiles, ranges
 from .launch import dependent_launch, launch_dependents
 from .registry import register
@@ -355,13 +356,17 @@ class Gemm(KernelKind):
                                 C_f[i, j] += T.cast(Bias[T.min(bx * bn + j, N - 1)], "float32")
                             C_f[i, j] = activation(T, C_f[i, j], act)
                     if has_res:
-                        # The residual's tile comes in through shared memory (TMA on Hopper), coalesced;
-                        # it is read whole before this block stores its tile of C: C may be R.
+                        # The residual's tile comes in through shared memory, coalesced; it is
+                        # read whole before this block stores its tile of C: C may be R.
+                        sync_shared(target, p["threads"])
                         T.copy(R[by * bm, bx * bn], C_s)
+                        sync_shared(target, p["threads"])
                         for i, j in T.Parallel(bm, bn):
                             C_f[i, j] += T.cast(C_s[i, j], "float32")
                     # Staging through shared memory makes the store coalesced (TMA on Hopper).
+                    sync_shared(target, p["threads"])
                     T.copy(C_f, C_s)
+                    sync_shared(target, p["threads"])
                     T.copy(C_s, C[by * bm, bx * bn])
             if split > 1:
                 with T.Kernel(T.ceildiv(N, rn), M, threads=128) as (bx, row):
@@ -383,7 +388,7 @@ class Gemm(KernelKind):
                             C[row, col] = T.cast(x, dtype)
 
         w_shape = (split, M, N) if split > 1 else None
-        return prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res, w_shape)
+        return without_thread_sync(prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res, w_shape), target)
 
     def build_gemv(self, p, target):
         """Schedule gemv: CUDA cores, one warp per row of B ([N, K]) streaming it with 16-byte
