@@ -7,7 +7,7 @@ Modules, in the order a request flows through them:
     nvrtc      CUDA device code -> cubin in process, with precompiled headers
     store      on-disk entries: staging, atomic publish, integrity checks
     keys       canonical spec + toolchain fingerprint -> key
-    server     process lifecycle: socket, health, signals, drain, workers spawned after SERVING
+    server     process lifecycle: socket, health, signals, drain, workers forked from a zygote after SERVING
     metrics    the one metrics object (counters kept across restarts); exporter: its Prometheus view
     config, cpus, inductor, embedded, cli
 (the developer tools built on it and the client, launch, redis_server and demo, are devtools/, which the wheel leaves out)

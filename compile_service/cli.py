@@ -574,7 +574,7 @@ def _prewarm_tier(args, specs: list[dict]) -> int:
             bar(f"{'already there':<13} {_label(spec)}")
         todo = [(spec, c) for spec, c in wanted if not all(there[k] for k in builds[id(c)])]
         if todo:
-            scheduler.start_workers()  # each imports TileLang: only when there is something to build
+            scheduler.start_workers()  # forked from the zygote once its TileLang import is done: only when there is something to build
         pending = {scheduler.request(c, URGENT)[0]: spec for spec, c in todo}
         built = []
         deadline = time.monotonic() + args.timeout

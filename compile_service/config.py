@@ -27,6 +27,7 @@ REMOTE_ENV = "KERNEL_SERVICE_REMOTE"
 CACHE_LAYERS_ENV = "KERNEL_SERVICE_CACHE_LAYERS"
 COMPILE_TIMEOUT_ENV = "KERNEL_SERVICE_COMPILE_TIMEOUT"
 MEMORY_LIMIT_ENV = "KERNEL_SERVICE_MEMORY_LIMIT"
+WORKER_START_ENV = "KERNEL_SERVICE_WORKER_START"
 
 
 def remote_url(text: str | None) -> str | None:
@@ -124,6 +125,11 @@ def octal_mode(text: str) -> int:
 def _at_least_one(value, flag: str) -> None:
     if value < 1:
         raise ValueError(f"{flag} must be at least 1, got {value}")
+
+
+def _worker_start(value, flag: str) -> None:
+    if value not in ("zygote", "spawn"):  # a flag's value argparse checked; the variable's is checked here
+        raise ValueError(f"{flag} must be zygote or spawn, got {value!r}")
 
 
 def _not_negative(value, flag: str) -> None:
@@ -258,6 +264,11 @@ class ServiceConfig:
     cuda_compiler: str = setting(
         "auto", flag="--cuda-compiler", env=devices.ENV, choices=("auto", devices.NVRTC, devices.NVCC),
         help="how CUDA device code is compiled: nvrtc in process (fast), nvcc as a subprocess; auto takes NVRTC where it can run",
+    )  # fmt: skip
+    worker_start: str = setting(
+        "zygote", flag="--worker-start", env=WORKER_START_ENV, choices=("zygote", "spawn"), check=_worker_start,
+        help="how compile workers start: zygote forks each from one process that imported TileLang once (ready at once), "
+        "spawn starts each as a fresh interpreter that imports TileLang itself (seconds each; a way out should forking ever fail)",
     )  # fmt: skip
     metrics_address: str | None = setting(
         None, flag="--metrics-address", metavar="HOST:PORT", default_text="off",

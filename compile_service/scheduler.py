@@ -5,8 +5,8 @@
 - Priorities: a request somebody is blocked on (GetKernel) goes before
   background work (Prefetch).
 - The pool: `workers` driver threads, each feeding one compile at a time to a
-  pool of as many worker processes (compile_service.workers: spawned, TileLang
-  imported once each). Publishing to the store happens outside any lock.
+  pool of as many worker processes (compile_service.workers: forked from a
+  zygote that imported TileLang once). Publishing to the store happens outside any lock.
 - The memory budget: a build starts only while the measured peaks of the builds
   running and its own fit the memory limit (compile_service.memory); else its
   driver waits. Warm-up steps are admitted the same way.
@@ -28,8 +28,8 @@
   down to `max_bytes` / `max_entries` (see Store.evict).
 - Publishing (hashes, fsyncs, a rename) runs on a few publisher threads, not on
   the driver: a worker takes its next job as soon as its build is done.
-- Warm-up in the background: every worker is spawned at once (its TileLang import
-  runs in it, not in the daemon), and with NVRTC each builds its precompiled
+- Warm-up in the background: every worker starts at once (TileLang is imported in
+  the zygote, not in the daemon), and with NVRTC each builds its precompiled
   headers one prelude per task (compiler.warm_step), only when no compile is
   waiting; one worker is always left free for a request while others warm.
 - Serving only: a request that may not compile (a strict client), or any request
@@ -320,21 +320,18 @@ class Scheduler:
             self.start_workers()
 
     def start_workers(self) -> None:
-        """Spawns every worker now, from the calling thread, without waiting for their imports,
-        and starts their warm-up. A worker dies with the thread that spawned it (die_with_parent):
-        the daemon calls this from its main thread, right after it says SERVING."""
+        """Starts every worker now, from the calling thread, and their warm-up. A spawned worker
+        dies with the thread that started it (die_with_parent): the daemon calls this from a
+        thread that lives as long as it does, right after it says SERVING. Outside the lock: the
+        first fork waits for the zygote's imports."""
         if self._pool is None:  # serving only
             return
+        self._pool.spawn()
         with self._lock:
-            self._spawn(self._pool)
+            # Warm-up steps circulate below every request, leaving one worker free for a request.
+            for _ in range(max(1, self.workers - 1)):
+                self._put_warm_step()
         self._started.set()
-
-    def _spawn(self, pool: Workers) -> None:
-        """Under self._lock."""
-        pool.spawn()
-        # Warm-up steps circulate below every request, leaving one worker free for a request.
-        for _ in range(max(1, self.workers - 1)):
-            self._put_warm_step()
 
     def _put_warm_step(self) -> None:
         """Under self._lock."""

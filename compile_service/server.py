@@ -7,8 +7,9 @@ everything created is owner-only (group-readable with --mode 0750), take the
 cache's and the socket's instance locks (files opened without following links;
 a second live daemon is refused with the holder's pid; a socket left by a
 killed daemon is removed, since its lock died with it, and only if it is a
-socket), spawn the compile workers (they import TileLang and warm up in the
-background, and die with the daemon), then listen: on the Unix socket (0600,
+socket), start the compile workers' zygote (it imports TileLang once while the
+daemon starts; the workers fork from it once SERVING, warm up in the background,
+and die with the daemon), then listen: on the Unix socket (0600,
 or 0660 with --mode 0750), and on TCP only when asked (loopback unless
 --allow-remote, every call authenticated with the token written to
 <cache root>/tcp-token), always with so_reuseport=0 so a second process can
@@ -31,6 +32,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import functools
 import logging
 import os
 import secrets
@@ -65,6 +67,7 @@ from .scheduler import Scheduler
 from .servicer import KernelServicer
 from .store import Budget, LocalStore
 from .store.layers import Layer, Layered, is_layer
+from .workers import process_pool
 
 log = logging.getLogger(__name__)
 
@@ -321,6 +324,7 @@ class Daemon:
             compiles=not cfg.no_compile,
             compile_timeout=cfg.compile_timeout or None,
             memory=BuildMemory(cfg.memory_limit),
+            pool=functools.partial(process_pool, start=cfg.worker_start),  # the zygote starts importing now
         )
         threading.Thread(target=self._spawn_workers, name="spawner", daemon=True).start()  # at nice 0, as its workers
         # From here on this thread only starts gRPC: lowering its priority now makes
@@ -446,9 +450,10 @@ class Daemon:
             self.servicer.close()
 
     def _spawn_workers(self) -> None:
-        """Spawns the compile workers once the daemon says SERVING (their TileLang imports would
-        slow gRPC's start on a busy machine), then stays until the daemon stops: a worker dies
-        with the thread that spawned it (die_with_parent), and takes its priority (nice 0)."""
+        """Starts the compile workers once the daemon says SERVING (the first fork waits for the
+        zygote's TileLang import; spawned workers would each import it, slowing gRPC's start on a
+        busy machine), then stays until the daemon stops: a spawned worker dies with the thread
+        that started it (die_with_parent), and takes its priority (nice 0)."""
         self._serving.wait()
         if not self._stopped.is_set():
             self.scheduler.start_workers()

@@ -25,7 +25,7 @@ FLAGS = {
     "--queue-limit": "queue_limit", "--kernel-module": "kernel_modules", "--plugin": "plugins", "--no-entry-points": "entry_points",
     "--failure-ttl": "failure_ttl", "--max-size": "max_bytes", "--max-entries": "max_entries", "--evict-min-age": "evict_min_age",
     "--mode": "mode", "--tcp": "tcp", "--metrics-address": "metrics_address", "--allow-remote": "allow_remote",
-    "--cuda-compiler": "cuda_compiler", "--no-compile": "no_compile", "--cuda-compiler-id": "cuda_compiler_id", "--remote": "remote",
+    "--cuda-compiler": "cuda_compiler", "--worker-start": "worker_start", "--no-compile": "no_compile", "--cuda-compiler-id": "cuda_compiler_id", "--remote": "remote",
     "--remote-read-only": "remote_read_only", "--remote-lease-seconds": "remote_lease_seconds", "--remote-timeout": "remote_timeout",
     "--remote-ttl": "remote_ttl",
     "--cache-layer": "cache_layers",
@@ -34,6 +34,7 @@ FLAGS = {
 VARIABLES = {
     "KERNEL_SERVICE_SOCKET": "socket", "KERNEL_SERVICE_CACHE_DIR": "cache_dir", "KERNEL_SERVICE_REMOTE": "remote",
     "KERNEL_SERVICE_CUDA_COMPILER": "cuda_compiler", "KERNEL_SERVICE_CUDA_COMPILER_ID": "cuda_compiler_id",
+    "KERNEL_SERVICE_WORKER_START": "worker_start",
     "KERNEL_SERVICE_CACHE_LAYERS": "cache_layers",
     "KERNEL_SERVICE_COMPILE_TIMEOUT": "compile_timeout", "KERNEL_SERVICE_MEMORY_LIMIT": "memory_limit",
 }  # fmt: skip

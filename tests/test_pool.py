@@ -1,6 +1,6 @@
-"""The daemon's bounds, on real daemons: a per-compile timeout that kills only the build past
-it, a memory limit that holds builds back until their measured peaks fit, and caps on the
-specs recorded per application."""
+"""The daemon's pool and bounds, on real daemons: workers forked from one zygote, a
+per-compile timeout that kills only the build past it, a memory limit that holds builds back
+until their measured peaks fit, and caps on the specs recorded per application."""
 
 from __future__ import annotations
 
@@ -19,6 +19,36 @@ import tests.slow_kind  # noqa: F401  (clients validate locally: they share the 
 
 SLOW = ("--kernel-module", "tests.slow_kind")
 LIMIT = 10  # the test's --compile-timeout: past any real build of these kernels on a loaded 2-core machine
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def _maps_tilelang(pid: int) -> bool:
+    return "libtilelang" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_workers_fork_from_one_zygote_that_imported_tilelang_once(make_daemon):
+    """The workers are children of one zygote that has TileLang loaded (imported before the
+    forks), while the daemon never loads it; they compile. With --worker-start spawn (here its
+    variable) each worker is a fresh interpreter, a child of the daemon, and no zygote runs."""
+    d = make_daemon()
+    d.wait_workers_ready(timeout=300)
+    zygotes = [p for p in _children(d.proc.pid) if "compile_service.build.zygote" in _cmdline(p)]
+    assert len(zygotes) == 1
+    assert len(_children(zygotes[0])) == 2 and _maps_tilelang(zygotes[0]) and not _maps_tilelang(d.proc.pid)
+    assert d.client().get_kernel("rmsnorm", M=None, N=40, dtype="float32", target="c").outcome == "compiled"
+
+    spawned = make_daemon(env={"KERNEL_SERVICE_WORKER_START": "spawn"})
+    spawned.wait_workers_ready(timeout=300)
+    children = [_cmdline(p) for p in _children(spawned.proc.pid)]
+    assert sum("spawn_main" in c for c in children) == 2 and not any("zygote" in c for c in children)
+    assert spawned.client().get_kernel("rmsnorm", M=None, N=48, dtype="float32", target="c").outcome == "compiled"
 
 
 def slow(c, n: int):

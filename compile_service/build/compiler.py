@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -75,10 +74,9 @@ def worker_init(
     daemon's store owns the entries.
 
     `warm_target` ("sm_90a", "auto"): with NVRTC, the target whose precompiled headers
-    are built here: those of the preludes an earlier warm-up found (a file in the
-    device-binary directory) on a thread while TileLang imports (they need NVRTC only),
-    and any others by warm_step, one prelude at a time, when the scheduler has nothing
-    else to do.
+    warm_step builds here, one prelude at a time, when the scheduler has nothing else to
+    do. (TileLang is already imported in a worker forked from the zygote: nothing here
+    takes long, so a worker is ready at once.)
     `log_level`: log like the daemon (a spawned process starts with no logging set up).
     """
     if log_level is not None:
@@ -89,7 +87,6 @@ def worker_init(
 
     device = devices.get(cuda_compiler)
     _warm["target"] = warm_target if cuda_compiler == devices.NVRTC else None
-    warming = _warm_known_preludes(device, device_binary_dir(Path(cache_root), device.id)) if cache_root and _warm["target"] else None
 
     import tilelang  # noqa: F401
     import tvm_ffi
@@ -121,8 +118,6 @@ def worker_init(
 
     tvm_ffi.register_global_func("tilelang_callback_cuda_compile", f=compile_once, override=True)
     _device["compiler"], _device["callback"] = device, compile_once
-    if warming is not None:
-        warming.join()
 
 
 def _cuda_warm_target():
@@ -142,31 +137,6 @@ def _preludes_file(binaries: Path, target) -> Path:
 
     sources_digest = hashlib.sha256("".join(kernels.source_digest(k) for k in sorted(kernels.kinds())).encode()).hexdigest()
     return binaries / f"nvrtc-preludes-{target.arch}-{tilelang_version()}-{sources_digest[:16]}.json"
-
-
-def _warm_known_preludes(device, binaries: Path):
-    """A started thread building the PCHs of the preludes an earlier warm-up found, or None."""
-    target = _cuda_warm_target()
-    try:
-        preludes = json.loads(_preludes_file(binaries, target).read_text()) if target else None
-    except (OSError, ValueError):
-        preludes = None
-    if not isinstance(preludes, list) or not all(isinstance(p, str) for p in preludes):
-        return None
-
-    def warm():
-        start = time.perf_counter()
-        try:
-            device.warm(preludes, str(target.arch))
-        except Exception as exc:  # noqa: BLE001 - a failed warm-up costs only speed
-            log.warning("NVRTC warm-up of the known preludes failed: %s: %s", type(exc).__name__, exc)
-            return
-        _warm["done"].update(preludes)
-        log.info("NVRTC precompiled headers for %d known preludes built in %.1f s", len(preludes), time.perf_counter() - start)
-
-    thread = threading.Thread(target=warm, name="pch-warm-up", daemon=True)
-    thread.start()
-    return thread
 
 
 def warm_step() -> tuple[int, bool]:

@@ -15,9 +15,8 @@ result; every later compile with the same prelude reuses it. TileLang emits a
 handful of distinct preludes (one per family of kernels), so a process pays the
 header parse once per family: an sm_90a GEMM's device code takes 1.4 s the
 first time and 0.25 s after. A PCH is tied to the address of NVRTC's heap in
-the process that made it, so workers cannot share one: each builds those an
-earlier warm-up found while its TileLang import runs (compiler.worker_init),
-and `warm()` builds the rest.
+the process that made it, so workers cannot share one: each builds its own,
+one prelude at a time while it has nothing else to do (compiler.warm_step).
 """
 
 from __future__ import annotations
@@ -129,7 +128,7 @@ def prelude(code: str) -> str:
 def tilelang_include_dirs() -> tuple[str, str]:
     """TileLang's template and CUTLASS include directories, found as tilelang.env finds them
     ($TL_TEMPLATE_PATH, $TL_CUTLASS_PATH, else beside the package) but without importing
-    TileLang: a worker parses the headers while its TileLang import runs."""
+    TileLang."""
     import importlib.util
 
     spec = importlib.util.find_spec("tilelang")
