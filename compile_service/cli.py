@@ -11,6 +11,7 @@ the problem and the fix, and a non-zero exit.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -526,13 +527,14 @@ def _prewarm_tier(args, specs: list[dict]) -> int:
 
     from .build import devices
     from .build.compiler import DEVICE_BINARIES, device_binary_dir
-    from .config import remote_url, without_password
+    from .config import WORKER_START_ENV, remote_url, without_password
     from .cpus import usable_cpus
     from .metrics import Metrics
     from .scheduler import URGENT, Scheduler
     from .store import LocalStore
     from .store.remote import RedisTier, TierUnavailable
     from .store.tiered import with_fleet_tier
+    from .workers import process_pool
 
     try:
         remote_url(args.remote)
@@ -542,6 +544,9 @@ def _prewarm_tier(args, specs: list[dict]) -> int:
         return _fail(str(exc), 2)
     if args.workers is not None and args.workers < 1:
         return _fail(f"--workers must be at least 1, got {args.workers}", 2)
+    start = args.worker_start or os.environ.get(WORKER_START_ENV) or "zygote"
+    if start not in ("zygote", "spawn"):
+        return _fail(f"${WORKER_START_ENV} must be zygote or spawn, got {start!r}", 2)
     url = without_password(args.remote)
     root = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp(prefix="kernel-service-prewarm-"))
     metrics = Metrics()
@@ -553,7 +558,8 @@ def _prewarm_tier(args, specs: list[dict]) -> int:
         fleet = with_fleet_tier(store, RedisTier(args.remote, metrics=metrics), metrics).claims
         workers = args.workers or usable_cpus()
         plugin_args = {"modules": tuple(args.kernel_module)}
-        scheduler = Scheduler(store, workers, len(specs) + 1, plugin_args, device=device, metrics=metrics, start=False)
+        pool = functools.partial(process_pool, start=start)
+        scheduler = Scheduler(store, workers, len(specs) + 1, plugin_args, device=device, metrics=metrics, pool=pool, start=False)
         wanted, failed = [], []  # wanted: (manifest spec, canonical spec); failed: (spec, reason)
         for spec in specs:
             try:
@@ -1104,6 +1110,11 @@ def build_parser() -> argparse.ArgumentParser:
     prewarm.add_argument("--cache-dir", help="with --remote: where the builds are kept (default: a temporary directory, removed at the end)")
     prewarm.add_argument("--cuda-compiler", choices=("auto", "nvrtc", "nvcc"), help="with --remote: how CUDA kernels are compiled, as for serve (default auto)")
     prewarm.add_argument("--workers", type=int, help="with --remote: compile workers (default: the CPU quota)")
+    prewarm.add_argument(
+        "--worker-start",
+        choices=("zygote", "spawn"),
+        help="with --remote: how compile workers start, as for serve (default: $KERNEL_SERVICE_WORKER_START, else zygote)",
+    )
     prewarm.add_argument(
         "--kernel-module", action="append", default=[], metavar="MODULE[:ATTR]", help="with --remote: also build these modules' kinds (repeatable)"
     )

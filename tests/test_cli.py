@@ -117,6 +117,19 @@ def test_a_bad_kernel_module_is_one_line_and_says_how_the_daemon_finds_it(tmp_pa
     assert not (tmp_path / "s.sock").exists()
 
 
+def test_a_bad_worker_start_is_one_line_for_serve_and_prewarm(tmp_path):
+    from proto import manifest
+
+    bad = {"KERNEL_SERVICE_WORKER_START": "fork"}
+    serve = ["serve", "--socket", str(tmp_path / "s.sock"), "--cache-dir", str(tmp_path / "c"), "--target", "c", "--workers", "1"]
+    assert "--worker-start must be zygote or spawn, got 'fork'" in one_line_error(cli(*serve, env=bad), 2)
+    assert not (tmp_path / "s.sock").exists()
+    path = tmp_path / "app.json"
+    path.write_text(json.dumps(manifest.make("app", [{"kind": "rmsnorm", "target": "c", "params": {"M": None, "N": 64, "dtype": "float32"}}])))
+    line = one_line_error(cli("prewarm", str(path), "--remote", "redis://127.0.0.1:1/0", env=bad), 2)
+    assert "$KERNEL_SERVICE_WORKER_START must be zygote or spawn, got 'fork'" in line
+
+
 def test_a_busy_tcp_port_is_one_line_and_no_drain_warning(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
