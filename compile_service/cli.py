@@ -527,7 +527,7 @@ def _prewarm_tier(args, specs: list[dict]) -> int:
 
     from .build import devices
     from .build.compiler import DEVICE_BINARIES, device_binary_dir
-    from .config import WORKER_START_ENV, remote_url, without_password
+    from .config import WORKER_START_ENV, check_worker_start, remote_url, without_password
     from .cpus import usable_cpus
     from .metrics import Metrics
     from .scheduler import URGENT, Scheduler
@@ -545,8 +545,10 @@ def _prewarm_tier(args, specs: list[dict]) -> int:
     if args.workers is not None and args.workers < 1:
         return _fail(f"--workers must be at least 1, got {args.workers}", 2)
     start = args.worker_start or os.environ.get(WORKER_START_ENV) or "zygote"
-    if start not in ("zygote", "spawn"):
-        return _fail(f"${WORKER_START_ENV} must be zygote or spawn, got {start!r}", 2)
+    try:
+        check_worker_start(start, f"${WORKER_START_ENV}")
+    except ValueError as exc:
+        return _fail(str(exc), 2)
     url = without_password(args.remote)
     root = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp(prefix="kernel-service-prewarm-"))
     metrics = Metrics()
@@ -1018,6 +1020,7 @@ def _log_level(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .config import WORKER_STARTS
 
     parser = _Parser(prog="kernel-service", description="TileLang kernel-compilation daemon")
     parser.add_argument("--version", action="version", version=f"kernel-service {__version__}")
@@ -1112,7 +1115,7 @@ def build_parser() -> argparse.ArgumentParser:
     prewarm.add_argument("--workers", type=int, help="with --remote: compile workers (default: the CPU quota)")
     prewarm.add_argument(
         "--worker-start",
-        choices=("zygote", "spawn"),
+        choices=WORKER_STARTS,
         help="with --remote: how compile workers start, as for serve (default: $KERNEL_SERVICE_WORKER_START, else zygote)",
     )
     prewarm.add_argument(

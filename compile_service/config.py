@@ -28,6 +28,7 @@ CACHE_LAYERS_ENV = "KERNEL_SERVICE_CACHE_LAYERS"
 COMPILE_TIMEOUT_ENV = "KERNEL_SERVICE_COMPILE_TIMEOUT"
 MEMORY_LIMIT_ENV = "KERNEL_SERVICE_MEMORY_LIMIT"
 WORKER_START_ENV = "KERNEL_SERVICE_WORKER_START"
+WORKER_STARTS = ("zygote", "spawn")  # how compile workers start (workers.process_pool)
 
 
 def remote_url(text: str | None) -> str | None:
@@ -127,9 +128,10 @@ def _at_least_one(value, flag: str) -> None:
         raise ValueError(f"{flag} must be at least 1, got {value}")
 
 
-def _worker_start(value, flag: str) -> None:
-    if value not in ("zygote", "spawn"):  # a flag's value argparse checked; the variable's is checked here
-        raise ValueError(f"{flag} must be zygote or spawn, got {value!r}")
+def check_worker_start(value, name: str) -> None:
+    """A flag's value argparse checked; a variable's is checked here (`name`: the flag or variable)."""
+    if value not in WORKER_STARTS:
+        raise ValueError(f"{name} must be {' or '.join(WORKER_STARTS)}, got {value!r}")
 
 
 def _not_negative(value, flag: str) -> None:
@@ -266,7 +268,7 @@ class ServiceConfig:
         help="how CUDA device code is compiled: nvrtc in process (fast), nvcc as a subprocess; auto takes NVRTC where it can run",
     )  # fmt: skip
     worker_start: str = setting(
-        "zygote", flag="--worker-start", env=WORKER_START_ENV, choices=("zygote", "spawn"), check=_worker_start,
+        "zygote", flag="--worker-start", env=WORKER_START_ENV, choices=WORKER_STARTS, check=check_worker_start,
         help="how compile workers start: zygote forks each from one process that imported TileLang once (ready at once), "
         "spawn starts each as a fresh interpreter that imports TileLang itself (seconds each; a way out should forking ever fail)",
     )  # fmt: skip

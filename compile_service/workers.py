@@ -166,9 +166,12 @@ def _start_worker(daemon_pid: int, *initargs) -> None:
 
 
 def _close_zygote_pipe() -> None:
+    # CPython's forkserver hands each child that write end (its alive fd) unasked; a private name,
+    # so a Python that renames it leaves the pipe open, and tests/test_faults.py's kill -9 test fails.
     server = multiprocessing.forkserver._forkserver
-    if server._forkserver_alive_fd is not None:  # None in a spawned worker
-        os.close(server._forkserver_alive_fd)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:  # None in a spawned worker
+        os.close(fd)
         server._forkserver_alive_fd = None
 
 
