@@ -8,15 +8,7 @@ import kernels
 
 
 def cuda_source(kind: str, params: dict, arch: str = "sm_90a") -> str:
-    import tilelang
-    import tvm
+    from compile_service.build.compiler import lowered_source
 
-    from compile_service.build.compiler import _build_options
-
-    target = kernels.parse_target(arch)
     spec = kernels.canonicalize(kind, params, arch)
-    k = kernels.get_kind(kind)
-    func, _, options = _build_options(k.build(dict(spec.params), target), k, dict(spec.params))
-    tvm_target = tvm.target.Target(target.tilelang_target())
-    with tvm.transform.PassContext(opt_level=3, config=options.get("pass_configs") or {}), tvm_target:
-        return tilelang.lower(func, target=tvm_target).kernel_source
+    return lowered_source(kernels.get_kind(kind), dict(spec.params), spec.target)

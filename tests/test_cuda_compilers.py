@@ -237,6 +237,33 @@ def test_nvrtc_workers_parse_the_zoo_headers_in_the_background(make_daemon, tmp_
     assert again.client().get_kernel("rmsnorm", M=None, N=64, dtype="float16", target="sm_90a").outcome == "compiled"
 
 
+def test_idle_workers_share_out_the_warm_up_examples_one_per_step(tmp_path):
+    """Finding the preludes lowers every kind's warm-up examples (about 10 s on a 2-core
+    machine, once on one worker). Each step lowers one example no other worker holds, so
+    idle workers lower them side by side and a request waits behind one example at most;
+    the step that finds none left joins the parts."""
+    from filelock import FileLock
+
+    import kernels
+    from compile_service.build import compiler
+
+    target = kernels.parse_target("sm_90a")
+    known = tmp_path / "nvrtc-preludes.json"
+    parts = tmp_path / "nvrtc-preludes.parts"
+    examples = [(kind, params) for _, kind in sorted(kernels.kinds().items()) for params in kind.warm_up]
+    with FileLock(str(parts / "0.json.lock")):  # another worker is lowering the first example
+        compiler.find_preludes_step(known, target)
+    assert sorted(p.name for p in parts.glob("*.json")) == ["1.json"] and not known.exists()
+    assert json.loads((parts / "1.json").read_text()) == nvrtc.prelude(cuda_source(examples[1][0].name, dict(examples[1][1])))
+    for i in range(2, len(examples)):  # the others lowered theirs meanwhile
+        (parts / f"{i}.json").write_text(json.dumps(f"#include <example_{i}.h>\n"))
+    compiler.find_preludes_step(known, target)  # the first example, free again
+    assert not known.exists()
+    compiler.find_preludes_step(known, target)  # none left: the join
+    want = {json.loads((parts / f"{i}.json").read_text()) for i in range(len(examples))}
+    assert json.loads(known.read_text()) == sorted(want) and "#include" in json.loads((parts / "0.json").read_text())
+
+
 @needs_nvrtc
 def test_warmed_up_preludes_spare_every_family_its_header_parse(tmp_path):
     """The header parse a PCH saves is most of a device compile (a GEMM: 1.4 s, against 0.25 s

@@ -129,8 +129,8 @@ def _cuda_warm_target():
 
 
 def _preludes_file(binaries: Path, target) -> Path:
-    """Where the first warm-up leaves the preludes TileLang generates for the registered kinds'
-    warm-up examples, keyed by everything that shapes them."""
+    """Where warm-up leaves the preludes TileLang generates for the registered kinds' warm-up
+    examples, keyed by everything that shapes them."""
     import kernels
 
     from ..keys import tilelang_version
@@ -145,9 +145,10 @@ def warm_step() -> tuple[int, bool]:
     With NVRTC and a CUDA warm target, NVRTC parses each header prelude TileLang
     generates for the registered kinds' warm-up examples once per worker (a PCH lives
     in the process that made it), one prelude per call, so a request never waits
-    behind more than one. Finding the preludes means lowering the examples (seconds);
-    the first worker to get there does it and leaves them in the device-binary
-    directory, keyed by everything that shapes them, for the others and later daemons.
+    behind more than one. Finding the preludes means lowering the examples, about a
+    second each: idle workers share them out, one per call (find_preludes_step), and
+    leave the preludes in the device-binary directory, keyed by everything that shapes
+    them, for the others and later daemons.
     """
     from tilelang.env import env
 
@@ -159,16 +160,7 @@ def warm_step() -> tuple[int, bool]:
     try:
         preludes = json.loads(known.read_text())
     except (OSError, ValueError):
-        try:
-            with FileLock(str(known) + ".lock", timeout=0, mode=0o600):  # filelock would chmod 0644
-                if not known.exists():
-                    log.info("lowering the kinds' warm-up examples to find the headers their CUDA source includes")
-                    found = sorted({nvrtc.prelude(code) for code in _warm_up_sources(target)})
-                    staged = known.with_name(f".{known.name}.{pid}")
-                    staged.write_text(json.dumps(found))
-                    staged.replace(known)
-        except Timeout:
-            time.sleep(0.2)  # another worker is finding them; this one stays free meanwhile
+        find_preludes_step(known, target)
         return pid, False
     todo = [p for p in preludes if p not in _warm["done"]]
     if todo:
@@ -180,31 +172,64 @@ def warm_step() -> tuple[int, bool]:
     return pid, len(todo) <= 1
 
 
-def _warm_up_sources(target) -> list[str]:
-    """The CUDA source of every registered kind's warm-up examples, lowered but not compiled."""
-    import tilelang
-    import tvm_ffi
-
+def find_preludes_step(known: Path, target) -> None:
+    """Lowers one warm-up example no worker has taken yet and leaves its prelude in a part file
+    beside `known`; a call that finds every example taken joins the parts into `known` once
+    they are all there. Workers that call this at once lower different examples (each part is
+    taken under its own lock); one killed mid-way leaves its part to the next caller."""
     import kernels
 
-    sources = []
+    parts = known.with_name(known.stem + ".parts")
+    parts.mkdir(mode=0o700, exist_ok=True)
+    examples = [(kind, params) for _, kind in sorted(kernels.kinds().items()) for params in kind.warm_up]
+    files = [parts / f"{i}.json" for i in range(len(examples))]
+    for i, ((kind, params), part) in enumerate(zip(examples, files)):
+        if part.exists():
+            continue
+        try:
+            with FileLock(f"{part}.lock", timeout=0, mode=0o600):  # filelock would chmod 0644
+                if part.exists():
+                    continue
+                if i == 0:
+                    log.info("lowering the kinds' warm-up examples to find the headers their CUDA source includes")
+                _write_json(part, _example_prelude(kind, params, target))
+                return
+        except Timeout:
+            continue  # another worker is lowering this one
+    if all(part.exists() for part in files):
+        found = {json.loads(part.read_text()) for part in files}
+        _write_json(known, sorted(p for p in found if p is not None))
+    else:
+        time.sleep(0.2)  # the last examples are being lowered elsewhere; this worker stays free meanwhile
 
-    def capture(code, target, pass_config=None):
-        sources.append(code)
-        return bytearray()  # never loaded: the kernel is dropped
 
-    tvm_ffi.register_global_func("tilelang_callback_cuda_compile", f=capture, override=True)
+def _example_prelude(kind, params: dict, target) -> str | None:
+    """The prelude of one warm-up example's CUDA source; None when the example does not lower."""
     try:
-        for kind in kernels.kinds().values():
-            for params in kind.warm_up:
-                try:
-                    spec = kind.canonicalize(dict(params), target)
-                    tilelang.JITKernel(kind.build(dict(spec.params), target), target=target.tilelang_target(), execution_backend="auto")
-                except Exception as exc:  # a bad example only costs its warm-up
-                    log.warning("warm-up example of %s skipped: %s: %s", kind.name, type(exc).__name__, exc)
-    finally:  # builds go through the real device compiler again
-        tvm_ffi.register_global_func("tilelang_callback_cuda_compile", f=_device["callback"], override=True)
-    return sources
+        spec = kind.canonicalize(dict(params), target)
+        return nvrtc.prelude(lowered_source(kind, dict(spec.params), target))
+    except Exception as exc:  # a bad example only costs its warm-up
+        log.warning("warm-up example of %s skipped: %s: %s", kind.name, type(exc).__name__, exc)
+        return None
+
+
+def lowered_source(kind, params: dict, target) -> str:
+    """The CUDA source a build of canonical `params` hands the device compiler: lowered with the
+    build's own options, no device compiler run."""
+    import tilelang
+    import tvm
+
+    func, _, options = _build_options(kind.build(dict(params), target), kind, dict(params))
+    tvm_target = tvm.target.Target(target.tilelang_target())
+    with tvm.transform.PassContext(opt_level=3, config=options.get("pass_configs") or {}), tvm_target:
+        return tilelang.lower(func, target=tvm_target).kernel_source
+
+
+def _write_json(path: Path, value) -> None:
+    """Whole or not at all: readers in other workers never see a partial file."""
+    staged = path.with_name(f".{path.name}.{os.getpid()}")
+    staged.write_text(json.dumps(value))
+    staged.replace(path)
 
 
 def _shape(dims) -> list:
