@@ -30,8 +30,9 @@
   the driver: a worker takes its next job as soon as its build is done.
 - Warm-up in the background: every worker starts at once (TileLang is imported in
   the zygote, not in the daemon), and with NVRTC each builds its precompiled
-  headers one prelude per task (compiler.warm_step), only when no compile is
-  waiting; one worker is always left free for a request while others warm.
+  headers one prelude per task (compiler.warm_step), only when no compile has
+  run for WARM_AFTER_IDLE seconds; one worker is always left free for a request
+  while others warm.
 - Serving only: a request that may not compile (a strict client), or any request
   to a scheduler made with `compiles=False` (`serve --no-compile`: no workers at
   all), is answered from the cache, else from where other builders publish
@@ -57,6 +58,7 @@ import enum
 import itertools
 import json
 import logging
+import math
 import os
 import queue
 import shutil
@@ -110,6 +112,10 @@ class CompileTimeout(compiler.CompileFailed):
 
 
 WARM_UP = "(warm-up)"  # what a warm-up step is admitted and measured as (compile_service.memory)
+# A warm-up step (a PCH build: seconds) starts only after this long with no build running: an
+# agent asking for kernels one by one sends its next request sooner, and a step started in that
+# gap would hold a worker the next request's builds (a router's ranges, side by side) need.
+WARM_AFTER_IDLE = 0.5
 
 
 class WorkerCrashed(Exception):
@@ -308,7 +314,9 @@ class Scheduler:
         self._closing = False
         self._running = 0  # builds a driver is waiting on
         self._warm: set[int] = set()  # pids of workers done warming up
-        self._warm_steps = 0  # warm-up steps going round the queue
+        self._warm_steps = 0  # warm-up steps going round the queue (or parked: _park_warm_step)
+        self._parked: list[_Job] = []  # warm-up steps held back while builds run (WARM_AFTER_IDLE)
+        self._last_build = -math.inf  # when the last build started or ended (time.monotonic)
         self._started = threading.Event()  # drivers submit nothing before start_workers()
         self.compiles = compiles
         self._pool = self._new_pool() if compiles else None
@@ -626,7 +634,7 @@ class Scheduler:
             if job.priority == _STOP:
                 return
             if job.priority == _WARM:
-                if not self._closing:
+                if not self._closing and not self._park_warm_step(job):
                     self._warm_step()
                 continue
             with self._lock:
@@ -634,6 +642,39 @@ class Scheduler:
                     continue
                 job.flight.stage = _Stage.STARTED
             self._run(job)
+
+    def _park_warm_step(self, job: _Job) -> bool:
+        """Holds a warm-up step back while builds run or have just run (WARM_AFTER_IDLE): the
+        last build to end, or a timer armed here when none runs, puts it back. Returns whether
+        it was held."""
+        with self._lock:
+            wait = self._last_build + WARM_AFTER_IDLE - time.monotonic()
+            if not self._running and wait <= 0:
+                return False
+            self._parked.append(job)
+            running = self._running
+        if not running:
+            self._release_warm_steps_in(wait)
+        return True
+
+    def _release_warm_steps(self) -> None:
+        """Puts the held warm-up steps back once no build has run for WARM_AFTER_IDLE seconds.
+        Called on a timer by the last build to end; a build running now ends later and calls it again."""
+        with self._lock:
+            if self._running:
+                return
+            wait = self._last_build + WARM_AFTER_IDLE - time.monotonic()
+            if wait <= 0:
+                parked, self._parked = self._parked, []
+                for job in parked:
+                    self._queue.put(job)
+        if wait > 0:
+            self._release_warm_steps_in(wait)
+
+    def _release_warm_steps_in(self, seconds: float) -> None:
+        timer = threading.Timer(seconds, self._release_warm_steps)
+        timer.daemon = True
+        timer.start()
 
     def _warm_step(self) -> None:
         """One warm-up step on whichever worker is idle; the step goes round again until every
@@ -689,6 +730,7 @@ class Scheduler:
         with self.memory.admit(flight.spec.kind):
             with self._lock:
                 self._running += 1
+                self._last_build = time.monotonic()
             try:
                 if self._closing:
                     raise ShuttingDown("the kernel service shut down before this kernel was compiled")
@@ -700,6 +742,10 @@ class Scheduler:
             finally:
                 with self._lock:
                     self._running -= 1
+                    self._last_build = time.monotonic()
+                    idle = not self._running and self._parked
+                if idle:
+                    self._release_warm_steps_in(WARM_AFTER_IDLE)
 
     def _claim(self, job: _Job) -> Claim:
         """The store's claim on the key before building it: parked first, since a store that

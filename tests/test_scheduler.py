@@ -1,13 +1,17 @@
 """The scheduler's bookkeeping, on a real store with workers not started: nothing compiles, so
 what is in flight stays put while the test looks at it (single-flight, the queue's shares,
 release() dropping what no one waits for, a shared build's copy releasing its build, shutdown
-failing what is queued, serving only)."""
+failing what is queued, serving only); and, with one in-process worker, when warm-up runs."""
+
+import os
+import time
 
 import pytest
 
 import kernels
 import tests.shared_kind  # noqa: F401 - registers row_double, a kind with shared builds
-from compile_service.scheduler import BACKGROUND, URGENT, Cancelled, NotReady, QueueFull, Scheduler, ShuttingDown, in_process_pool
+from compile_service.build import compiler
+from compile_service.scheduler import WARM_AFTER_IDLE, BACKGROUND, URGENT, Cancelled, NotReady, QueueFull, Scheduler, ShuttingDown, in_process_pool
 from compile_service.store.local import LocalStore
 from proto.wire import Outcome
 
@@ -89,3 +93,23 @@ def test_serving_only_refuses_a_miss_unless_it_is_a_copy_of_what_is_there(schedu
     with pytest.raises(NotReady, match="the build it is a copy of"):  # its build is not in the cache either
         s.request(row_double(8))[0].result(5)
     assert s.metrics.counters()["not_ready"] == 2 and s.in_flight == 0
+
+
+def test_warm_up_waits_until_no_build_has_run_for_a_while(scheduler, monkeypatch):
+    """An agent asking for kernels one by one sends its next request within milliseconds of
+    the last answer; a warm-up step (a PCH build: seconds) started in that gap would hold a
+    worker the next builds need. So warm-up starts WARM_AFTER_IDLE after the last build, and
+    then does start (a held step that is never put back would leave workers cold for good)."""
+    steps = []
+    monkeypatch.setattr(compiler, "warm_step", lambda: (steps.append(time.monotonic()), (os.getpid(), True))[1])
+    s = scheduler()
+    future, _ = s.request(rmsnorm(64))  # queued above the warm-up step start_workers puts behind it
+    s.start_workers()
+    future.result(120)
+    built = time.monotonic()
+    deadline = built + 10
+    while not steps and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert steps, "the held warm-up step never ran"
+    assert steps[0] - built >= WARM_AFTER_IDLE - 0.05, steps[0] - built
+    assert s.workers_ready == 1
