@@ -22,6 +22,7 @@ from compile_service.build import nvrtc
 from compile_service.build.devices import NVCC, NVRTC, choose
 from tests.lowering import cuda_source
 from tests.marks import needs_gpu, needs_nvcc, needs_nvrtc
+from tests.processes import descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmark"))
@@ -206,11 +207,6 @@ def _wait_ready(d, timeout: float = 300) -> None:
         time.sleep(0.2)
 
 
-def _descendants(pid: int) -> list[str]:
-    children = [c for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
-    return children + [d for c in children for d in _descendants(int(c))]
-
-
 @needs_nvrtc
 def test_nvrtc_workers_parse_the_zoo_headers_in_the_background(make_daemon, tmp_path):
     cache = tmp_path / "cache"
@@ -224,7 +220,7 @@ def test_nvrtc_workers_parse_the_zoo_headers_in_the_background(make_daemon, tmp_
     assert "lowering the kinds' warm-up examples" in first.log() and first.log().count("precompiled headers for") == 2
     # Each worker keeps its PCH files (hundreds of MB) in a private directory, removed when it exits.
     pch_root = Path(tempfile.gettempdir()) / f"kernel-service-nvrtc-pch-{os.getuid()}"
-    workers = [w for w in _descendants(first.proc.pid) if (pch_root / w).is_dir() and any((pch_root / w).iterdir())]
+    workers = [w for w in map(str, descendants(first.proc.pid)) if (pch_root / w).is_dir() and any((pch_root / w).iterdir())]
     assert len(workers) == 2  # not the resource tracker
     first.stop()
     assert not any((pch_root / w).exists() for w in workers)

@@ -23,6 +23,7 @@ from proto.entry import MANIFEST
 from kernels.reference import make_inputs, reference, tolerance
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+from tests.processes import alive, descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("rmsnorm", "softmax", "swiglu")
@@ -65,20 +66,6 @@ def wait_for(predicate, timeout: float = 90, what: str = "condition") -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (all its threads' children, theirs, ...)."""
-    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-    return children + [d for c in children for d in descendants(c)]
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting for its parent."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_kill_9_mid_burst_leaves_a_cache_a_new_daemon_serves(make_daemon):

@@ -19,6 +19,7 @@ import pytest
 import client
 import kernels
 from tests.marks import needs_nvcc
+from tests.processes import alive
 
 ROOT = Path(__file__).resolve().parent.parent
 RMSNORM = {"M": None, "N": 64, "dtype": "float32", "target": "c"}
@@ -246,13 +247,6 @@ def test_stop_waits_for_running_compiles(make_daemon):
     assert cli("stop", "--socket", str(d.socket)).stdout.startswith("no kernel-service daemon is running")
 
 
-def _alive(pid: int) -> bool:
-    try:  # a zombie is dead: only a reaper's wait is missing (PID 1 in a container may never reap)
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def test_a_launcher_killed_before_stop_leaves_no_daemon(tmp_path):
     """DaemonProcess passes --exit-with-parent: SIGKILL its launcher and the daemon drains and exits."""
     launcher = subprocess.Popen(
@@ -269,17 +263,17 @@ def test_a_launcher_killed_before_stop_leaves_no_daemon(tmp_path):
     )
     daemon = int(launcher.stdout.readline())
     try:
-        assert _alive(daemon)
+        assert alive(daemon)
         launcher.kill()
         launcher.wait()
         deadline = time.monotonic() + 30
-        while _alive(daemon) and time.monotonic() < deadline:
+        while alive(daemon) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(daemon), "the daemon outlived the process that started it"
+        assert not alive(daemon), "the daemon outlived the process that started it"
         log = next(tmp_path.glob("daemon-*.log")).read_text()
         assert f"(pid {launcher.pid}) is gone: stopping" in log
     finally:
-        if _alive(daemon):
+        if alive(daemon):
             os.kill(daemon, 9)
 
 

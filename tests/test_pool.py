@@ -16,17 +16,10 @@ import client
 from compile_service import apps
 from devtools import redis_server
 import tests.slow_kind  # noqa: F401  (clients validate locally: they share the daemons' registry)
+from tests.processes import children, cmdline
 
 SLOW = ("--kernel-module", "tests.slow_kind")
 LIMIT = 10  # the test's --compile-timeout: past any real build of these kernels on a loaded 2-core machine
-
-
-def _children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-
-
-def _cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
 def _maps_tilelang(pid: int) -> bool:
@@ -39,15 +32,15 @@ def test_workers_fork_from_one_zygote_that_imported_tilelang_once(make_daemon):
     variable) each worker is a fresh interpreter, a child of the daemon, and no zygote runs."""
     d = make_daemon()
     d.wait_workers_ready(timeout=300)
-    zygotes = [p for p in _children(d.proc.pid) if "compile_service.build.zygote" in _cmdline(p)]
+    zygotes = [p for p in children(d.proc.pid) if "compile_service.build.zygote" in cmdline(p)]
     assert len(zygotes) == 1
-    assert len(_children(zygotes[0])) == 2 and _maps_tilelang(zygotes[0]) and not _maps_tilelang(d.proc.pid)
+    assert len(children(zygotes[0])) == 2 and _maps_tilelang(zygotes[0]) and not _maps_tilelang(d.proc.pid)
     assert d.client().get_kernel("rmsnorm", M=None, N=40, dtype="float32", target="c").outcome == "compiled"
 
     spawned = make_daemon(env={"KERNEL_SERVICE_WORKER_START": "spawn"})
     spawned.wait_workers_ready(timeout=300)
-    children = [_cmdline(p) for p in _children(spawned.proc.pid)]
-    assert sum("spawn_main" in c for c in children) == 2 and not any("zygote" in c for c in children)
+    commands = [cmdline(p) for p in children(spawned.proc.pid)]
+    assert sum("spawn_main" in c for c in commands) == 2 and not any("zygote" in c for c in commands)
     assert spawned.client().get_kernel("rmsnorm", M=None, N=48, dtype="float32", target="c").outcome == "compiled"
 
 

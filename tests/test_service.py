@@ -19,6 +19,7 @@ import client
 import tests.failing_kind  # noqa: F401  (clients validate locally: they share the daemon's registry)
 from compile_service.config import ServiceConfig
 from tests.marks import needs_nvcc
+from tests.processes import children
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -417,9 +418,8 @@ def test_request_threads_yield_to_compile_workers(make_daemon):
     d = make_daemon()
     d.client().stats()  # an RPC thread now exists
     threads = {int(t.name): _nice(t / "stat") for t in Path(f"/proc/{d.proc.pid}/task").iterdir()}
-    children = [int(p) for p in Path(f"/proc/{d.proc.pid}/task/{d.proc.pid}/children").read_text().split()]
-    children += [int(p) for t in threads for p in Path(f"/proc/{d.proc.pid}/task/{t}/children").read_text().split()]
-    assert children and all(_nice(Path(f"/proc/{c}/stat")) == 0 for c in children)  # compile workers
+    below = children(d.proc.pid)
+    assert below and all(_nice(Path(f"/proc/{c}/stat")) == 0 for c in below)  # the zygote, or spawned compile workers
     assert sum(nice == 10 for nice in threads.values()) >= len(threads) // 2  # gRPC's and the RPC pool's threads
 
 
