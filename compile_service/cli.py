@@ -527,7 +527,7 @@ def _prewarm_tier(args, specs: list[dict]) -> int:
 
     from .build import devices
     from .build.compiler import DEVICE_BINARIES, device_binary_dir
-    from .config import WORKER_START_ENV, check_worker_start, remote_url, without_password
+    from .config import remote_url, resolve_setting, without_password
     from .cpus import usable_cpus
     from .metrics import Metrics
     from .scheduler import URGENT, Scheduler
@@ -544,9 +544,8 @@ def _prewarm_tier(args, specs: list[dict]) -> int:
         return _fail(str(exc), 2)
     if args.workers is not None and args.workers < 1:
         return _fail(f"--workers must be at least 1, got {args.workers}", 2)
-    start = args.worker_start or os.environ.get(WORKER_START_ENV) or "zygote"
     try:
-        check_worker_start(start, f"${WORKER_START_ENV}")
+        start, _ = resolve_setting("worker_start", args.worker_start)  # as serve resolves it
     except ValueError as exc:
         return _fail(str(exc), 2)
     url = without_password(args.remote)

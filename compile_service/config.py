@@ -128,8 +128,7 @@ def _at_least_one(value, flag: str) -> None:
         raise ValueError(f"{flag} must be at least 1, got {value}")
 
 
-def check_worker_start(value, name: str) -> None:
-    """A flag's value argparse checked; a variable's is checked here (`name`: the flag or variable)."""
+def _worker_start(value, name: str) -> None:
     if value not in WORKER_STARTS:
         raise ValueError(f"{name} must be {' or '.join(WORKER_STARTS)}, got {value!r}")
 
@@ -268,7 +267,7 @@ class ServiceConfig:
         help="how CUDA device code is compiled: nvrtc in process (fast), nvcc as a subprocess; auto takes NVRTC where it can run",
     )  # fmt: skip
     worker_start: str = setting(
-        "zygote", flag="--worker-start", env=WORKER_START_ENV, choices=WORKER_STARTS, check=check_worker_start,
+        "zygote", flag="--worker-start", env=WORKER_START_ENV, choices=WORKER_STARTS, check=_worker_start,
         help="how compile workers start: zygote forks each from one process that imported TileLang once (ready at once), "
         "spawn starts each as a fresh interpreter that imports TileLang itself (seconds each; a way out should forking ever fail)",
     )  # fmt: skip
@@ -362,26 +361,8 @@ class ServiceConfig:
         if unknown:
             raise TypeError(f"not settings: {', '.join(unknown)}")
         values, sources = {}, {}
-        for name, s in SETTINGS.items():
-            value, source = given.get(name), s.flag
-            if value == "":  # an empty flag is no flag, as an empty variable is no variable
-                value = None
-            elif isinstance(value, str) and s.parse is not str:  # text from a caller, as a flag gives it
-                value = s.parse(value)
-            if value is None and s.env and env.get(s.env):
-                value, source = env[s.env], f"${s.env}"
-                try:
-                    value = [s.parse(item) for item in value.split(s.split) if item] if s.form == "repeat" else s.parse(value)
-                except ValueError as exc:
-                    raise ValueError(f"${s.env}: {exc}") from None
-            if value is None:
-                default = _DEFAULTS[name]
-                value, source = (s.computed(env), s.default_text) if s.computed else (default, "default")
-            elif s.form == "repeat":
-                value = tuple(s.parse(v) if isinstance(v, str) else v for v in value) or _DEFAULTS[name]  # no item given: the default (all plugins)
-            if value is not None and s.check and source != "default":
-                s.check(value, s.flag)
-            values[name] = value
+        for name in SETTINGS:
+            values[name], source = resolve_setting(name, given.get(name), env)
             if source != "default":
                 sources[name] = source
         # Rules that join settings.
@@ -412,3 +393,29 @@ class ServiceConfig:
 
 SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in fields(ServiceConfig) if "setting" in f.metadata}
 _DEFAULTS = {f.name: None if f.default is MISSING else f.default for f in fields(ServiceConfig)}
+
+
+def resolve_setting(name: str, given: Any, env=os.environ) -> tuple[Any, str]:
+    """(value, where it came from) of one setting: the value a flag gave (None: not given), else
+    its environment variable, else its default; checked. For commands other than serve that take
+    one of the daemon's settings (prewarm's --worker-start), by the same rule. Raises ValueError
+    naming the flag or variable."""
+    s = SETTINGS[name]
+    value, source = given, s.flag
+    if value == "":  # an empty flag is no flag, as an empty variable is no variable
+        value = None
+    elif isinstance(value, str) and s.parse is not str:  # text from a caller, as a flag gives it
+        value = s.parse(value)
+    if value is None and s.env and env.get(s.env):
+        value, source = env[s.env], f"${s.env}"
+        try:
+            value = [s.parse(item) for item in value.split(s.split) if item] if s.form == "repeat" else s.parse(value)
+        except ValueError as exc:
+            raise ValueError(f"${s.env}: {exc}") from None
+    if value is None:
+        value, source = (s.computed(env), s.default_text) if s.computed else (_DEFAULTS[name], "default")
+    elif s.form == "repeat":
+        value = tuple(s.parse(v) if isinstance(v, str) else v for v in value) or _DEFAULTS[name]  # no item given: the default (all plugins)
+    if value is not None and s.check and source != "default":
+        s.check(value, source)  # names the flag or the variable the value came from
+    return value, source

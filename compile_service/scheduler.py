@@ -314,9 +314,8 @@ class Scheduler:
         self._closing = False
         self._running = 0  # builds a driver is waiting on
         self._warm: set[int] = set()  # pids of workers done warming up
-        self._warm_steps = 0  # warm-up steps going round the queue (or parked: _park_warm_step)
-        self._parked: list[_Job] = []  # warm-up steps held back while builds run (WARM_AFTER_IDLE)
-        self._last_build = -math.inf  # when the last build started or ended (time.monotonic)
+        self._warm_steps = 0  # warm-up steps going round the queue (or held back: _hold_warm_step)
+        self._last_build = -math.inf  # when the last build ended (time.monotonic)
         self._started = threading.Event()  # drivers submit nothing before start_workers()
         self.compiles = compiles
         self._pool = self._new_pool() if compiles else None
@@ -634,7 +633,7 @@ class Scheduler:
             if job.priority == _STOP:
                 return
             if job.priority == _WARM:
-                if not self._closing and not self._park_warm_step(job):
+                if not self._closing and not self._hold_warm_step(job):
                     self._warm_step()
                 continue
             with self._lock:
@@ -643,38 +642,17 @@ class Scheduler:
                 job.flight.stage = _Stage.STARTED
             self._run(job)
 
-    def _park_warm_step(self, job: _Job) -> bool:
-        """Holds a warm-up step back while builds run or have just run (WARM_AFTER_IDLE): the
-        last build to end, or a timer armed here when none runs, puts it back. Returns whether
-        it was held."""
+    def _hold_warm_step(self, job: _Job) -> bool:
+        """While builds run or have just run (WARM_AFTER_IDLE), puts a warm-up step back in the
+        queue later, where it is asked again; returns whether it did."""
         with self._lock:
-            wait = self._last_build + WARM_AFTER_IDLE - time.monotonic()
-            if not self._running and wait <= 0:
-                return False
-            self._parked.append(job)
-            running = self._running
-        if not running:
-            self._release_warm_steps_in(wait)
-        return True
-
-    def _release_warm_steps(self) -> None:
-        """Puts the held warm-up steps back once no build has run for WARM_AFTER_IDLE seconds.
-        Called on a timer by the last build to end; a build running now ends later and calls it again."""
-        with self._lock:
-            if self._running:
-                return
-            wait = self._last_build + WARM_AFTER_IDLE - time.monotonic()
-            if wait <= 0:
-                parked, self._parked = self._parked, []
-                for job in parked:
-                    self._queue.put(job)
-        if wait > 0:
-            self._release_warm_steps_in(wait)
-
-    def _release_warm_steps_in(self, seconds: float) -> None:
-        timer = threading.Timer(seconds, self._release_warm_steps)
+            wait = WARM_AFTER_IDLE if self._running else self._last_build + WARM_AFTER_IDLE - time.monotonic()
+        if wait <= 0:
+            return False
+        timer = threading.Timer(wait, self._queue.put, (job,))
         timer.daemon = True
         timer.start()
+        return True
 
     def _warm_step(self) -> None:
         """One warm-up step on whichever worker is idle; the step goes round again until every
@@ -730,7 +708,6 @@ class Scheduler:
         with self.memory.admit(flight.spec.kind):
             with self._lock:
                 self._running += 1
-                self._last_build = time.monotonic()
             try:
                 if self._closing:
                     raise ShuttingDown("the kernel service shut down before this kernel was compiled")
@@ -743,9 +720,6 @@ class Scheduler:
                 with self._lock:
                     self._running -= 1
                     self._last_build = time.monotonic()
-                    idle = not self._running and self._parked
-                if idle:
-                    self._release_warm_steps_in(WARM_AFTER_IDLE)
 
     def _claim(self, job: _Job) -> Claim:
         """The store's claim on the key before building it: parked first, since a store that

@@ -122,7 +122,7 @@ def test_a_bad_worker_start_is_one_line_for_serve_and_prewarm(tmp_path):
 
     bad = {"KERNEL_SERVICE_WORKER_START": "fork"}
     serve = ["serve", "--socket", str(tmp_path / "s.sock"), "--cache-dir", str(tmp_path / "c"), "--target", "c", "--workers", "1"]
-    assert "--worker-start must be zygote or spawn, got 'fork'" in one_line_error(cli(*serve, env=bad), 2)
+    assert "$KERNEL_SERVICE_WORKER_START must be zygote or spawn, got 'fork'" in one_line_error(cli(*serve, env=bad), 2)
     assert not (tmp_path / "s.sock").exists()
     path = tmp_path / "app.json"
     path.write_text(json.dumps(manifest.make("app", [{"kind": "rmsnorm", "target": "c", "params": {"M": None, "N": 64, "dtype": "float32"}}])))
