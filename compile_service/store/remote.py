@@ -42,7 +42,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..config import without_password
-from .resp import BoundedParser, ReplyTooLarge, budget
+from .resp import BoundedParser, ReplyTooLarge, ReplyTooSlow, budget
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class RedisTier:
             self._count(remote_errors=1)
             log.warning("fleet tier %s: %s", self.url, exc)
             raise TooLarge(str(exc)) from exc
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except (redis.ConnectionError, redis.TimeoutError, ReplyTooSlow) as exc:  # a server this slow is a hung one
             self._count(remote_errors=1)
             with self._lock:
                 if self.state == UP:

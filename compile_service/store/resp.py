@@ -28,8 +28,10 @@ class ReplyTooLarge(redis.RedisError):
     """A call's replies went past the bytes it allowed: the read stopped there."""
 
 
-class ReplyTooSlow(redis.TimeoutError):
-    """A call's replies took longer than it allowed: the read stopped there."""
+class ReplyTooSlow(redis.RedisError):
+    """A call's replies took longer than it allowed: the read stopped there. Not a
+    redis.TimeoutError: redis-py 8.2 re-raises those as a new "Timeout reading from <host>",
+    and the tier should say which bound ended the call."""
 
 
 @contextlib.contextmanager
