@@ -1,6 +1,6 @@
 """The compiler adapter: the one place that drives TileLang (the device compilers in
-devices.py / nvrtc.py, which it installs behind TileLang's device-compile callback,
-are the only other code touching it).
+devices.py / nvrtc.py, which it installs behind TileLang's device-compile callback, and
+the cache of its DSL rewrite in rewrites.py, are the only other code touching it).
 
 Runs inside compile worker processes (see scheduler): lowering holds the GIL
 between passes, so compiles in the daemon's own process would stall request
@@ -29,7 +29,7 @@ from proto import abi as call_abi_schema
 from proto.entry import LIBRARY, SOURCES
 
 from ..keys import toolchain
-from . import devices, nvrtc
+from . import devices, nvrtc, rewrites
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ def worker_init(
         env.TILELANG_CACHE_DIR = str(binaries)  # a forced value: os.environ is left alone
     # TileLang logs every compile at INFO; the daemon reports compiles itself.
     logging.getLogger("tilelang").setLevel(logging.WARNING)
+    rewrites.install()
 
     compile_device = device.callback()
 
