@@ -559,7 +559,7 @@ def _prewarm_tier(args, specs: list[dict]) -> int:
         fleet = with_fleet_tier(store, RedisTier(args.remote, metrics=metrics), metrics).claims
         workers = args.workers or usable_cpus()
         plugin_args = {"modules": tuple(args.kernel_module)}
-        pool = functools.partial(process_pool, start=start)
+        pool = functools.partial(process_pool, start=start, early=False)  # no zygote unless there is something to build
         scheduler = Scheduler(store, workers, len(specs) + 1, plugin_args, device=device, metrics=metrics, pool=pool, start=False)
         wanted, failed = [], []  # wanted: (manifest spec, canonical spec); failed: (spec, reason)
         for spec in specs:

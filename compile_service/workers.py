@@ -130,18 +130,21 @@ def _kill(executor: cf.Executor) -> None:
             proc.kill()
 
 
-def process_pool(workers: int, initargs: tuple, start: str = "zygote") -> Workers:
+def process_pool(workers: int, initargs: tuple, start: str = "zygote", early: bool = True) -> Workers:
     """The daemon's pool: `workers` processes, each dying with the daemon.
 
     `start` "zygote": they fork from one process that imported TileLang once (multiprocessing's
-    forkserver preloading build.zygote), started here so that its import overlaps the daemon's
-    own start. "spawn": each is a fresh interpreter that imports TileLang itself (seconds, and
-    on a 16-core host 16 imports at once).
+    forkserver preloading build.zygote), started here when `early`, so that its import overlaps
+    the daemon's own start, else with the first worker (a caller that may build nothing, as
+    `prewarm --remote` when the tier has it all, then starts no import: the zygote would hold
+    the caller's stdout and stderr open until its import ends). "spawn": each is a fresh
+    interpreter that imports TileLang itself (seconds, and on a 16-core host 16 imports at once).
     """
     if start == "zygote":
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["compile_service.build.zygote"])
-        multiprocessing.forkserver.ensure_running()
+        if early:
+            multiprocessing.forkserver.ensure_running()
     elif start == "spawn":
         context = multiprocessing.get_context("spawn")
     else:

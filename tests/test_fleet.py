@@ -732,21 +732,31 @@ def test_prewarm_remote_fills_the_tier_without_a_daemon_and_serve_only_hosts_ser
         )
     )
 
+    zygotes = tmp_path / "zygotes"  # a line each time the prewarm starts the workers' zygote
+
     def prewarm() -> subprocess.CompletedProcess:
         env = {k: v for k, v in os.environ.items() if k != "KERNEL_SERVICE_SOCKET"} | {"KERNEL_SERVICE_SOCKET": str(tmp_path / "no-daemon.sock")}
-        return subprocess.run(
-            [sys.executable, "-m", "compile_service.cli", "prewarm", str(path), "--remote", writer_url(tier), "--workers", "1", "--kernel-module", "tests.shared_kind"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        args = ["prewarm", str(path), "--remote", writer_url(tier), "--workers", "1", "--kernel-module", "tests.shared_kind"]
+        script = (
+            "import sys; import multiprocessing.forkserver as fs; start = fs.ForkServer.ensure_running\n"
+            "def noted(self):\n"
+            f"    if self._forkserver_pid is None: open({str(zygotes)!r}, 'a').write('started\\n')\n"
+            "    return start(self)\n"
+            "fs.ForkServer.ensure_running = noted; fs.ensure_running = fs._forkserver.ensure_running  # the module's alias too\n"
+            f"from compile_service.cli import main; sys.exit(main({args!r}))"
+        )
+        return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
     first = prewarm()
     assert first.returncode == 0, first.stderr[-3000:]
     assert "built 4, already there 0, failed 0 (of 4 kernels) in the fleet tier redis://fleet-writer:***@" in first.stdout, first.stdout
     assert PASSWORDS["WRITER_PASSWORD"] not in first.stdout + first.stderr
+    assert zygotes.read_text() == "started\n"
     with tier.admin() as r:  # the copy's build (M=None) is shared, not the copy
         assert len(r.keys("ks:entry:*")) == 4 and r.keys("ks:lease:*") == []
     again = prewarm()  # what the tier holds is neither built nor fetched again
     assert again.returncode == 0 and "built 0, already there 4, failed 0" in again.stdout, again.stdout + again.stderr[-2000:]
+    assert zygotes.read_text() == "started\n"  # nor is TileLang imported for nothing: no zygote started
 
     (server,) = start_hosts(make_daemon, serve_only(reader_url(tier), "--kernel-module", "tests.shared_kind"))
     with server.client(strict=True) as c:
