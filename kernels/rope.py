@@ -10,7 +10,9 @@ Elements past rotary_dim (partial rotary) are copied unchanged.
 
 With `packed` the input is one QKV[tokens, heads + 2*kv_heads, head_dim]: a fused QKV GEMM's
 output viewed per head, Q heads first, then K, then V. Q and K are rotated into new
-contiguous outputs; V is left in QKV for the caller (the paged cache takes it as a view).
+contiguous outputs; V is left in QKV for the caller (the paged cache takes it as a view),
+or with `v_out` (packed only) copied unchanged into a third new output Vout[tokens, kv_heads,
+head_dim] in the same launch, for a caller that needs V contiguous (an attention kernel).
 
 With `write_cache` (packed only) the kernel also stores each token's rotated K heads and its
 V heads into K_cache and V_cache [num_slots, kv_heads, head_dim] at row slots[t] (int64):
@@ -43,14 +45,31 @@ def _sizes(T, p):
 def prim_func(T, body, p, tokens, max_pos):
     """The PrimFunc of the ABI (positions, Q, K, cos_sin_cache, Qout, Kout), or with `packed`
     (positions, QKV, cos_sin_cache, Qout, Kout), or with `write_cache` too (positions, QKV,
-    cos_sin_cache, slots, K_cache, V_cache, Qout, Kout), around `body(positions, Q, q0, K, k0,
-    cos_sin_cache, Qout, Kout, slots, K_cache, V_cache)`: query head h is Q[t, q0 + h], key head h
-    K[t, k0 + h], value head h K[t, k0 + kv_heads + h] (Q and K both QKV when packed; the
-    slots and caches None unless written)."""
+    cos_sin_cache, slots, K_cache, V_cache, Qout, Kout), each packed form with a last output Vout
+    with `v_out`, around `body(positions, Q, q0, K, k0, cos_sin_cache, Qout, Kout, slots, K_cache,
+    V_cache, Vout)`: query head h is Q[t, q0 + h], key head h K[t, k0 + h], value head h
+    K[t, k0 + kv_heads + h] (Q and K both QKV when packed; the slots and caches None unless
+    written, Vout None unless asked)."""
     dtype, heads, kv_heads, d = p["dtype"], p["heads"], p["kv_heads"], p["head_dim"]
     q_shape, k_shape, cs_shape = (tokens, heads, d), (tokens, kv_heads, d), (max_pos, p["rotary_dim"])
     qkv_shape = (tokens, heads + 2 * kv_heads, d)
-    if p["write_cache"]:
+    if p["write_cache"] and p["v_out"]:
+        cache_shape = (T.dynamic("num_slots"), kv_heads, d)
+
+        @T.prim_func
+        def main(
+            positions: T.Tensor((tokens,), "int64"),
+            QKV: T.Tensor(qkv_shape, dtype),
+            cos_sin_cache: T.Tensor(cs_shape, dtype),
+            slots: T.Tensor((tokens,), "int64"),
+            K_cache: T.Tensor(cache_shape, dtype),
+            V_cache: T.Tensor(cache_shape, dtype),
+            Qout: T.Tensor(q_shape, dtype),
+            Kout: T.Tensor(k_shape, dtype),
+            Vout: T.Tensor(k_shape, dtype),
+        ):
+            body(positions, QKV, 0, QKV, heads, cos_sin_cache, Qout, Kout, slots, K_cache, V_cache, Vout)
+    elif p["write_cache"]:
         cache_shape = (T.dynamic("num_slots"), kv_heads, d)
 
         @T.prim_func
@@ -64,7 +83,19 @@ def prim_func(T, body, p, tokens, max_pos):
             Qout: T.Tensor(q_shape, dtype),
             Kout: T.Tensor(k_shape, dtype),
         ):
-            body(positions, QKV, 0, QKV, heads, cos_sin_cache, Qout, Kout, slots, K_cache, V_cache)
+            body(positions, QKV, 0, QKV, heads, cos_sin_cache, Qout, Kout, slots, K_cache, V_cache, None)
+    elif p["v_out"]:
+
+        @T.prim_func
+        def main(
+            positions: T.Tensor((tokens,), "int64"),
+            QKV: T.Tensor(qkv_shape, dtype),
+            cos_sin_cache: T.Tensor(cs_shape, dtype),
+            Qout: T.Tensor(q_shape, dtype),
+            Kout: T.Tensor(k_shape, dtype),
+            Vout: T.Tensor(k_shape, dtype),
+        ):
+            body(positions, QKV, 0, QKV, heads, cos_sin_cache, Qout, Kout, None, None, None, Vout)
     elif p["packed"]:
 
         @T.prim_func
@@ -75,7 +106,7 @@ def prim_func(T, body, p, tokens, max_pos):
             Qout: T.Tensor(q_shape, dtype),
             Kout: T.Tensor(k_shape, dtype),
         ):
-            body(positions, QKV, 0, QKV, heads, cos_sin_cache, Qout, Kout, None, None, None)
+            body(positions, QKV, 0, QKV, heads, cos_sin_cache, Qout, Kout, None, None, None, None)
     else:
 
         @T.prim_func
@@ -87,7 +118,7 @@ def prim_func(T, body, p, tokens, max_pos):
             Qout: T.Tensor(q_shape, dtype),
             Kout: T.Tensor(k_shape, dtype),
         ):
-            body(positions, Q, 0, K, 0, cos_sin_cache, Qout, Kout, None, None, None)
+            body(positions, Q, 0, K, 0, cos_sin_cache, Qout, Kout, None, None, None, None)
 
     return main
 
@@ -102,7 +133,8 @@ class RoPE(KernelKind):
         "Rotary embedding: Q[tokens,heads,head_dim], K[tokens,kv_heads,head_dim] rotated by cos_sin_cache[positions[t]] "
         "(int64 positions; cache [max_position, rotary_dim], cos then sin); returns (Q', K'); out=(Q, K) rotates in place. "
         "packed: one QKV[tokens,heads+2*kv_heads,head_dim] (Q, K, then V heads) in place of Q and K; V stays in QKV. "
-        "write_cache (packed): also stores K' and V at rows slots[t] (int64) of K_cache, V_cache [num_slots,kv_heads,head_dim], in place."
+        "write_cache (packed): also stores K' and V at rows slots[t] (int64) of K_cache, V_cache [num_slots,kv_heads,head_dim], in place. "
+        "v_out (packed): also copies V into a new contiguous Vout[tokens,kv_heads,head_dim]; returns (Q', K', V)."
     )
     params = (
         dim("tokens", "tokens (rows of positions, Q, K); None makes it a runtime size", dynamic=True),
@@ -129,8 +161,18 @@ class RoPE(KernelKind):
             doc="packed only: also write K' and V into K_cache, V_cache [num_slots, kv_heads, head_dim] at rows slots[t] "
             "(int64, vLLM's slot mapping; a slot outside the cache is skipped), updating them in place",
         ),
+        Param(
+            "v_out",
+            bool,
+            default=False,
+            doc="packed only: also copy QKV's V heads, unchanged, into a third new output Vout[tokens, kv_heads, head_dim] "
+            "(contiguous, for an attention kernel), in the same launch",
+        ),
         tile("threads", "threads per token (CUDA only)"),
     )
+
+    def output_slots(self, p):
+        return (-3, -2, -1) if p["v_out"] else (-2, -1)
 
     def inplace(self, p):
         # One token per block (a thread on the CPU): its heads are read whole before they are written.
@@ -148,6 +190,8 @@ class RoPE(KernelKind):
             raise InvalidSpec("rotary_dim", f"must be even and at most head_dim ({d}), got {rot}; leave it unset to rotate the whole head")
         if p["write_cache"] and not p["packed"]:
             raise InvalidSpec("write_cache", "needs packed=True (the V heads come from QKV)")
+        if p["v_out"] and not p["packed"]:
+            raise InvalidSpec("v_out", "needs packed=True (the V heads come from QKV)")
         cuda_only(p, target, "threads")
         if target.is_cpu:
             return p
@@ -159,10 +203,12 @@ class RoPE(KernelKind):
         pow2("threads", p["threads"], 32, 1024)
         elems = (p["heads"] + p["kv_heads"]) * d
         size = 4 if p["dtype"] == "float32" else 2
-        if (2 * elems + p["write_cache"] * p["kv_heads"] * d + rot) * size > smem_limit(target):  # inputs and results staged
+        staged_v = p["write_cache"] or p["v_out"]
+        if (2 * elems + staged_v * p["kv_heads"] * d + rot) * size > smem_limit(target):  # inputs and results staged
             raise InvalidSpec(
                 "heads",
-                f"(heads + kv_heads) * head_dim = {elems} elements per token do not fit one block's shared memory on {target}; use fewer heads per call",
+                f"(heads + kv_heads) * head_dim = {elems} elements per token{' (and V: kv_heads * head_dim)' if staged_v else ''} "
+                f"do not fit one block's shared memory on {target}; use fewer heads per call",
             )
         return p
 
@@ -187,7 +233,7 @@ class RoPE(KernelKind):
                 dst[t, h, rot + j] = src[t, h0 + h, rot + j]
 
         @T.macro
-        def body(positions, Q, q0, K, k0, cos_sin_cache, Qout, Kout, slots, K_cache, V_cache):
+        def body(positions, Q, q0, K, k0, cos_sin_cache, Qout, Kout, slots, K_cache, V_cache, Vout):
             with T.Kernel(tokens) as t:
                 # The position's cos/sin row; a position outside the cache reads zeros, as the CUDA form's
                 # bounds-checked copy does, never memory past the cache.
@@ -202,6 +248,9 @@ class RoPE(KernelKind):
                         for h, c in T.grid(p["kv_heads"], d):
                             K_cache[slots[t], h, c] = Kout[t, h, c]
                             V_cache[slots[t], h, c] = K[t, k0 + p["kv_heads"] + h, c]
+                if p["v_out"]:
+                    for h, c in T.grid(p["kv_heads"], d):
+                        Vout[t, h, c] = K[t, k0 + p["kv_heads"] + h, c]
 
         return prim_func(T, body, p, tokens, max_pos)
 
@@ -226,9 +275,9 @@ class RoPE(KernelKind):
                     dst[h, rot + j] = src[h, rot + j]
 
         @T.macro
-        def body(positions, Q, q0, K, k0, cos_sin_cache, Qout, Kout, slots, K_cache, V_cache):
+        def body(positions, Q, q0, K, k0, cos_sin_cache, Qout, Kout, slots, K_cache, V_cache, Vout):
             # One token per block. Its heads (packed: the Q and K heads of its QKV row, and its V
-            # heads only to write the cache) and its cos/sin row are staged in shared memory with
+            # heads only to write the cache or Vout) and its cos/sin row are staged in shared memory with
             # 16-byte coalesced loads, so a pair's two elements (other threads' loads) are both
             # readable; the results are staged there too and stored with 16-byte stores.
             # Everything is read before anything is written: Qout may be Q, Kout K.
@@ -239,16 +288,18 @@ class RoPE(KernelKind):
                 qo_s = T.alloc_shared((heads, d), dtype)
                 ko_s = T.alloc_shared((kv_heads, d), dtype)
                 cs_s = T.alloc_shared((rot,), dtype)
-                v_s = T.alloc_shared((kv_heads if p["write_cache"] else 1, d), dtype)
+                v_s = T.alloc_shared((kv_heads if p["write_cache"] or p["v_out"] else 1, d), dtype)
                 T.copy(Q[t, q0 : q0 + heads, :], q_s)
                 T.copy(K[t, k0 : k0 + kv_heads, :], k_s)
-                if p["write_cache"]:
+                if p["write_cache"] or p["v_out"]:
                     T.copy(K[t, k0 + kv_heads : k0 + 2 * kv_heads, :], v_s)
                 T.copy(cos_sin_cache[positions[t], :], cs_s)
                 rotate(q_s, qo_s, heads, cs_s)
                 rotate(k_s, ko_s, kv_heads, cs_s)
                 T.copy(qo_s, Qout[t, :, :])
                 T.copy(ko_s, Kout[t, :, :])
+                if p["v_out"]:
+                    T.copy(v_s, Vout[t, :, :])
                 if p["write_cache"]:
                     if slots[t] >= 0 and slots[t] < K_cache.shape[0]:
                         T.copy(ko_s, K_cache[slots[t], :, :])
@@ -274,8 +325,11 @@ class RoPE(KernelKind):
         return [positions.to(torch.int64), *qk, cache, slots, *caches]
 
     def reference(self, p, x):
-        """(Q', K'); with write_cache the caches' new rows are cache_rows_reference's."""
+        """(Q', K'), or (Q', K', V) with v_out; with write_cache the caches' new rows are cache_rows_reference's."""
         positions, *qk, cache = x[:-3] if p["write_cache"] else x  # without slots, K_cache, V_cache
+        if p["v_out"]:
+            q, k, v = split_qkv(qk[0], p["heads"], p["kv_heads"])
+            return (*rope_reference(positions, q, k, cache, p["style"]), v.contiguous())
         q, k = split_qkv(qk[0], p["heads"], p["kv_heads"])[:2] if p["packed"] else qk
         return rope_reference(positions, q, k, cache, p["style"])
 

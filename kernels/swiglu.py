@@ -69,8 +69,13 @@ class SwiGLU(KernelKind):
         return {} if p["packed"] else {"Y": "G"}
 
     def check(self, p, target):
-        # GPU: 8x1024 per block of 256 threads is 32 elements (four 16-byte vectors) per thread.
+        # GPU: 8192 elements per block of 256 threads, 32 (four 16-byte vectors) per thread, in
+        # tiles of columns that divide N when a power of two from 1024 down to 128 does: a ragged
+        # last tile of columns (N 1152 in 1024s) runs guarded and mostly idle.
         bm, bn = (4, 64) if target.is_cpu else (8, 1024)
+        if not target.is_cpu and not p["block_N"]:
+            bn = next((b for b in (1024, 512, 256, 128) if p["N"] % b == 0), 1024)
+            bm = 8192 // bn
         p["block_M"] = p["block_M"] or bm
         p["block_N"] = p["block_N"] or bn
         for name in ("block_M", "block_N"):

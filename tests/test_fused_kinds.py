@@ -232,6 +232,72 @@ def test_rope_write_cache_inputs_and_reference_follow_the_convention(cpu_kernel)
     assert torch.equal(ins[4], want_kc) and torch.equal(ins[5], want_vc)
 
 
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("rotary_dim", [None, 12])
+@pytest.mark.parametrize("tokens", [None, 5])
+def test_rope_v_out(cpu_kernel, style, rotary_dim, tokens):
+    """v_out: V's heads copied, unchanged, into a third new contiguous output in the same launch."""
+    k = cpu_kernel("rope", tokens=tokens, style=style, rotary_dim=rotary_dim, packed=True, v_out=True, **ROPE)
+    assert (k.input_names, k.output_names) == (["positions", "QKV", "cos_sin_cache"], ["Qout", "Kout", "Vout"])
+    assert k.inplace == {} and k.writes == []
+    cache = cos_sin_cache(50, rotary_dim or 20)
+    for rows in (1, 37) if tokens is None else (tokens,):
+        pos = torch.randint(0, 50, (rows,), dtype=torch.int64)
+        qkv = torch.randn(rows, 3 + 2 * 2, 20)
+        before = qkv.clone()
+        got_q, got_k, got_v = k(pos, qkv, cache)
+        q, kk, v = split_qkv(qkv, 3, 2)
+        want_q, want_k = rope_reference(pos, q, kk, cache, style)
+        close(got_q, want_q)
+        close(got_k, want_k)
+        assert got_v.is_contiguous() and got_v.shape == (rows, 2, 20) and torch.equal(got_v, v)
+        assert torch.equal(qkv, before)
+
+
+@pytest.mark.parametrize("tokens", [None, 5])
+def test_rope_v_out_with_write_cache(cpu_kernel, tokens):
+    """v_out and write_cache together: the caches take K' and V in place, Vout is V, outputs last."""
+    k = cpu_kernel("rope", tokens=tokens, packed=True, write_cache=True, v_out=True, **ROPE)
+    assert (k.input_names, k.output_names) == (
+        ["positions", "QKV", "cos_sin_cache", "slots", "K_cache", "V_cache"],
+        ["Qout", "Kout", "Vout"],
+    )
+    assert k.writes == ["K_cache", "V_cache"]
+    cache = cos_sin_cache(50, 20)
+    for rows in (1, 37) if tokens is None else (tokens,):
+        pos = torch.randint(0, 50, (rows,), dtype=torch.int64)
+        qkv = torch.randn(rows, 3 + 2 * 2, 20)
+        num_slots = 2 * rows + 1
+        slots = torch.randperm(num_slots)[:rows]
+        if rows > 2:
+            slots[0] = -1
+        k_cache, v_cache = torch.randn(num_slots, 2, 20), torch.randn(num_slots, 2, 20)
+        q, kk, v = split_qkv(qkv, 3, 2)
+        want_q, want_k = rope_reference(pos, q, kk, cache, "neox")
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        got_q, got_k, got_v = k(pos, qkv, cache, slots, k_cache, v_cache)
+        close(got_q, want_q)
+        close(got_k, want_k)
+        assert torch.equal(got_v, v)
+        want_kc, want_vc = cache_rows_reference(got_k, v, slots, k_before, v_before)
+        assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
+
+
+@pytest.mark.parametrize("write_cache", [False, True])
+def test_rope_v_out_reference_follows_the_convention(cpu_kernel, write_cache):
+    """kernels.reference's inputs call a v_out spec as is, and its reference is (Q', K', V)."""
+    from kernels.reference import make_inputs, reference
+
+    k = cpu_kernel("rope", tokens=None, packed=True, write_cache=write_cache, v_out=True, **ROPE)
+    p = k.spec["params"]
+    ins = make_inputs("rope", p)
+    got, want = k(*ins), reference("rope", p, ins)
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        close(g, w)
+    assert torch.equal(got[2], split_qkv(ins[1], 3, 2)[2])
+
+
 def test_rope_refuses_a_cache_that_overlaps_another_input(cpu_kernel):
     k = cpu_kernel("rope", tokens=None, packed=True, write_cache=True, **ROPE)
     pos, qkv, cache, slots = torch.zeros(2, dtype=torch.int64), torch.randn(2, 7, 20), cos_sin_cache(50, 20), torch.tensor([0, 1])
@@ -281,6 +347,27 @@ def test_geglu(cpu_kernel, M, N, packed, approximate):
         assert (other - want).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("kind", ["swiglu", "geglu"])
+@pytest.mark.parametrize(
+    "params,tiles",
+    [
+        ({"N": 14336}, (8, 1024)),  # Llama-3-8B: whole 1024-column tiles
+        ({"N": 1152}, (64, 128)),  # ModernBERT-base: 128 divides it, 1024 does not
+        ({"N": 11008}, (32, 256)),
+        ({"N": 1000}, (8, 1024)),  # no power of two from 128 up divides it
+        ({"N": 1152, "block_M": 16}, (16, 128)),  # a tile given is kept
+        ({"N": 1152, "block_N": 1024}, (8, 1024)),
+    ],
+)
+def test_cuda_tiles_divide_the_row(kind, params, tiles):
+    """On CUDA the default column tile is the largest power of two from 1024 down to 128 that
+    divides N, with 8192 elements per block (32 per thread); the CPU keeps its own tiles."""
+    spec = kernels.canonicalize(kind, {"M": None, "dtype": "float16", **params}, "sm_90a")
+    assert (spec.params["block_M"], spec.params["block_N"]) == tiles
+    cpu = kernels.canonicalize(kind, {"M": None, "dtype": "float32", "N": params["N"]}, "c")
+    assert (cpu.params["block_M"], cpu.params["block_N"]) == (4, 64)
+
+
 # ----- validation
 
 
@@ -309,6 +396,16 @@ def test_geglu(cpu_kernel, M, N, packed, approximate):
         ("geglu", {"M": None, "N": 64, "dtype": "float32", "approximate": "erf"}, "c", "approximate", "not one of"),
         ("geglu", {"M": None, "N": 60, "dtype": "float16", "packed": True}, "sm_90a", "N", "multiple of 8"),
         ("rope", {**ROPE, "tokens": None, "write_cache": True}, "c", "write_cache", "packed=True"),
+        ("rope", {**ROPE, "tokens": None, "v_out": True}, "c", "v_out", "packed=True"),
+        ("rope", {**ROPE, "tokens": None, "packed": True, "v_out": "yes"}, "c", "v_out", "true or false"),
+        # V's staging counts: a token that fits packed does not with v_out.
+        (
+            "rope",
+            {"tokens": None, "heads": 217, "kv_heads": 2, "head_dim": 256, "dtype": "float16", "packed": True, "v_out": True},
+            "sm_90a",
+            "heads",
+            "shared memory",
+        ),
     ],
 )
 def test_rejected(kind, params, target, field, words):
@@ -347,6 +444,8 @@ CUDA_SPECS = [
     ("rope", {"tokens": None, **LLAMA, "dtype": "bfloat16", "packed": True}),
     ("rope", {"tokens": None, "heads": 5, "kv_heads": 1, "head_dim": 72, "rotary_dim": 40, "style": "gptj", "dtype": "float16", "packed": True}),
     ("rope", {"tokens": None, **LLAMA, "dtype": "bfloat16", "packed": True, "write_cache": True}),
+    ("rope", {"tokens": None, "heads": 12, "kv_heads": 12, "head_dim": 64, "dtype": "float16", "packed": True, "v_out": True}),
+    ("rope", {"tokens": None, **LLAMA, "dtype": "bfloat16", "packed": True, "write_cache": True, "v_out": True}),
     ("swiglu", {"M": None, "N": 14336, "dtype": "bfloat16", "packed": True}),
     ("swiglu", {"M": None, "N": 1000, "dtype": "float16", "packed": True}),
     ("geglu", {"M": None, "N": 1152, "dtype": "bfloat16", "packed": True}),
@@ -431,20 +530,22 @@ def test_gpu_layernorm(gpu_client, bias, residual):
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 @pytest.mark.parametrize("rotary_dim", [128, 64])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("packed", [False, True])
-def test_gpu_rope(gpu_client, style, rotary_dim, dtype, packed):
-    k = gpu_client.get_kernel("rope", tokens=None, **LLAMA, rotary_dim=rotary_dim, style=style, dtype=dtype, packed=packed, target="sm_90a")
+@pytest.mark.parametrize("packed,v_out", [(False, False), (True, False), (True, True)])
+def test_gpu_rope(gpu_client, style, rotary_dim, dtype, packed, v_out):
+    k = gpu_client.get_kernel("rope", tokens=None, **LLAMA, rotary_dim=rotary_dim, style=style, dtype=dtype, packed=packed, v_out=v_out, target="sm_90a")
     t = getattr(torch, dtype)
     cache = cos_sin_cache(8192, rotary_dim, base=500000.0, device="cuda").to(t)
     for tokens in (1, 7, 64, 1000, 4096):
         pos = torch.randint(0, 8192, (tokens,), device="cuda", dtype=torch.int64)
         qkv = torch.randn(tokens, 32 + 2 * 8, 128, device="cuda", dtype=t)
-        q, kk, _ = split_qkv(qkv, 32, 8)
+        q, kk, v = split_qkv(qkv, 32, 8)
         want_q, want_k = rope_reference(pos, q, kk, cache, style)
         if packed:
             before = qkv.clone()
-            got_q, got_k = k(pos, qkv, cache)
+            got_q, got_k, *got_v = k(pos, qkv, cache)
             assert torch.equal(qkv, before)  # V (and Q, K) left as they were
+            if v_out:
+                assert got_v[0].is_contiguous() and torch.equal(got_v[0], v)
         else:
             q, kk = q.contiguous(), kk.contiguous()
             got_q, got_k = k(pos, q, kk, cache)
@@ -457,30 +558,45 @@ def test_gpu_rope(gpu_client, style, rotary_dim, dtype, packed):
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gpu_rope_packed_ragged_heads(gpu_client, dtype):
+@pytest.mark.parametrize("v_out", [False, True])
+def test_gpu_rope_packed_ragged_heads(gpu_client, dtype, v_out):
     """Head counts and a head_dim that fill no vector or tile evenly; gptj with partial rotary."""
     heads, kv_heads, d, rot = 5, 1, 72, 40
     k = gpu_client.get_kernel(
-        "rope", tokens=None, heads=heads, kv_heads=kv_heads, head_dim=d, rotary_dim=rot, style="gptj", dtype=dtype, packed=True, target="sm_90a"
+        "rope", tokens=None, heads=heads, kv_heads=kv_heads, head_dim=d, rotary_dim=rot, style="gptj", dtype=dtype, packed=True, v_out=v_out, target="sm_90a"
     )
     t = getattr(torch, dtype)
     cache = cos_sin_cache(1000, rot, device="cuda").to(t)
     for tokens in (1, 33, 777):
         pos = torch.randint(0, 1000, (tokens,), device="cuda", dtype=torch.int64)
         qkv = torch.randn(tokens, heads + 2 * kv_heads, d, device="cuda", dtype=t)
-        q, kk, _ = split_qkv(qkv, heads, kv_heads)
+        q, kk, v = split_qkv(qkv, heads, kv_heads)
         want_q, want_k = rope_reference(pos, q, kk, cache, "gptj")
-        got_q, got_k = k(pos, qkv, cache)
+        got_q, got_k, *got_v = k(pos, qkv, cache)
         _assert_close(got_q, want_q, dtype)
         _assert_close(got_k, want_k, dtype)
+        if v_out:
+            assert torch.equal(got_v[0], v)
 
 
 @needs_gpu
 @pytest.mark.parametrize("heads,kv_heads,d,rot", [(32, 8, 128, 128), (5, 1, 72, 40)])
-def test_gpu_rope_writes_the_cache(gpu_client, heads, kv_heads, d, rot):
-    """write_cache at Llama sizes and ragged ones: cache rows at shuffled slots, padding skipped."""
+@pytest.mark.parametrize("v_out", [False, True])
+def test_gpu_rope_writes_the_cache(gpu_client, heads, kv_heads, d, rot, v_out):
+    """write_cache at Llama sizes and ragged ones: cache rows at shuffled slots, padding skipped
+    (and with v_out, V into Vout too)."""
     k = gpu_client.get_kernel(
-        "rope", tokens=None, heads=heads, kv_heads=kv_heads, head_dim=d, rotary_dim=rot, dtype="bfloat16", packed=True, write_cache=True, target="sm_90a"
+        "rope",
+        tokens=None,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=d,
+        rotary_dim=rot,
+        dtype="bfloat16",
+        packed=True,
+        write_cache=True,
+        v_out=v_out,
+        target="sm_90a",
     )
     cache = cos_sin_cache(5000, rot, device="cuda").to(torch.bfloat16)
     for tokens in (1, 8, 777):
@@ -494,9 +610,11 @@ def test_gpu_rope_writes_the_cache(gpu_client, heads, kv_heads, d, rot):
         q, kk, v = split_qkv(qkv, heads, kv_heads)
         want_q, want_k = rope_reference(pos, q, kk, cache, "neox")
         k_before, v_before = k_cache.clone(), v_cache.clone()
-        got_q, got_k = k(pos, qkv, cache, slots, k_cache, v_cache)
+        got_q, got_k, *got_v = k(pos, qkv, cache, slots, k_cache, v_cache)
         _assert_close(got_q, want_q, "bfloat16")
         _assert_close(got_k, want_k, "bfloat16")
+        if v_out:
+            assert torch.equal(got_v[0], v)
         want_kc, want_vc = cache_rows_reference(got_k, v, slots, k_before, v_before)
         assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
     # The caches it updates may not alias another input, on the plain CUDA call as everywhere.
