@@ -195,7 +195,7 @@ def test_modernbert_swapped_and_matches_padded(berts, monkeypatch):
     ref, model = berts
     r = model.kernel_service
     assert r.backend == "kernel-service"
-    assert set(r.swapped.values()) == {"layernorm", "rope", "attention", "geglu"} and not r.kept, r
+    assert set(r.swapped.values()) == {"layernorm", "rope", "attention + rope", "geglu"} and not r.kept, r
     assert all(v == "layernorm" for k, v in r.swapped.items() if "norm" in k)
     assert [k for k, v in r.swapped.items() if v == "geglu"] == [f"layers.{i}.mlp" for i in range(3)]
     assert model.layers[0].mlp.forward.__func__ is hf.GeGLUMLPLayer.forward
@@ -232,40 +232,76 @@ def test_modernbert_swapped_and_matches_padded(berts, monkeypatch):
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 
-def test_modernbert_rope_reads_the_fused_qkv_in_place(berts, monkeypatch):
-    """ModernBERT's query and key are head views of Wqkv's output: rope reads that buffer (its packed
-    form), with no copy of Q and K first; query and key of separate projections are not packed."""
+def test_modernbert_residual_adds_are_fused(berts, monkeypatch):
+    """Each encoder layer adds the attention output in its mlp_norm kernel (layernorm with
+    `residual`) and the MLP output in the MLP's Wo GEMM: neither the separate mlp_norm kernel
+    nor the MLP module's own forward runs, and the output matches transformers' eager."""
     ref, model = berts
-    (entry,) = [e for e in hf._ROPE.values() if e.report is model.kernel_service]
-    assert entry.more["packed"].spec["params"]["packed"]
+    assert all(model.kernel_service.swapped[f"layers.{i}"] == "layernorm" for i in range(3))
     counts = collections.Counter()
-    for slot, name in ((entry, "kernel"), (entry.more, "packed")):
-        kernel = slot[name] if slot is entry.more else slot.kernel
+    for i, layer in enumerate(model.layers):
+        assert layer.forward.__func__ is hf.EncoderLayer.forward
+        entry = vars(layer)[hf._ATTR]
+        assert entry.kernel.spec["params"]["residual"]
 
-        def call(*args, kernel=kernel, name=name):
-            counts[name] += 1
-            return kernel(*args)
+        def count(what, fn):
+            def call(*args, **kwargs):
+                counts[what] += 1
+                return fn(*args, **kwargs)
 
-        (monkeypatch.setitem if slot is entry.more else monkeypatch.setattr)(slot, name, call)
+            return call
+
+        monkeypatch.setattr(entry, "kernel", count("residual", entry.kernel))
+        monkeypatch.setattr(vars(layer.mlp_norm)[hf._ATTR], "kernel", count("mlp_norm", vars(layer.mlp_norm)[hf._ATTR].kernel))
+        monkeypatch.setitem(vars(layer.mlp), "forward", count("mlp", layer.mlp.forward))
     ids = torch.randint(3, VOCAB, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
     with torch.inference_mode():
-        out = model(ids).last_hidden_state
+        out = model(ids, attention_mask=mask).last_hidden_state
     with torch.inference_mode(), own_rotary(modeling_modernbert):
-        want = ref(ids).last_hidden_state
-    assert counts == {"packed": 3}  # every layer, and never the copying form
-    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+        want = ref(ids, attention_mask=mask).last_hidden_state
+    assert counts == {"residual": 3}
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], want[valid], atol=2e-5, rtol=1e-4)
 
-    b, s, h, kvh, d = 2, 5, 4, 2, 8
-    qkv = torch.randn(b, s, (h + 2 * kvh) * d)
-    heads = qkv.view(b, s, h + 2 * kvh, d).transpose(1, 2)  # [B, heads, S, D]
-    q, k = heads[:, :h], heads[:, h : h + kvh]
-    got = hf.packed_qkv(q, k)
-    assert got is not None and got.data_ptr() == qkv.data_ptr() and torch.equal(got, qkv.view(b * s, h + 2 * kvh, d))
-    assert hf.packed_qkv(q, heads[:, h + 1 : h + 1 + kvh]) is None  # key heads not right after the query heads
-    assert hf.packed_qkv(heads[:, kvh + 2 * kvh - 2 :][:, :h], k) is None
-    separate = torch.randn(b, s, h, d).transpose(1, 2), torch.randn(b, s, kvh, d).transpose(1, 2)  # Llama's q_proj, k_proj
-    assert hf.packed_qkv(*separate) is None
-    assert hf.packed_qkv(q[:, :, :, :4], k[:, :, :, :4]) is None  # not whole heads
+
+def test_modernbert_attention_takes_q_k_and_v_from_one_rope_call(berts, monkeypatch):
+    """ModernBERT's attention module is served whole: rope's packed form reads Q and K in Wqkv's
+    output and copies V out (v_out), and the attention kernel takes those three: neither the
+    process-wide rotary wrapper nor the module's own forward runs."""
+    ref, model = berts
+    r = model.kernel_service
+    assert all(r.swapped[f"layers.{i}.attn"] == "attention + rope" for i in range(3))
+    counts = collections.Counter()
+    (wrapper,) = [e for e in hf._ROPE.values() if e.report is r]
+
+    def count(what, fn):
+        def call(*args, **kwargs):
+            counts[what] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(wrapper, "kernel", count("copying rope", wrapper.kernel))
+    for layer in model.layers:
+        entry = vars(layer.attn)[hf._ATTR]
+        assert layer.attn.forward.__func__ is hf.QKVAttentionLayer.forward
+        assert entry.more["qkv_rope"].spec["params"]["v_out"]
+        monkeypatch.setitem(entry.more, "qkv_rope", count("qkv_rope", entry.more["qkv_rope"]))
+        monkeypatch.setitem(entry.more, "varlen", count("varlen", entry.more["varlen"]))
+    ids = torch.randint(3, VOCAB, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[2, 7:] = 0
+    before = dict(r.calls)
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask).last_hidden_state
+    with torch.inference_mode(), own_rotary(modeling_modernbert):
+        want = ref(ids, attention_mask=mask).last_hidden_state
+    assert counts == {"qkv_rope": 3, "varlen": 3}
+    assert r.calls["rope"] - before.get("rope", 0) == 3 and r.calls["attention"] - before.get("attention", 0) == 3
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], want[valid], atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("act, served", [("gelu_pytorch_tanh", True), ("gelu_new", False), ("silu", False)])

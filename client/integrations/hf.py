@@ -13,9 +13,14 @@ here, and through transformers' attention interfaces, keeping the model's own we
 - ModernBERT's GLU MLP (`Wo(act(input) * gate)`, `input | gate` one `Wi` output, GELU) -> `geglu`
   (packed) between its own `Wi` and `Wo`;
 - `nn.LayerNorm` with weights (ModernBERT; this model's instances only) -> `layernorm`;
+- ModernBERT's encoder layer, its two residual adds fused away: the attention output's into
+  `mlp_norm` (`layernorm` with `residual`: one kernel writes the sum and its norm), the MLP's into
+  its `Wo` GEMM (accumulated onto that sum, a tensor the layer owns);
 - rotary (the modeling module's `apply_rotary_pos_emb`, replaced by a wrapper) -> `rope` with the
-  model's own cos/sin as the cache; where query and key are head views of a fused QKV
-  projection's output (ModernBERT's `Wqkv`), `rope` packed reads them there, with no copy first;
+  model's own cos/sin as the cache;
+- an attention module with one fused QKV projection (ModernBERT's `Wqkv`) is swapped whole:
+  `rope` packed reads Q and K in `Wqkv`'s output and copies V out beside them (`v_out`), one
+  launch, then the attention below and the module's own `Wo`;
 - attention, registered as `AttentionInterface` / `AttentionMaskInterface` "kernel_service":
   `attention` for prefill and encoders, `kv_attention` for decode steps against a KV cache. A
   padded batch (and ModernBERT's sliding-window layers, at any length) is one `attention` call
@@ -97,7 +102,7 @@ class _Entry:
     report: Report
     dtype: torch.dtype
     device_type: str
-    more: dict = dataclasses.field(default_factory=dict)  # attention: the kv_attention and varlen kernels, the window; rope: the packed kernel
+    more: dict = dataclasses.field(default_factory=dict)  # attention: the kv_attention, varlen and qkv_rope kernels, the window
 
 
 def _served(entry, module, *tensors):
@@ -145,6 +150,37 @@ class LayerNormLayer(nn.Module):
         return entry.kernel(*args).view(input.shape)
 
 
+class EncoderLayer(nn.Module):
+    """ModernBERT's encoder layer (`h += attn(attn_norm(h)); h += mlp(mlp_norm(h))`) without its two
+    residual adds: `layernorm` with `residual` takes the attention output and the layer's input and
+    writes their sum and its norm, and the MLP adds onto that sum in place (add_mlp)."""
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
+        entry = _served(self.__dict__.get(_ATTR), self, hidden_states, self.mlp_norm.weight)
+        if entry is None:
+            return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_embeddings=position_embeddings, **kwargs)
+        attn_output, _ = self.attn(self.attn_norm(hidden_states), position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        n, norm = hidden_states.shape[-1], self.mlp_norm
+        bias = (norm.bias,) if norm.bias is not None else ()
+        normed, summed = entry.kernel(attn_output.reshape(-1, n), hidden_states.reshape(-1, n), norm.weight, *bias)
+        return add_mlp(self.mlp, normed, summed).view(hidden_states.shape)
+
+
+def add_mlp(mlp, x, out):
+    """out += mlp(x), in place (`out`: a tensor the caller owns). A served GLU MLP's `Wo` GEMM
+    accumulates onto `out` itself (addmm_: the GEMM's epilogue adds), instead of a separate add."""
+    entry = mlp.__dict__.get(_ATTR)
+    entry = _served(entry, mlp, x, mlp.Wi.weight) if entry is not None and entry.kind == "geglu" and type(mlp.Wo) is nn.Linear else None
+    if entry is None:
+        return out.add_(mlp(x).view(out.shape))
+    h = mlp.Wi(x)
+    out.addmm_(entry.kernel(h.reshape(-1, h.shape[-1])), mlp.Wo.weight.t())  # dropout: identity in eval
+    return out if mlp.Wo.bias is None else out.add_(mlp.Wo.bias)
+
+
 class SwiGLUMLPLayer(nn.Module):
     can_torch_compile = True
     has_backward = False
@@ -181,42 +217,56 @@ class RotaryLayer(nn.Module):
 
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
         entry = None
-        if unsqueeze_dim == 1 and q.dim() == 4 and cos.dim() == 3 and cos.shape[-1] == q.shape[-1] and cos.shape[0] in (1, q.shape[0]):
+        if unsqueeze_dim == 1 and q.dim() == 4 and _rope_fits(cos, q.shape[0], q.shape[-1]):
             entry = _served(_ROPE.get((q.shape[1], k.shape[1], q.shape[-1], q.dtype, q.device.type)), None, q, k)
         if entry is None:
             return self(q, k, cos, sin, unsqueeze_dim)
         b, h, s, d = q.shape
         kvh = k.shape[1]
-        # The kernel's cache is [rows, cos | sin] (vLLM's layout); each token's own row is its cos/sin.
-        cache = torch.cat((cos[..., : d // 2], sin[..., : d // 2]), dim=-1).reshape(-1, d).to(q.dtype)
-        positions = torch.arange(cache.shape[0], device=q.device)
-        if cos.shape[0] != b:
-            positions = positions.repeat(b)
-        packed = entry.more.get("packed")
-        qkv = None if packed is None or torch.compiler.is_compiling() else packed_qkv(q, k)
-        if qkv is not None:  # a fused QKV projection's heads, read in place: no copy of Q and K first
-            qo, ko = packed(positions, qkv, cache.contiguous())
-        else:
-            qo, ko = entry.kernel(
-                positions, q.transpose(1, 2).reshape(b * s, h, d).contiguous(), k.transpose(1, 2).reshape(b * s, kvh, d).contiguous(), cache.contiguous()
-            )
+        positions, cache = _rope_rows(cos, sin, b, q.dtype)
+        qo, ko = entry.kernel(positions, q.transpose(1, 2).reshape(b * s, h, d).contiguous(), k.transpose(1, 2).reshape(b * s, kvh, d).contiguous(), cache)
         return qo.view(b, s, h, d).transpose(1, 2), ko.view(b, s, kvh, d).transpose(1, 2)
 
 
-def packed_qkv(q, k):
-    """The QKV[tokens, heads + 2*kv_heads, head_dim] that query [B, H, S, D] and key [B, Hkv, S, D]
-    are head views of (a fused QKV projection's output, viewed per head and transposed, as
-    ModernBERT's attention does), or None when they are not."""
-    b, h, s, d = q.shape
-    kvh = k.shape[1]
-    w = (h + 2 * kvh) * d  # one token's row
-    if k.shape != (b, kvh, s, d) or q.stride() != (s * w, d, w, 1) or k.stride() != q.stride() or k.dtype != q.dtype:
-        return None
-    if k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr() or k.storage_offset() != q.storage_offset() + h * d:
-        return None
-    if q.storage_offset() + b * s * w > q.untyped_storage().nbytes() // q.element_size():  # V's heads past the storage
-        return None
-    return q.as_strided((b * s, h + 2 * kvh, d), (w, d, 1))
+def _rope_fits(cos, batch, head_dim) -> bool:
+    """Whether transformers' cos/sin ([batch or 1, seq, head_dim]) become `rope`'s cache rows (_rope_rows)."""
+    return cos.dim() == 3 and cos.shape[-1] == head_dim and cos.shape[0] in (1, batch)
+
+
+def _rope_rows(cos, sin, batch, dtype):
+    """(positions, cos_sin_cache) for `rope`: the kernel's cache is [rows, cos | sin] (vLLM's layout),
+    and each token's own row is its cos/sin."""
+    d = cos.shape[-1]
+    cache = torch.cat((cos[..., : d // 2], sin[..., : d // 2]), dim=-1).reshape(-1, d).to(dtype)
+    positions = torch.arange(cache.shape[0], device=cos.device)
+    if cos.shape[0] != batch:
+        positions = positions.repeat(batch)
+    return positions, cache.contiguous()
+
+
+class QKVAttentionLayer(nn.Module):
+    """ModernBERT's attention module (one fused `Wqkv` projection): `rope` packed reads Q and K where
+    `Wqkv` wrote them and copies V out beside them (`v_out`), in one launch, so the attention kernel
+    gets three contiguous tensors with no copy in between; then the module's own `Wo`."""
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        entry = self.__dict__.get(_ATTR)
+        cos, sin = position_embeddings
+        b, s = hidden_states.shape[:2]
+        h, d = self.config.num_attention_heads, self.head_dim
+        if not _rope_fits(cos, b, d) or _served(entry, self, hidden_states, self.Wqkv.weight) is None:
+            return type(self).forward(self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        if not torch.compiler.is_compiling():  # counted as attention by _served: the rope of this call
+            entry.report.calls["attention"] -= 1
+            entry.report.calls["rope"] += 1
+        qkv = self.Wqkv(hidden_states)
+        positions, cache = _rope_rows(cos, sin, b, qkv.dtype)
+        q, k, v = (t.view(b, s, h, d).transpose(1, 2) for t in entry.more["qkv_rope"](positions, qkv.view(b * s, 3 * h, d), cache))
+        out, _ = _attention(self, q, k, v, attention_mask, dropout=0.0, scaling=d**-0.5, sliding_window=self.sliding_window, **kwargs)
+        return self.out_drop(self.Wo(out.reshape(b, s, -1))), None
 
 
 # ----- attention
@@ -416,6 +466,8 @@ def _known():
         "rmsnorm": {_code(llama.LlamaRMSNorm.forward)},
         "swiglu": {_code(llama.LlamaMLP.forward)},
         "geglu": {_code(modernbert.ModernBertMLP.forward)},
+        "encoder_layer": {_code(modernbert.ModernBertEncoderLayer.forward)},
+        "qkv_attention": {_code(modernbert.ModernBertAttention.forward)},
         "rope": {_code(_unwrapped(llama.apply_rotary_pos_emb)), _code(_unwrapped(modernbert.apply_rotary_pos_emb))},
     }
 
@@ -468,6 +520,14 @@ def _plan(model, device, dtype, target):
                 kept[name] = f"activation {type(m.act).__name__} is not torch's GELU (geglu serves F.gelu, exact or tanh)"
             else:
                 plans.append((name, m, "geglu", {"M": None, "N": m.Wo.in_features, "packed": True, "approximate": approximate}))
+        elif code in known["encoder_layer"]:
+            norm = m.mlp_norm
+            if type(norm) is not nn.LayerNorm or norm.weight is None or len(norm.normalized_shape) != 1:
+                kept[name] = "mlp_norm is not a layernorm with weights over one dim (the residual add is fused into it)"
+            else:
+                plans.append(
+                    (name, m, "layernorm", {"M": None, "N": norm.normalized_shape[0], "eps": float(norm.eps), "bias": norm.bias is not None, "residual": True})
+                )
         elif cls is nn.LayerNorm:
             if m.weight is None or len(m.normalized_shape) != 1:
                 kept[name] = "layernorm serves one normalized dim with weights"
@@ -490,15 +550,14 @@ def _plan(model, device, dtype, target):
             fn = getattr(modeling, "apply_rotary_pos_emb", None)
             if fn is not None and "apply_rotary_pos_emb" in getattr(getattr(fwd, "__code__", None), "co_names", ()):
                 if _code(_unwrapped(fn)) in known["rope"]:
-                    slot = rotary.setdefault(tuple(shape.values()), [f"{name}.rotary_pos_emb", set(), shape, False])
+                    slot = rotary.setdefault(tuple(shape.values()), [f"{name}.rotary_pos_emb", set(), shape])
                     slot[1].add(modeling)
-                    slot[3] = slot[3] or hasattr(m, "Wqkv")
+                    if code in known["qkv_attention"]:  # the whole module: QKVAttentionLayer
+                        plans.append((name, m, "rope", {"tokens": None, "max_position": None, "style": "neox", "packed": True, "v_out": True, **shape}))
                 else:
                     kept[f"{name}.rotary_pos_emb"] = "not a rotary form this integration knows"
-    for key, (name, modelings, shape, fused) in rotary.items():
+    for key, (name, modelings, shape) in rotary.items():
         plans.append((name, modelings, "rope", {"tokens": None, "max_position": None, "style": "neox", **shape}))
-        if fused:  # a fused QKV projection (ModernBERT's Wqkv): rope reads Q and K in place (packed)
-            plans.append((name, modelings, "rope", {"tokens": None, "max_position": None, "style": "neox", "packed": True, **shape}))
     for i, (name, m, kind, params) in enumerate(plans):
         plans[i] = (name, m, kind, {**params, "dtype": dtype, "target": target})
     return plans, kept
@@ -518,15 +577,21 @@ def _key(kind, params):
 _LAYERS = {"rmsnorm": RMSNormLayer, "swiglu": SwiGLUMLPLayer, "geglu": GeGLUMLPLayer, "layernorm": LayerNormLayer, "rope": RotaryLayer}
 
 
+def _layer(entry):
+    """The layer class whose forward an entry's module takes."""
+    return EncoderLayer if entry.kind == "layernorm" and entry.more["params"].get("residual") else _LAYERS[entry.kind]
+
+
 def _rider(kind, params):
     """The key a plan's kernel takes in its module's entry (`_Entry.more`) when it rides on another
-    plan's: attention's decode and varlen forms, rope's packed form; None for a plan of its own."""
+    plan's: attention's decode and varlen forms, and the rope of a fused-QKV attention module;
+    None for a plan of its own."""
     if kind == "kv_attention":
         return kind
     if kind == "attention" and params.get("varlen"):
         return "varlen"
-    if kind == "rope" and params.get("packed"):
-        return "packed"
+    if kind == "rope" and params.get("v_out"):
+        return "qkv_rope"
     return None
 
 
@@ -586,7 +651,7 @@ def _serve(model, report: Report, client, strict: bool, device: torch.device, dt
     for name, (m, entry) in entries.items():
         if entry.kind == "attention":
             continue
-        layer = _LAYERS[entry.kind]
+        layer = _layer(entry)
         if entry.kind == "rope":
             p = entry.more["params"]
             _ROPE[(p["heads"], p["kv_heads"], p["head_dim"], dtype, device.type)] = entry
@@ -610,6 +675,9 @@ def _serve(model, report: Report, client, strict: bool, device: torch.device, dt
         for name, (m, entry) in attn.items():
             vars(m)[_ATTR] = entry
             report.swapped[name] = "attention" + (" + kv_attention" if "kv_attention" in entry.more else "")
+            if "qkv_rope" in entry.more:
+                vars(m)["forward"] = types.MethodType(QKVAttentionLayer.forward, m)
+                report.swapped[name] += " + rope"
         model.set_attn_implementation(ATTN)
     if strict and report.kept:
         name, why = next(iter(report.kept.items()))
