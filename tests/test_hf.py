@@ -435,3 +435,14 @@ def test_no_hugging_face_kernels_distribution():
     assert "kernels.layer" not in sys.modules and "client.integrations.hf" in sys.modules
     for layer in (hf.RMSNormLayer, hf.SwiGLUMLPLayer, hf.LayerNormLayer, hf.RotaryLayer):  # the layer contract
         assert layer.can_torch_compile and not layer.has_backward and "__init__" not in vars(layer)
+
+
+def test_rope_rows_are_made_once_per_cos_and_sin():
+    """Every layer of a type gets the same cos/sin: their rows for `rope` are made once per forward."""
+    cos, sin = torch.randn(1, 6, 8), torch.randn(1, 6, 8)
+    positions, cache = hf._rope_rows(cos, sin, 3, torch.float32)
+    assert torch.equal(positions, torch.arange(6).repeat(3)) and torch.equal(cache, torch.cat((cos[0, :, :4], sin[0, :, :4]), dim=-1))
+    again = hf._rope_rows(cos, sin, 3, torch.float32)
+    assert again[0] is positions and again[1] is cache
+    other = hf._rope_rows(cos, torch.randn(1, 6, 8), 3, torch.float32)  # another sin: made again
+    assert other[1] is not cache and not torch.equal(other[1], cache)

@@ -235,13 +235,20 @@ def _rope_fits(cos, batch, head_dim) -> bool:
 
 def _rope_rows(cos, sin, batch, dtype):
     """(positions, cos_sin_cache) for `rope`: the kernel's cache is [rows, cos | sin] (vLLM's layout),
-    and each token's own row is its cos/sin."""
-    d = cos.shape[-1]
-    cache = torch.cat((cos[..., : d // 2], sin[..., : d // 2]), dim=-1).reshape(-1, d).to(dtype)
-    positions = torch.arange(cache.shape[0], device=cos.device)
-    if cos.shape[0] != batch:
-        positions = positions.repeat(batch)
-    return positions, cache.contiguous()
+    and each token's own row is its cos/sin. Made once per forward and cos/sin pair (every layer
+    of a type gets the same), outside a trace."""
+
+    def compute():
+        d = cos.shape[-1]
+        cache = torch.cat((cos[..., : d // 2], sin[..., : d // 2]), dim=-1).reshape(-1, d).to(dtype)
+        positions = torch.arange(cache.shape[0], device=cos.device)
+        if cos.shape[0] != batch:
+            positions = positions.repeat(batch)
+        return positions, cache.contiguous()
+
+    if torch.compiler.is_compiling():
+        return compute()
+    return _per_forward(cos, ("rope rows", id(sin), batch, dtype), compute)
 
 
 class QKVAttentionLayer(nn.Module):
@@ -365,19 +372,20 @@ def _serve_attention(entry, module, query, key, value, mask, sliding_window):
     return varlen(Q.contiguous(), K.contiguous(), V.contiguous(), ranges), "attention"
 
 
-_PER_MASK: dict = {}  # (id(mask), what) -> (weakref to the mask, result): one check per mask and forward, not per layer
+_PER_FORWARD: dict = {}  # (id(tensor), what) -> (weakref to the tensor, result): once per forward, not per layer
 
 
-def _per_mask(mask, what, compute):
-    """compute() for this mask object, once: every layer of a forward gets the same mask."""
-    slot = (id(mask), what)
-    hit = _PER_MASK.get(slot)
-    if hit is not None and hit[0]() is mask:
+def _per_forward(tensor, what, compute):
+    """compute() for this tensor object, once: every layer of a forward gets the same mask, and
+    the same cos/sin (one per layer type)."""
+    slot = (id(tensor), what)
+    hit = _PER_FORWARD.get(slot)
+    if hit is not None and hit[0]() is tensor:
         return hit[1]
     result = compute()
-    for k in [k for k, (ref, _) in _PER_MASK.items() if ref() is None]:
-        del _PER_MASK[k]
-    _PER_MASK[slot] = (weakref.ref(mask), result)
+    for k in [k for k, (ref, _) in _PER_FORWARD.items() if ref() is None]:
+        del _PER_FORWARD[k]
+    _PER_FORWARD[slot] = (weakref.ref(tensor), result)
     return result
 
 
@@ -407,7 +415,7 @@ def _key_ranges(mask, b, kv, causal, window):
             want = want & ((i - j).abs() <= window)
         return torch.stack((lo, hi), 1).to(torch.int32) if torch.equal(want.expand_as(m), m) else None
 
-    return _per_mask(mask, ("prefill", causal, window), compute)
+    return _per_forward(mask, ("prefill", causal, window), compute)
 
 
 def _full_ranges(b, kv, device):
@@ -424,7 +432,7 @@ def _decode_runs(mask, b, kv):
         one_run, at_zero = torch.stack(((seen.sum(1) == hi - lo).all(), (lo == 0).all())).tolist()  # one sync
         return (lo, (hi - lo).to(torch.int32), at_zero) if one_run else None
 
-    return _per_mask(mask, "decode", compute)
+    return _per_forward(mask, "decode", compute)
 
 
 def _padded_decode(kv_attn, causal, Q, K, V, mask):
