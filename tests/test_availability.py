@@ -285,11 +285,10 @@ def test_waiting_calls_past_the_cap_are_refused_busy_and_hits_go_on(daemon):
         waiters.wait()
     busy, held, *others = line
     assert int(held) == MAX_WAITING, line
-    # Every call past the cap ended at once, most of them BUSY. In full test sessions (never alone,
-    # in 12 runs) a few of the 1100 ended CANCELLED instead: gRPC cut them in transport (one call in
-    # two sessions, three in a CI run), a status clients retry as they do UNAVAILABLE
-    # (wire.Status.RETRYABLE); no other status is allowed.
-    assert int(busy) + len(others) == 76 and int(busy) >= 76 * 3 // 4 and set(others) <= {c.name for c in wire.Status.RETRYABLE}, line
+    # Every call past the cap ended at once. In two full test sessions (never alone, in 9 runs under
+    # load) one call of the 1100 ended CANCELLED instead of BUSY: gRPC cut it in transport, a status
+    # clients retry as they do UNAVAILABLE (wire.Status.RETRYABLE); no other status is allowed.
+    assert int(busy) + len(others) == 76 and len(others) <= 2 and set(others) <= {c.name for c in wire.Status.RETRYABLE}, line
     assert statistics.median(seconds) < HIT_P99, f"hit p50 {statistics.median(seconds) * 1000:.1f} ms"
 
 
