@@ -188,12 +188,15 @@ def test_rope_packed(cpu_kernel, style, rotary_dim, tokens):
         assert torch.equal(qkv, before)  # V (and Q, K) left as they were
 
 
+@pytest.mark.parametrize("v_out", [False, True])
 @pytest.mark.parametrize("tokens", [None, 5])
-def test_rope_writes_k_and_v_into_the_cache(cpu_kernel, tokens):
+def test_rope_writes_k_and_v_into_the_cache(cpu_kernel, tokens, v_out):
     """write_cache: K' and V land at rows slots[t] of the caches, in place; other rows, and rows a
-    slot outside the cache (-1, or past the end) would name, are untouched; Q' and K' as before."""
-    k = cpu_kernel("rope", tokens=tokens, packed=True, write_cache=True, **ROPE)
-    assert (k.input_names, k.output_names) == (["positions", "QKV", "cos_sin_cache", "slots", "K_cache", "V_cache"], ["Qout", "Kout"])
+    slot outside the cache (-1, or past the end) would name, are untouched; Q' and K' as before,
+    and with v_out V too, the last output."""
+    k = cpu_kernel("rope", tokens=tokens, packed=True, write_cache=True, v_out=v_out, **ROPE)
+    outputs = ["Qout", "Kout", "Vout"] if v_out else ["Qout", "Kout"]
+    assert (k.input_names, k.output_names) == (["positions", "QKV", "cos_sin_cache", "slots", "K_cache", "V_cache"], outputs)
     assert k.writes == ["K_cache", "V_cache"] and "Updates in place: K_cache, V_cache" in k.__doc__
     cache = cos_sin_cache(50, 20)
     for rows in (1, 37) if tokens is None else (tokens,):
@@ -207,9 +210,10 @@ def test_rope_writes_k_and_v_into_the_cache(cpu_kernel, tokens):
         q, kk, v = split_qkv(qkv, 3, 2)
         want_q, want_k = rope_reference(pos, q, kk, cache, "neox")
         k_before, v_before = k_cache.clone(), v_cache.clone()
-        got_q, got_k = k(pos, qkv, cache, slots, k_cache, v_cache)
+        got_q, got_k, *got_v = k(pos, qkv, cache, slots, k_cache, v_cache)
         close(got_q, want_q)
         close(got_k, want_k)
+        assert [g.shape for g in got_v] == ([v.shape] if v_out else []) and all(torch.equal(g, v) for g in got_v)
         want_kc, want_vc = cache_rows_reference(got_k, v, slots, k_before, v_before)  # the rows are K' itself, and V
         assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
 
@@ -252,35 +256,6 @@ def test_rope_v_out(cpu_kernel, style, rotary_dim, tokens):
         close(got_k, want_k)
         assert got_v.is_contiguous() and got_v.shape == (rows, 2, 20) and torch.equal(got_v, v)
         assert torch.equal(qkv, before)
-
-
-@pytest.mark.parametrize("tokens", [None, 5])
-def test_rope_v_out_with_write_cache(cpu_kernel, tokens):
-    """v_out and write_cache together: the caches take K' and V in place, Vout is V, outputs last."""
-    k = cpu_kernel("rope", tokens=tokens, packed=True, write_cache=True, v_out=True, **ROPE)
-    assert (k.input_names, k.output_names) == (
-        ["positions", "QKV", "cos_sin_cache", "slots", "K_cache", "V_cache"],
-        ["Qout", "Kout", "Vout"],
-    )
-    assert k.writes == ["K_cache", "V_cache"]
-    cache = cos_sin_cache(50, 20)
-    for rows in (1, 37) if tokens is None else (tokens,):
-        pos = torch.randint(0, 50, (rows,), dtype=torch.int64)
-        qkv = torch.randn(rows, 3 + 2 * 2, 20)
-        num_slots = 2 * rows + 1
-        slots = torch.randperm(num_slots)[:rows]
-        if rows > 2:
-            slots[0] = -1
-        k_cache, v_cache = torch.randn(num_slots, 2, 20), torch.randn(num_slots, 2, 20)
-        q, kk, v = split_qkv(qkv, 3, 2)
-        want_q, want_k = rope_reference(pos, q, kk, cache, "neox")
-        k_before, v_before = k_cache.clone(), v_cache.clone()
-        got_q, got_k, got_v = k(pos, qkv, cache, slots, k_cache, v_cache)
-        close(got_q, want_q)
-        close(got_k, want_k)
-        assert torch.equal(got_v, v)
-        want_kc, want_vc = cache_rows_reference(got_k, v, slots, k_before, v_before)
-        assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
 
 
 @pytest.mark.parametrize("write_cache", [False, True])

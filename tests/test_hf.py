@@ -168,24 +168,26 @@ def attention_entries(model):
     return [m.__dict__[hf._ATTR] for m in model.modules() if hf._ATTR in m.__dict__ and m.__dict__[hf._ATTR].kind == "attention"]
 
 
+def counting(counts, name, fn):
+    """fn, counting its calls in counts[name]."""
+
+    def call(*args, **kwargs):
+        counts[name] += 1
+        return fn(*args, **kwargs)
+
+    return call
+
+
 @contextlib.contextmanager
 def counted_kernels(model, monkeypatch):
     """Counts each attention kernel's calls: the unmasked one ("plain"), the varlen one and kv_attention ("kv")."""
     counts = collections.Counter()
-
-    def counting(name, kernel):
-        def call(*args):
-            counts[name] += 1
-            return kernel(*args)
-
-        return call
-
     with monkeypatch.context() as mp:
         for e in attention_entries(model):
-            mp.setattr(e, "kernel", counting("plain", e.kernel))
-            mp.setitem(e.more, "varlen", counting("varlen", e.more["varlen"]))
+            mp.setattr(e, "kernel", counting(counts, "plain", e.kernel))
+            mp.setitem(e.more, "varlen", counting(counts, "varlen", e.more["varlen"]))
             if "kv_attention" in e.more:
-                mp.setitem(e.more, "kv_attention", counting("kv", e.more["kv_attention"]))
+                mp.setitem(e.more, "kv_attention", counting(counts, "kv", e.more["kv_attention"]))
         yield counts
 
 
@@ -243,17 +245,10 @@ def test_modernbert_residual_adds_are_fused(berts, monkeypatch):
         assert layer.forward.__func__ is hf.EncoderLayer.forward
         entry = vars(layer)[hf._ATTR]
         assert entry.kernel.spec["params"]["residual"]
-
-        def count(what, fn):
-            def call(*args, **kwargs):
-                counts[what] += 1
-                return fn(*args, **kwargs)
-
-            return call
-
-        monkeypatch.setattr(entry, "kernel", count("residual", entry.kernel))
-        monkeypatch.setattr(vars(layer.mlp_norm)[hf._ATTR], "kernel", count("mlp_norm", vars(layer.mlp_norm)[hf._ATTR].kernel))
-        monkeypatch.setitem(vars(layer.mlp), "forward", count("mlp", layer.mlp.forward))
+        monkeypatch.setattr(entry, "kernel", counting(counts, "residual", entry.kernel))
+        norm = vars(layer.mlp_norm)[hf._ATTR]
+        monkeypatch.setattr(norm, "kernel", counting(counts, "mlp_norm", norm.kernel))
+        monkeypatch.setitem(vars(layer.mlp), "forward", counting(counts, "mlp", layer.mlp.forward))
     ids = torch.randint(3, VOCAB, (3, 10))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
@@ -275,21 +270,13 @@ def test_modernbert_attention_takes_q_k_and_v_from_one_rope_call(berts, monkeypa
     assert all(r.swapped[f"layers.{i}.attn"] == "attention + rope" for i in range(3))
     counts = collections.Counter()
     (wrapper,) = [e for e in hf._ROPE.values() if e.report is r]
-
-    def count(what, fn):
-        def call(*args, **kwargs):
-            counts[what] += 1
-            return fn(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(wrapper, "kernel", count("copying rope", wrapper.kernel))
+    monkeypatch.setattr(wrapper, "kernel", counting(counts, "copying rope", wrapper.kernel))
     for layer in model.layers:
         entry = vars(layer.attn)[hf._ATTR]
         assert layer.attn.forward.__func__ is hf.QKVAttentionLayer.forward
         assert entry.more["qkv_rope"].spec["params"]["v_out"]
-        monkeypatch.setitem(entry.more, "qkv_rope", count("qkv_rope", entry.more["qkv_rope"]))
-        monkeypatch.setitem(entry.more, "varlen", count("varlen", entry.more["varlen"]))
+        monkeypatch.setitem(entry.more, "qkv_rope", counting(counts, "qkv_rope", entry.more["qkv_rope"]))
+        monkeypatch.setitem(entry.more, "varlen", counting(counts, "varlen", entry.more["varlen"]))
     ids = torch.randint(3, VOCAB, (3, 10))
     mask = torch.ones_like(ids)
     mask[2, 7:] = 0

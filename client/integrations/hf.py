@@ -105,8 +105,9 @@ class _Entry:
     more: dict = dataclasses.field(default_factory=dict)  # attention: the kv_attention, varlen and qkv_rope kernels, the window
 
 
-def _served(entry, module, *tensors):
-    """The entry when this call can be served (inference, the kernel's dtype and device), else None."""
+def _served(entry, module, *tensors, count: bool = True):
+    """The entry when this call can be served (inference, the kernel's dtype and device), else None;
+    `count`: count the call, served or fallen back, under the entry's kind."""
     if entry is None:
         return None
     x = tensors[0]
@@ -116,7 +117,7 @@ def _served(entry, module, *tensors):
         and x.device.type == entry.device_type
         and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
     )
-    if not torch.compiler.is_compiling():
+    if count and not torch.compiler.is_compiling():
         (entry.report.calls if ok else entry.report.fallbacks)[entry.kind] += 1
     return entry if ok else None
 
@@ -248,7 +249,8 @@ def _rope_rows(cos, sin, batch, dtype):
 
     if torch.compiler.is_compiling():
         return compute()
-    return _per_forward(cos, ("rope rows", id(sin), batch, dtype), compute)
+    # The entry holds sin, so no other tensor takes its id while cos keeps the entry.
+    return _per_forward(cos, ("rope rows", id(sin), batch, dtype), lambda: (sin, *compute()))[1:]
 
 
 class QKVAttentionLayer(nn.Module):
@@ -264,10 +266,10 @@ class QKVAttentionLayer(nn.Module):
         cos, sin = position_embeddings
         b, s = hidden_states.shape[:2]
         h, d = self.config.num_attention_heads, self.head_dim
-        if not _rope_fits(cos, b, d) or _served(entry, self, hidden_states, self.Wqkv.weight) is None:
+        # Counted as rope here: the attention below, or the module's own forward, counts itself.
+        if not _rope_fits(cos, b, d) or _served(entry, self, hidden_states, self.Wqkv.weight, count=False) is None:
             return type(self).forward(self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
-        if not torch.compiler.is_compiling():  # counted as attention by _served: the rope of this call
-            entry.report.calls["attention"] -= 1
+        if not torch.compiler.is_compiling():
             entry.report.calls["rope"] += 1
         qkv = self.Wqkv(hidden_states)
         positions, cache = _rope_rows(cos, sin, b, qkv.dtype)
