@@ -22,6 +22,9 @@ class Attention(KernelKind):
     name = "attention"
     warm_up = ({"batch": 1, "heads": 8, "kv_heads": 8, "seq_len": 256, "head_dim": 128, "causal": True, "dtype": "float16"},)
     compile_cost = 3.0
+    # --use_fast_math, as FlashAttention is built: each score's exp2 is ex2.approx.ftz (no
+    # denormal handling around it) and the final division approximate, not IEEE.
+    compile_options = {"pass_configs": {"tl.enable_fast_math": True}}
     doc = (
         "O[b,s,h,d] = softmax(Q K^T / sqrt(d)) V with Q,O [batch,seq_len,heads,head_dim], K,V [batch,seq_len,kv_heads,head_dim]; "
         "varlen: also key_range int32 [batch,2] (after V)."
@@ -86,6 +89,8 @@ class Attention(KernelKind):
         # in 2 stages for d=128 on Hopper; docs/measured.md, section "Kernel speed on the H200").
         for bm, bn, st in DEFAULT_TILES:
             if 0 < p["window"] < 128 and bn > 64:  # a narrow window reads a fraction of a 128-key block
+                continue
+            if self._masked(p) and d <= 64 and bm > 64:  # masked short heads: smaller blocks, several per SM
                 continue
             chosen = (p["block_M"] or bm, p["block_N"] or bn, p["num_stages"] or st)
             if self._smem(*chosen, d) <= smem_limit(target):
@@ -212,11 +217,26 @@ class Attention(KernelKind):
         return out
 
     @staticmethod
+    def _keys_seen(T, lo, hi, q, k, window, causal):
+        """The CUDA form's rule for one score: key k inside the sequence's range [lo, hi), within
+        the window of query q and (causal) at or before it. Rows outside the range are not tested
+        here: their outputs are zeroed once at the end, which keeps the per-score test short."""
+        rule = [k < hi] if isinstance(lo, int) and lo == 0 else [lo <= k, k < hi]
+        if window:  # as |q - k|: two comparisons made TileLang's ThreadSync pass fail on sm_90a (a 252-thread guard)
+            rule += [T.abs(q - k) <= window]
+        if causal:
+            rule += [k <= q]
+        out = rule[0]
+        for c in rule[1:]:
+            out = T.And(out, c)
+        return out
+
+    @staticmethod
     def _whole(T, lo, hi, q0, bm, k0, bn, window, causal):
-        """Whether every query row of [q0, q0 + bm) sees every key of [k0, k0 + bn): all inside the
-        sequence's range [lo, hi), within the window of each other, and (causal) keys at or before
-        the first row."""
-        rule = [lo <= q0, q0 + bm <= hi, lo <= k0, k0 + bn <= hi]
+        """Whether every query row of [q0, q0 + bm) sees every key of [k0, k0 + bn) by
+        `_keys_seen`: the keys inside the sequence's range [lo, hi), within the window of each
+        row, and (causal) at or before the first row."""
+        rule = [lo <= k0, k0 + bn <= hi]
         if window:
             rule += [q0 + bm - 1 - k0 <= window, k0 + bn - 1 - q0 <= window]
         if causal:
@@ -312,8 +332,9 @@ class Attention(KernelKind):
                     # batch cheap. A block whose rows see nothing still takes one (fully masked) step:
                     # the pipeline's first step is what waits for the Q tile's TMA load, which must
                     # not outlive the block.
-                    lo = R[b, 0] if R is not None else 0
-                    hi = R[b, 1] if R is not None else seq
+                    # The range read once into registers (not again in every score's test).
+                    lo = T.alloc_var("int32", init=R[b, 0]) if R is not None else 0
+                    hi = T.alloc_var("int32", init=R[b, 1]) if R is not None else seq
                     r0, r1 = T.max(bx * bm, lo), T.min((bx + 1) * bm, hi)
                     k0 = T.max(lo, r0 - window) if window else lo
                     k1 = T.min(hi, r1 + window) if window else hi
@@ -334,12 +355,8 @@ class Attention(KernelKind):
                             T.clear(s)
                         else:
                             for i, j in T.Parallel(bm, bn):
-                                q, k = bx * bm + i, kb * bn + j
-                                s[i, j] = T.if_then_else(
-                                    T.And(k <= q, self._visible(T, R, b, q, k, window)) if causal else self._visible(T, R, b, q, k, window),
-                                    0,
-                                    -T.infinity(acc_t),
-                                )
+                                seen = self._keys_seen(T, lo, hi, bx * bm + i, kb * bn + j, window, causal)
+                                s[i, j] = T.if_then_else(seen, 0, -T.infinity(acc_t))
                     else:
                         for i, j in T.Parallel(bm, bn):
                             if causal:
@@ -365,8 +382,10 @@ class Attention(KernelKind):
                     T.copy(V[b, kb * bn : (kb + 1) * bn, h // group, :], V_s)
                     T.gemm(s_cast, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(bm, d):
-                    if masked:  # a row that saw no key: zeros
-                        acc[i, j] = T.if_then_else(lsum[i] == 0, 0, acc[i, j] / lsum[i])
+                    if masked:  # a row outside the sequence's range, or that saw no key: zeros
+                        q = bx * bm + i
+                        zero = T.Or(T.Or(q < lo, hi <= q), lsum[i] == 0) if R is not None else lsum[i] == 0
+                        acc[i, j] = T.if_then_else(zero, 0, acc[i, j] / lsum[i])
                     else:
                         acc[i, j] /= lsum[i]
                 sync_shared(target, p["threads"])

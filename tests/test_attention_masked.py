@@ -98,3 +98,14 @@ def test_gpu_matches_the_reference(make_daemon):
         out = k(*ins)
         assert torch.isfinite(out).all() and not out[1].any()
         torch.testing.assert_close(out.float(), reference.reference(KIND, p, ins).float(), **reference.tolerance(p["dtype"]), msg=lambda m, p=p: f"{p}: {m}")
+
+
+@needs_gpu
+def test_gpu_window_without_varlen_sees_no_key_past_the_end(make_daemon):
+    """A windowed form without key ranges, at a length that is no multiple of the key block: the
+    last rows' windows reach past seq_len, where TMA zero-fills the keys; those must stay masked."""
+    k = make_daemon().client().get_kernel(KIND, target="auto", batch=None, heads=4, kv_heads=2, seq_len=None, head_dim=64, window=64, dtype="bfloat16")
+    p = k.spec["params"]
+    assert 300 % p["block_N"]
+    ins = reference.make_inputs(KIND, p, "cuda", runtime=dict(batch=2, seq_len=300))
+    torch.testing.assert_close(k(*ins).float(), reference.reference(KIND, p, ins).float(), **reference.tolerance(p["dtype"]))

@@ -215,8 +215,9 @@ def test_nvrtc_workers_parse_the_zoo_headers_in_the_background(make_daemon, tmp_
     k = first.client().get_kernel("rmsnorm", M=None, N=64, dtype="float32", target="c")
     assert k.outcome == "compiled" and first.client().stats()["workers_ready"] < 2
     _wait_ready(first)
-    preludes = list(cache.glob("device-binaries/nvrtc-*/nvrtc-preludes-sm_90a-*.json"))
-    assert len(preludes) == 1 and len(json.loads(preludes[0].read_text())) >= 6  # GEMM (two), attention, kv_attention (two), elementwise, ...
+    preludes = list(cache.glob("device-binaries/nvrtc-*/nvrtc-preludes-v2-sm_90a-*.json"))
+    assert len(preludes) == 1 and len(entries := json.loads(preludes[0].read_text())) >= 6  # GEMM (two), attention, kv_attention (two), elementwise, ...
+    assert ["--use_fast_math"] in [flags for _, flags in entries]  # attention's: its PCH is made with them
     assert "lowering the kinds' warm-up examples" in first.log() and first.log().count("precompiled headers for") == 2
     # Each worker keeps its PCH files (hundreds of MB) in a private directory, removed when it exits.
     pch_root = Path(tempfile.gettempdir()) / f"kernel-service-nvrtc-pch-{os.getuid()}"
@@ -250,14 +251,16 @@ def test_idle_workers_share_out_the_warm_up_examples_one_per_step(tmp_path):
     with FileLock(str(parts / "0.json.lock")):  # another worker is lowering the first example
         compiler.find_preludes_step(known, target)
     assert sorted(p.name for p in parts.glob("*.json")) == ["1.json"] and not known.exists()
-    assert json.loads((parts / "1.json").read_text()) == nvrtc.prelude(cuda_source(examples[1][0].name, dict(examples[1][1])))
+    kind, params = examples[1]
+    source, flags = compiler.lowered(kind, dict(kind.canonicalize(dict(params), target).params), target)
+    assert json.loads((parts / "1.json").read_text()) == [nvrtc.prelude(source), flags]
     for i in range(2, len(examples)):  # the others lowered theirs meanwhile
-        (parts / f"{i}.json").write_text(json.dumps(f"#include <example_{i}.h>\n"))
+        (parts / f"{i}.json").write_text(json.dumps([f"#include <example_{i}.h>\n", []]))
     compiler.find_preludes_step(known, target)  # the first example, free again
     assert not known.exists()
     compiler.find_preludes_step(known, target)  # none left: the join
-    want = {json.loads((parts / f"{i}.json").read_text()) for i in range(len(examples))}
-    assert json.loads(known.read_text()) == sorted(want) and "#include" in json.loads((parts / "0.json").read_text())
+    want = [json.loads((parts / f"{i}.json").read_text()) for i in range(len(examples))]
+    assert sorted(json.loads(known.read_text())) == sorted(want) and "#include" in json.loads((parts / "0.json").read_text())[0]
 
 
 @needs_nvrtc
@@ -266,18 +269,28 @@ def test_warmed_up_preludes_spare_every_family_its_header_parse(tmp_path):
     with the PCH). After warm-up on the kinds' warm-up examples, a kernel of each family parses
     no header. This fails when a kind's source puts code above its #includes (grid_x as a
     function did), or when warm-up and real compiles see different preludes (the PDL header was
-    once added only to sources that launch dependents)."""
+    once added only to sources that launch dependents) or flags (a PCH serves only its own)."""
     import kernels
 
+    from compile_service.build.compiler import lowered
+
+    target = kernels.parse_target("sm_90a")
+
+    def source_and_flags(kind, params):  # as a build hands them to NVRTC: attention's with --use_fast_math
+        k = kernels.get_kind(kind)
+        return lowered(k, dict(k.canonicalize(dict(params), target).params), target)
+
     c = nvrtc.Compiler(str(tmp_path))
-    examples = [(kind, kernels.get_kind(kind).warm_up[0]) for kind in ("gemm", "attention", "rmsnorm", "kv_attention")]
-    c.warm([cuda_source(kind, dict(params)) for kind, params in examples], "sm_90a")
+    for kind in ("gemm", "attention", "rmsnorm", "kv_attention"):
+        source, flags = source_and_flags(kind, kernels.get_kind(kind).warm_up[0])
+        c.warm([source], "sm_90a", flags)
     before = (c.compiles, c.header_parses)
     gemm = {"M": 512, "N": 6144, "K": 4096, "dtype": "float16", "trans_b": True}
     attention = {"batch": 1, "heads": 32, "kv_heads": 8, "seq_len": 512, "head_dim": 128, "causal": True, "dtype": "float16"}
     decode = {"batch": 8, "heads": 32, "kv_heads": 8, "q_len": 1, "head_dim": 128, "dtype": "float16"}
     for kind, params in (("gemm", gemm), ("attention", attention), ("rmsnorm", {"M": 512, "N": 4096, "dtype": "float16"}), ("kv_attention", decode)):
-        c.compile(cuda_source(kind, params), "sm_90a")
+        source, flags = source_and_flags(kind, params)
+        c.compile(source, "sm_90a", flags)
     assert (c.compiles - before[0], c.header_parses - before[1]) == (4, 0)
 
 

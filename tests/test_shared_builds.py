@@ -102,9 +102,15 @@ def test_masked_attention_reads_only_the_key_blocks_its_rows_see():
     p = dict(batch=None, heads=12, kv_heads=12, seq_len=None, head_dim=64, dtype="bfloat16", varlen=True, window=64)
     src = cuda_source("attention", p, "sm_90a")
     assert "const int* key_range" in src
-    shift = kernels.canonicalize("attention", p, "sm_90a").params["block_N"].bit_length() - 1  # kb counts key blocks
-    first_block = rf"for \(int kb = \(max\(lo, \(max\(\(\(\(int\)blockIdx\.x\) \* 128\), lo\) - 64\)\) >> {shift}\); kb < "
-    assert re.search(first_block, src), src[:4000]
+    tiles = kernels.canonicalize("attention", p, "sm_90a").params
+    shift = tiles["block_N"].bit_length() - 1  # kb counts key blocks
+    first_block = (  # the range read once, the rows' first key less the window, its block
+        r"lo = key_range\[",
+        rf"int r0 = max\(\(\(\(int\)blockIdx\.x\) \* {tiles['block_M']}\), lo\);",
+        r"int k0 = max\(lo, \(r0 - 64\)\);",
+        rf"for \(int kb = \(k0 >> {shift}\); kb < ",
+    )
+    assert re.search(".*".join(first_block), src, re.S), src[:4000]
     spec = kernels.canonicalize("attention", {**p, "batch": 2, "seq_len": 512}, "sm_90a")
     assert kernels.get_kind("attention").shared_build(spec) is None
 

@@ -137,7 +137,8 @@ def _preludes_file(binaries: Path, target) -> Path:
     from ..keys import tilelang_version
 
     sources_digest = hashlib.sha256("".join(kernels.source_digest(k) for k in sorted(kernels.kinds())).encode()).hexdigest()
-    return binaries / f"nvrtc-preludes-{target.arch}-{tilelang_version()}-{sources_digest[:16]}.json"
+    # v2: each entry is [prelude, device flags] (a PCH serves only compiles with its flags).
+    return binaries / f"nvrtc-preludes-v2-{target.arch}-{tilelang_version()}-{sources_digest[:16]}.json"
 
 
 def warm_step() -> tuple[int, bool]:
@@ -163,10 +164,11 @@ def warm_step() -> tuple[int, bool]:
     except (OSError, ValueError):
         find_preludes_step(known, target)
         return pid, False
-    todo = [p for p in preludes if p not in _warm["done"]]
+    todo = [(head, tuple(flags)) for head, flags in preludes if (head, tuple(flags)) not in _warm["done"]]
     if todo:
         start = time.perf_counter()
-        _device["compiler"].warm(todo[:1], str(target.arch))
+        head, flags = todo[0]
+        _device["compiler"].warm([head], str(target.arch), list(flags))
         _warm["done"].add(todo[0])
         if len(todo) == 1:
             log.info("NVRTC precompiled headers for %d preludes built (the last in %.1f s)", len(preludes), time.perf_counter() - start)
@@ -198,32 +200,39 @@ def find_preludes_step(known: Path, target) -> None:
         except Timeout:
             continue  # another worker is lowering this one
     if all(part.exists() for part in files):
-        found = {json.loads(part.read_text()) for part in files}
-        _write_json(known, sorted(p for p in found if p is not None))
+        found = {json.dumps(json.loads(part.read_text())) for part in files}
+        _write_json(known, [entry for entry in map(json.loads, sorted(found)) if entry is not None])
     else:
         time.sleep(0.2)  # the last examples are being lowered elsewhere; this worker stays free meanwhile
 
 
-def _example_prelude(kind, params: dict, target) -> str | None:
-    """The prelude of one warm-up example's CUDA source; None when the example does not lower."""
+def _example_prelude(kind, params: dict, target) -> list | None:
+    """[prelude, device flags] of one warm-up example's CUDA source; None when the example does
+    not lower."""
     try:
         spec = kind.canonicalize(dict(params), target)
-        return nvrtc.prelude(lowered_source(kind, dict(spec.params), target))
+        source, flags = lowered(kind, dict(spec.params), target)
+        return [nvrtc.prelude(source), flags]
     except Exception as exc:  # a bad example only costs its warm-up
         log.warning("warm-up example of %s skipped: %s: %s", kind.name, type(exc).__name__, exc)
         return None
 
 
-def lowered_source(kind, params: dict, target) -> str:
-    """The CUDA source a build of canonical `params` hands the device compiler: lowered with the
-    build's own options, no device compiler run."""
+def lowered(kind, params: dict, target) -> tuple[str, list[str]]:
+    """The CUDA source a build of canonical `params` hands the device compiler, lowered with the
+    build's own options (no device compiler run), and the flags NVRTC compiles it with."""
     import tilelang
     import tvm
 
     func, _, options = _build_options(kind.build(dict(params), target), kind, dict(params))
     tvm_target = tvm.target.Target(target.tilelang_target())
-    with tvm.transform.PassContext(opt_level=3, config=options.get("pass_configs") or {}), tvm_target:
-        return tilelang.lower(func, target=tvm_target).kernel_source
+    config = options.get("pass_configs") or {}
+    with tvm.transform.PassContext(opt_level=3, config=config), tvm_target:
+        return tilelang.lower(func, target=tvm_target).kernel_source, nvrtc.device_options(config)
+
+
+def lowered_source(kind, params: dict, target) -> str:
+    return lowered(kind, params, target)[0]
 
 
 def _write_json(path: Path, value) -> None:

@@ -105,8 +105,8 @@ class Nvrtc(DeviceCompiler):
 
         return nvrtc.callback(self._nvrtc())
 
-    def warm(self, sources: list[str], arch: str) -> int:
-        return self._nvrtc().warm(sources, arch)
+    def warm(self, sources: list[str], arch: str, extra: list[str] = ()) -> int:
+        return self._nvrtc().warm(sources, arch, extra)
 
     @property
     def compiles(self) -> int | None:

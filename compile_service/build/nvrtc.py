@@ -218,8 +218,9 @@ class Compiler:
         self.header_parses += not pch
         return cubin
 
-    def warm(self, sources: list[str], arch: str) -> int:
-        """Builds the PCH of each distinct prelude in `sources` now; returns how many.
+    def warm(self, sources: list[str], arch: str, extra: list[str] = ()) -> int:
+        """Builds the PCH of each distinct prelude in `sources` for compiles with flags `extra`
+        now; returns how many.
 
         A prelude followed by one empty kernel is enough: NVRTC stops the header
         at the first line that is not a directive and saves what it parsed.
@@ -230,11 +231,11 @@ class Compiler:
             if head in seen:
                 continue
             seen.add(head)
-            if self.has_pch(head, arch):
+            if self.has_pch(head, arch, extra):
                 continue
             start = time.perf_counter()
             try:
-                self.compile(head + 'extern "C" __global__ void kernel_service_warm_up() {}\n', arch)
+                self.compile(head + 'extern "C" __global__ void kernel_service_warm_up() {}\n', arch, extra)
             except NvrtcError as exc:  # a prelude that no longer compiles only costs its PCH
                 log.warning("PCH warm-up failed for one prelude: %s", exc)
                 continue
