@@ -204,12 +204,13 @@ class Attention(KernelKind):
 
     @staticmethod
     def _visible(T, R, b, q, k, window):
-        """The masked forms' rule beyond causal: query q and key k inside sequence b's range
-        (varlen: R is key_range), and k within the window of q."""
+        """The CPU form's rule beyond causal: query q and key k inside sequence b's range
+        (varlen: R is key_range), and k within the window of q. (The CUDA form tests keys only:
+        `_keys_seen`.)"""
         rule = []
         if R is not None:
             rule += [R[b, 0] <= q, q < R[b, 1], R[b, 0] <= k, k < R[b, 1]]
-        if window:  # as |q - k|: two comparisons made TileLang's ThreadSync pass fail on sm_90a (a 252-thread guard)
+        if window:
             rule += [T.abs(q - k) <= window]
         out = rule[0]
         for c in rule[1:]:
