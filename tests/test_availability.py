@@ -243,8 +243,9 @@ def test_idle_scrapers_hold_no_thread_and_the_daemon_stops_on_sigterm(daemon):
 
 
 # Sends sys.argv[2] GetKernels of one slow cold kernel over 12 connections of the Unix socket
-# sys.argv[1]; after 10 s prints how many had been refused BUSY, how many still wait, and the status
-# of each call that ended otherwise, then holds them.
+# sys.argv[1], each retried on a retryable status as the client library retries it
+# (wire.Status.RETRYABLE); after 10 s prints how many had been refused BUSY, how many still wait,
+# how many retries were made, and the status of each call that ended otherwise, then holds them.
 WAITERS = r"""
 import asyncio, sys
 import grpc
@@ -258,11 +259,22 @@ async def main():
     spec = wire.spec_to_proto("slow_rmsnorm", {"M": None, "N": 64, "dtype": "float32"}, "c")
     gets = [ch.unary_unary("/kernelservice.v1.KernelService/GetKernel", request_serializer=pb.GetKernelRequest.SerializeToString,
                            response_deserializer=pb.GetKernelResponse.FromString) for ch in channels]
-    calls = [gets[i % 12](pb.GetKernelRequest(spec=spec), timeout=120) for i in range(n)]
-    tasks = [asyncio.ensure_future(c) for c in calls]
+    retries = 0
+
+    async def call(i):
+        nonlocal retries
+        for attempt in range(5):
+            try:
+                return await gets[i % 12](pb.GetKernelRequest(spec=spec), timeout=120)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in wire.Status.RETRYABLE or attempt == 4:
+                    raise
+                retries += 1
+
+    tasks = [asyncio.ensure_future(call(i)) for i in range(n)]
     await asyncio.wait(tasks, timeout=10)
     ended = [t.exception().code().name if isinstance(t.exception(), grpc.aio.AioRpcError) else repr(t.exception() or t.result()) for t in tasks if t.done()]
-    print(ended.count("RESOURCE_EXHAUSTED"), sum(1 for t in tasks if not t.done()), *sorted(e for e in ended if e != "RESOURCE_EXHAUSTED"), flush=True)
+    print(ended.count("RESOURCE_EXHAUSTED"), sum(1 for t in tasks if not t.done()), retries, *sorted(e for e in ended if e != "RESOURCE_EXHAUSTED"), flush=True)
     await asyncio.Event().wait()  # the rest keep waiting until this process is killed
 
 asyncio.run(main())
@@ -283,12 +295,12 @@ def test_waiting_calls_past_the_cap_are_refused_busy_and_hits_go_on(daemon):
     finally:
         waiters.kill()
         waiters.wait()
-    busy, held, *others = line
+    busy, held, retries, *others = line
     assert int(held) == MAX_WAITING, line
-    # Every call past the cap ended at once. In two full test sessions (never alone, in 9 runs under
-    # load) one call of the 1100 ended CANCELLED instead of BUSY: gRPC cut it in transport, a status
-    # clients retry as they do UNAVAILABLE (wire.Status.RETRYABLE); no other status is allowed.
-    assert int(busy) + len(others) == 76 and len(others) <= 2 and set(others) <= {c.name for c in wire.Status.RETRYABLE}, line
+    # Every call past the cap was refused BUSY at once. gRPC's client cuts a few calls of such a
+    # burst CANCELLED about 40 ms in, before the daemon has answered any (its first BUSY comes
+    # 200-300 ms in; up to 3 calls in a run); the script retries those as the client library does.
+    assert int(busy) == 76 and not others, line
     assert statistics.median(seconds) < HIT_P99, f"hit p50 {statistics.median(seconds) * 1000:.1f} ms"
 
 
