@@ -17,6 +17,14 @@ CPU_SCRATCH = 256 * 1024
 DEFAULT_TILES = ((128, 128, 2), (128, 64, 2), (128, 64, 1), (64, 64, 2), (64, 64, 1), (64, 32, 1))
 
 
+def _conjunction(T, rules):
+    """All of `rules` (TIR conditions), as one."""
+    out = rules[0]
+    for c in rules[1:]:
+        out = T.And(out, c)
+    return out
+
+
 @register
 class Attention(KernelKind):
     name = "attention"
@@ -212,10 +220,7 @@ class Attention(KernelKind):
             rule += [R[b, 0] <= q, q < R[b, 1], R[b, 0] <= k, k < R[b, 1]]
         if window:
             rule += [T.abs(q - k) <= window]
-        out = rule[0]
-        for c in rule[1:]:
-            out = T.And(out, c)
-        return out
+        return _conjunction(T, rule)
 
     @staticmethod
     def _keys_seen(T, lo, hi, q, k, window, causal):
@@ -227,10 +232,7 @@ class Attention(KernelKind):
             rule += [T.abs(q - k) <= window]
         if causal:
             rule += [k <= q]
-        out = rule[0]
-        for c in rule[1:]:
-            out = T.And(out, c)
-        return out
+        return _conjunction(T, rule)
 
     @staticmethod
     def _whole(T, lo, hi, q0, bm, k0, bn, window, causal):
@@ -242,10 +244,7 @@ class Attention(KernelKind):
             rule += [q0 + bm - 1 - k0 <= window, k0 + bn - 1 - q0 <= window]
         if causal:
             rule += [k0 + bn - 1 <= q0]
-        out = rule[0]
-        for c in rule[1:]:
-            out = T.And(out, c)
-        return out
+        return _conjunction(T, rule)
 
     @staticmethod
     def _prim_func(T, p, q_shape, kv_shape, batch, body):

@@ -8,7 +8,7 @@ import kernels
 
 
 def cuda_source(kind: str, params: dict, arch: str = "sm_90a") -> str:
-    from compile_service.build.compiler import lowered_source
+    from compile_service.build.compiler import lowered
 
     spec = kernels.canonicalize(kind, params, arch)
-    return lowered_source(kernels.get_kind(kind), dict(spec.params), spec.target)
+    return lowered(kernels.get_kind(kind), dict(spec.params), spec.target)[0]

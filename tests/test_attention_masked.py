@@ -73,6 +73,20 @@ def test_attention_window_without_varlen(cpu_kernel):
     close(k(q, kk, v), masked_softmax(q, kk, v, torch.zeros(2, dtype=torch.long), torch.full((2,), 23), False, 3))
 
 
+def test_cuda_tile_defaults_of_the_masked_forms():
+    """Masked forms at head_dim 64 or less take 64x64 tiles (several blocks per SM); a window under
+    128 keys takes 64-key blocks; head_dim 128 and the unmasked form keep 128-row blocks."""
+
+    def tiles(**params):
+        p = kernels.canonicalize(KIND, dict(BERT, dtype="bfloat16") | params, "sm_90a").params
+        return p["block_M"], p["block_N"], p["threads"]
+
+    assert tiles() == tiles(window=64) == (64, 64, 128)
+    assert tiles(head_dim=128, heads=32, kv_heads=8, causal=True)[0] == 128
+    assert tiles(head_dim=128, heads=32, kv_heads=8, window=64)[:2] == (128, 64)
+    assert tiles(varlen=False, seq_len=512)[0] == 128
+
+
 # ModernBERT-base's attention (12 heads of 64) at its benchmark's sequence length: full and sliding
 # (local_attention 128: a window of 64) layers, and a causal padded prefill.
 GPU_CASES = [

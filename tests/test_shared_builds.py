@@ -111,6 +111,8 @@ def test_masked_attention_reads_only_the_key_blocks_its_rows_see():
         rf"for \(int kb = \(k0 >> {shift}\); kb < ",
     )
     assert re.search(".*".join(first_block), src, re.S), src[:4000]
+    # The range is read once by each warp role (the TMA producer, the consumers), never per score.
+    assert src.count("key_range[") == 4, src.count("key_range[")
     spec = kernels.canonicalize("attention", {**p, "batch": 2, "seq_len": 512}, "sm_90a")
     assert kernels.get_kind("attention").shared_build(spec) is None
 

@@ -200,8 +200,8 @@ def find_preludes_step(known: Path, target) -> None:
         except Timeout:
             continue  # another worker is lowering this one
     if all(part.exists() for part in files):
-        found = {json.dumps(json.loads(part.read_text())) for part in files}
-        _write_json(known, [entry for entry in map(json.loads, sorted(found)) if entry is not None])
+        found = sorted({part.read_text() for part in files})  # each part written whole by _write_json
+        _write_json(known, [entry for entry in map(json.loads, found) if entry is not None])
     else:
         time.sleep(0.2)  # the last examples are being lowered elsewhere; this worker stays free meanwhile
 
@@ -229,10 +229,6 @@ def lowered(kind, params: dict, target) -> tuple[str, list[str]]:
     config = options.get("pass_configs") or {}
     with tvm.transform.PassContext(opt_level=3, config=config), tvm_target:
         return tilelang.lower(func, target=tvm_target).kernel_source, nvrtc.device_options(config)
-
-
-def lowered_source(kind, params: dict, target) -> str:
-    return lowered(kind, params, target)[0]
 
 
 def _write_json(path: Path, value) -> None:
