@@ -18,6 +18,7 @@ from .errors import (
     UntrustedService,
 )  # fmt: skip
 from .loader import Kernel
+from .tilelang import install_tilelang_cache, uninstall_tilelang_cache
 
 if "torch" in sys.modules:  # the kernels' torch ops (torch.compile, torch.export); else when a kernel loads
     from . import torch_ops  # noqa: F401
@@ -40,8 +41,10 @@ __all__ = [
     "default_client",
     "explain",
     "get_kernel",
+    "install_tilelang_cache",
     "kinds",
     "prefetch",
     "stats",
+    "uninstall_tilelang_cache",
     "use_shared_inductor_cache",
 ]

@@ -17,7 +17,8 @@ from pathlib import Path
 import grpc
 
 import kernels
-from proto import channel, keys, manifest, wire
+from proto import abi, channel, keys, manifest, wire
+from proto.entry import Entry
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 from proto.paths import default_cache_dir, default_socket, entry_dir, socket_address
@@ -314,13 +315,18 @@ class Client:
         """The key the daemon files `spec` under (proto.keys), from the fingerprint it reports;
         None when it reports none for this kind."""
         info = self._info()
-        known = info.setdefault("_keys", {})  # spec JSON -> key, for this fingerprint
+        known = info.setdefault("_keys", {})  # spec JSON -> key, for this fingerprint (a program's spec is not kept: too large)
         text = spec.to_json()
-        if text not in known:
-            fingerprint = json.loads(info.get("key_fingerprint_json") or "{}")
-            covered = spec.kind in fingerprint.get("kind_sources", {})
-            known[text] = keys.cache_key(text, keys.toolchain(fingerprint, spec.kind, spec.target.kind)) if covered else None
-        return known[text]
+        if text in known:
+            return known[text]
+        fingerprint = info.get("_fingerprint")
+        if fingerprint is None:
+            fingerprint = info["_fingerprint"] = json.loads(info.get("key_fingerprint_json") or "{}")
+        covered = spec.kind in fingerprint.get("kind_sources", {})
+        key = keys.cache_key(text, keys.toolchain(fingerprint, spec.kind, spec.target.kind)) if covered else None
+        if len(text) <= 4096:
+            known[text] = key
+        return key
 
     def _roots(self) -> tuple[tuple[Path, int], ...]:
         """Where the daemon's entries lie, in the order it looks them up, each with the uid its files
@@ -338,28 +344,58 @@ class Client:
             info["_roots"] = tuple(roots)
         return info["_roots"]
 
-    def _from_cache(self, key: str, spec: kernels.CanonicalSpec) -> loader.Kernel | None:
-        """A hit without a round trip: the entry the daemon published under `key`, found and checked
-        here in the cache root, then in each layer; in the cache root, its directory's mtime is set
-        so the daemon's eviction counts the use (a layer is never written). None: ask the daemon."""
-        wanted = json.loads(spec.to_json())
+    def _cached_entry(self, key: str, wanted: dict) -> tuple[Entry, int] | None:
+        """A hit without a round trip: the entry the daemon published under `key` for the spec
+        `wanted`, found and its records checked here, in the cache root, then in each layer, with
+        the uid its files belong to. In the cache root its directory's mtime is set so the
+        daemon's eviction counts the use (a layer is never written). None: ask the daemon."""
         roots = self._roots()
         for root, owner in roots:
-            kernel = loader.load_published(root, key, wanted, owner)
-            if kernel is not None:
+            found = loader.find_published(root, key, wanted, owner)
+            if found is not None:
                 break
         else:
             return None
-        if root != roots[0][0]:
-            return kernel
-        try:
-            os.utime(kernel.path.parent)  # the clock eviction reads: this entry is in use
-        except PermissionError:  # a group member cannot: the daemon must see this process's uses
-            self.direct_hits = False
-            return None
-        except FileNotFoundError:  # evicted since: the bytes were read and checked, the kernel stands
-            pass
-        return kernel
+        if root == roots[0][0]:
+            try:
+                os.utime(found.path)  # the clock eviction reads: this entry is in use
+            except PermissionError:  # a group member cannot: the daemon must see this process's uses
+                self.direct_hits = False
+                return None
+            except FileNotFoundError:  # evicted since: ask the daemon
+                return None
+        return found, owner
+
+    def _from_cache(self, key: str, spec: kernels.CanonicalSpec) -> loader.Kernel | None:
+        """The kernel of a hit without a round trip (_cached_entry), loaded; None: ask the daemon."""
+        found = self._cached_entry(key, json.loads(spec.to_json()))
+        return loader.open_published(*found) if found is not None else None
+
+    def entry(self, spec: kernels.CanonicalSpec, *, timeout: float | None = None) -> tuple[Entry, int, str]:
+        """The published entry of a canonical spec, with the uid its files belong to and how it was
+        had ("hit", "compiled", "joined"), without loading it: found in the cache with no round
+        trip where it can be, else asked of the daemon (recorded for `app`; compiled unless
+        strict). Its records are checked as a kernel's are (loader.find_published); the caller
+        checks the files it reads. Raises as get_kernel does (KernelNotReady, CompileError,
+        ServiceUnavailable, ...), with no fallback."""
+        wanted = json.loads(spec.to_json())
+        key = self._key(spec) if self.direct_hits else None
+        found = self._cached_entry(key, wanted) if key else None
+        if found is not None:
+            return (*found, Outcome.HIT.label)
+        request = pb.GetKernelRequest(spec=spec_to_proto(spec), app=self.app, no_compile=self.strict)
+        for attempt in range(2):
+            reply = self._call(self._stub.GetKernel, request, timeout or self.timeout, kernels.label(spec))
+            a = reply.artifact
+            root, owner = next(((r, o) for r, o in self._roots() if Path(a.entry_dir) == entry_dir(r, a.key)), (None, None))
+            found = loader.find_published(root, a.key, wanted, owner) if root is not None else None
+            if found is not None:
+                if key and found.key != key:  # the daemon's toolchain changed (a new daemon): ask again next time
+                    self._service = None
+                return found, owner, Outcome.from_proto(reply.outcome)
+            if attempt == 0:  # the daemon re-hashes it and removes it if corrupt; asked again, it rebuilds
+                self._report_corrupt(a.key)
+        raise CorruptArtifact(f"the daemon's entry {a.entry_dir} for {kernels.label(spec)} fails its checks, after it was rebuilt")
 
     def _report_corrupt(self, key: str) -> None:
         try:
@@ -406,8 +442,9 @@ class Client:
         `specs` are dicts like {"kind": "gemm", "M": 128, ..., "target": "c"}, or a
         manifest (`kernel-service manifest`): its path, or the loaded dict.
 
-        Returns one slot per spec, in request order: the loaded Kernel (with load=False,
-        its outcome: "hit", "compiled" or "joined"), or the exception that spec met, as
+        Returns one slot per spec, in request order: the loaded Kernel (with load=False, and
+        for a TileLang program, which TileLang loads: its outcome, "hit", "compiled" or
+        "joined"), or the exception that spec met, as
         get_kernel would raise it (InvalidSpec, its field named "specs[i]....", CompileError,
         KernelNotReady, ServiceError, CorruptArtifact): one bad spec fails its own slot
         only. A strict client compiles nothing: what is not in the cache comes back as
@@ -437,6 +474,9 @@ class Client:
 
         wanted = []  # (slot in results, memo key, wire spec, canonical spec) of each valid spec
         for i, raw in enumerate(specs):
+            if isinstance(raw, kernels.CanonicalSpec):  # validated already (client.tilelang's programs)
+                wanted.append((i, raw.to_json(), spec_to_proto(raw), raw))
+                continue
             raw = dict(raw)
             try:
                 wanted.append((i, *self._request(raw.pop("kind", None), raw, raw.pop("target", None))))
@@ -481,7 +521,7 @@ class Client:
                 slot, memo_key, proto, spec = wanted[event.index]
                 if event.error_code:
                     results[slot] = _event_error(event)
-                elif load:
+                elif load and json.loads(event.kernel.artifact.abi_json).get("loader") != abi.PROGRAM:  # TileLang loads its programs (client.tilelang)
                     results[slot] = self._load_prefetched(event.kernel, memo_key, proto, spec, timeout)
                 else:
                     results[slot] = Outcome.from_proto(event.kernel.outcome)

@@ -73,7 +73,7 @@ def _torch_dtype(name: str):
 
 
 @contextlib.contextmanager
-def _as_corrupt():
+def as_corrupt():
     """The contract's refusals (proto.entry, proto.trust), and a file gone meanwhile, raised as
     the client's CorruptArtifact: the caller reports the entry and asks again."""
     try:
@@ -90,7 +90,7 @@ def entry_directory(root: Path, entry_dir: Path, key: str, owner: int) -> Path:
     """`entry_dir` if it is where the cache at `root` keeps entry `key`, and it and every
     directory from `root` down are real directories of `owner` that no one else may write
     (proto.entry.check_location); raises CorruptArtifact."""
-    with _as_corrupt():
+    with as_corrupt():
         return check_location(root, entry_dir, key, owner)
 
 
@@ -133,7 +133,7 @@ def _private_dir() -> Path:
 _names = itertools.count()
 
 
-def _dlopen_bytes(data: bytes, key: str, opener):
+def dlopen_bytes(data: bytes, key: str, opener):
     """opener(path) on a private copy of `data` under a name never used before in this process."""
     path = _private_dir() / f"{key[:16]}-{next(_names)}.so"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o500)
@@ -513,7 +513,7 @@ def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec:
     to (the daemon's; a layer's owner). `abi` and `spec`
     (the spec asked for) must be what the entry's entry.json records.
     """
-    with _as_corrupt():
+    with as_corrupt():
         entry_dir = check_location(root, entry_dir, key, owner)
         if not is_file_name(library):
             raise EntryRefused(f"{library!r} is not a file name of entry {key[:16]}")
@@ -531,15 +531,15 @@ def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec:
 def _open(path: Path, sha256: str, size: int, abi: dict, spec: dict, key: str, owner: int) -> Kernel:
     """Loads the library at `path` of an entry whose location and records are checked, once its
     bytes are `owner`'s and match `sha256` and `size`; raises CorruptArtifact."""
-    with _as_corrupt():
+    with as_corrupt():
         data = read_verified(path, sha256, size, owner=owner)
     if abi["loader"] == "c":
-        lib = _dlopen_bytes(data, key, ctypes.CDLL)
+        lib = dlopen_bytes(data, key, ctypes.CDLL)
         fn = getattr(lib, abi["symbol"])
         fn.restype = ctypes.c_int32
         return Kernel(fn, abi, spec, key, path, keepalive=lib)
     if abi["loader"] == "tvm_ffi":
-        module = _dlopen_bytes(data, key, _tvm_runtime().load_module)
+        module = dlopen_bytes(data, key, _tvm_runtime().load_module)
         return Kernel(module[abi["symbol"]], abi, spec, key, path, keepalive=module)
     raise CorruptArtifact(f"unknown loader {abi['loader']!r} in {path}")
 
@@ -586,13 +586,11 @@ def _check_published(cache_root: Path, entry: Path, key: str, spec: dict, owner:
     return found
 
 
-def load_published(cache_root: Path, key: str, spec: dict, owner: int) -> Kernel | None:
-    """find_published, then load: None when the entry is missing or fails a check."""
-    found = find_published(cache_root, key, spec, owner)
-    if found is None:
-        return None
-    try:  # find_published checked the location and the records load() checks
-        kernel = _open(found.path / found.library, found.library_sha256, found.library_size, found.meta["abi"], found.meta["spec"], key, owner)
+def open_published(found: Entry, owner: int) -> Kernel | None:
+    """The kernel of an entry find_published returned (its location and records checked, which
+    load() checks): None when its library fails a check."""
+    try:
+        kernel = _open(found.path / found.library, found.library_sha256, found.library_size, found.meta["abi"], found.meta["spec"], found.key, owner)
     except CorruptArtifact:
         return None
     kernel.compile_seconds = float(found.meta.get("compile_seconds", 0.0))

@@ -68,7 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernels import get_kind
+from kernels import get_kind, label
 from kernels.spec import CanonicalSpec
 from proto import abi
 from proto.entry import SOURCES
@@ -99,7 +99,7 @@ class NotReady(Exception):
     """Not in the cache, and nothing may compile it."""
 
     def __init__(self, spec: CanonicalSpec, key: str, why: str):
-        super().__init__(not_ready_details(spec.to_json(), key, why))
+        super().__init__(not_ready_details(label(spec), key, why))
         self.spec, self.key, self.why = spec, key, why
 
 
@@ -112,6 +112,7 @@ class CompileTimeout(compiler.CompileFailed):
 
 
 WARM_UP = "(warm-up)"  # what a warm-up step is admitted and measured as (compile_service.memory)
+MEMO_SPEC = 4096  # characters of a spec's JSON that per-spec memos keep; larger specs are worked out again each time
 # A warm-up step (a PCH build: seconds) starts only after this long with no build running: an
 # agent asking for kernels one by one sends its next request sooner, and a step started in that
 # gap would hold a worker the next request's builds (a router's ranges, side by side) need.
@@ -593,9 +594,11 @@ class Scheduler:
         text = spec.to_json()
         known = self._keys.get(text)
         if known is None:
-            if len(self._keys) >= 4096:
-                self._keys.clear()
-            known = self._keys[text] = (cache_key(spec, self.device.id), json.loads(text))
+            known = (cache_key(spec, self.device.id), json.loads(text))
+            if len(text) <= MEMO_SPEC:  # a TileLang program's spec is tens of kilobytes: not kept
+                if len(self._keys) >= 4096:
+                    self._keys.clear()
+                self._keys[text] = known
         return known
 
     def release(self, futures) -> int:
@@ -696,7 +699,7 @@ class Scheduler:
             return
         if claim.failure is not None:
             self.metrics.add(failures_cached=1)
-            log.warning("compile of %s failed on another host: %s", flight.spec.to_json(), claim.failure)
+            log.warning("compile of %s failed on another host: %s", label(flight.spec), claim.failure)
             self._finish(flight, compiler.CompileFailed(claim.failure), remember=claim.failure_ttl)
             return
         self._publish(self._settle, flight, self._build(flight))
@@ -807,7 +810,7 @@ class Scheduler:
         if isinstance(outcome, BaseException) and not isinstance(outcome, (ShuttingDown, Cancelled, NotReady)):
             if not flight.derived:
                 self.metrics.add(failures=1)
-            log.warning("compile of %s failed: %s", spec.to_json(), outcome)  # in full: the client's copy may be cut (proto.wire.clip)
+            log.warning("compile of %s failed: %s", label(spec), outcome)  # in full: the client's copy may be cut (proto.wire.clip)
         if isinstance(outcome, BaseException):
             try:  # the fleet remembers compile failures; a crash or a full disk is this host's
                 self.store.abandon(key, str(outcome) if isinstance(outcome, compiler.CompileFailed) else None, self.failure_ttl)
@@ -821,12 +824,12 @@ class Scheduler:
         entry = self.store.put(flight.key, built.staging, built.library, meta)
         if flight.derived:
             self.metrics.add(derived=1)
-            log.info("published %s as a copy of the shared build %s", flight.spec.to_json(), meta["shared_build"]["key"][:16])
+            log.info("published %s as a copy of the shared build %s", label(flight.spec), meta["shared_build"]["key"][:16])
         else:
             self.metrics.add(compiles=1, compile_seconds=meta["compile_seconds"], device_compile_seconds=meta["phases"]["device"])
             self.metrics.observe_compile(flight.spec.kind, meta["compile_seconds"], meta["phases"])
             phases = " ".join(f"{name} {seconds:.2f}" for name, seconds in meta["phases"].items())
-            log.info("compiled %s in %.2f s (%s)", flight.spec.to_json(), meta["compile_seconds"], phases)
+            log.info("compiled %s in %.2f s (%s)", label(flight.spec), meta["compile_seconds"], phases)
         self.enforce_budget(protect=flight.key)
         return entry
 

@@ -28,7 +28,7 @@ from .apps import AppRecorder
 from .build.compiler import CompileFailed
 from .keys import describe_toolchain, toolchain
 from .metrics import Metrics
-from .scheduler import BACKGROUND, URGENT, Cancelled, CompileTimeout, NotReady, QueueFull, Scheduler, ShuttingDown, WorkerCrashed
+from .scheduler import BACKGROUND, MEMO_SPEC, URGENT, Cancelled, CompileTimeout, NotReady, QueueFull, Scheduler, ShuttingDown, WorkerCrashed
 from .store import Entry, StoreError
 
 log = logging.getLogger(__name__)
@@ -238,10 +238,15 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         except InvalidSpec:
             self.metrics.add(invalid=1)
             raise
-        if len(self._valid) >= VALID_MEMO:
-            self._valid.clear()
-        self._valid[wire_bytes] = canonical
+        if len(wire_bytes) <= MEMO_SPEC:  # a TileLang program (tens of kilobytes) is validated each time
+            if len(self._valid) >= VALID_MEMO:
+                self._valid.clear()
+            self._valid[wire_bytes] = canonical
         return canonical
+
+    async def _validated(self, spec: pb.KernelSpec) -> kernels.CanonicalSpec:
+        """_validate, off the loop for a large spec (a program's IR takes milliseconds to check)."""
+        return self._validate(spec) if spec.ByteSize() <= MEMO_SPEC else await self._off_loop(self._validate, spec)
 
     def _app(self, app: str) -> str | None:
         """The checked application name of a request, or None when it names none."""
@@ -264,7 +269,7 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         start = time.perf_counter()
         try:
             app = self._app(request.app)
-            spec = self._validate(request.spec)
+            spec = await self._validated(request.spec)
             if app:
                 self.apps.record(app, spec.to_json())
             future, outcome = self.scheduler.request(spec, URGENT, compile=not request.no_compile)
@@ -376,7 +381,7 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
 
     async def Explain(self, request, context):
         try:
-            spec = self._validate(request.spec)
+            spec = await self._validated(request.spec)
         except Exception as exc:  # noqa: BLE001
             await context.abort(*status_of(exc))
         key = self.scheduler.key_of(spec)

@@ -162,6 +162,7 @@ def _start_worker(daemon_pid: int, *initargs) -> None:
     # daemon, or the zygote, which exits when the daemon does (it reads EOF on a pipe whose write
     # end is the daemon's alone once its workers close the copies a fork gave them).
     _close_zygote_pipe()
+    os.environ["KERNEL_SERVICE_TILELANG"] = "0"  # a spawned worker imports TileLang itself: never as a client (build/zygote.py)
     die_with_parent(os.getppid())
     if not pid_alive(daemon_pid):  # it died before the line above took effect
         os._exit(1)

@@ -7,8 +7,8 @@ factories). Importing this package is cheap: kinds import TileLang only when
 they build.
 """
 
-from . import add_rmsnorm, attention, gemm, kv_attention, layernorm, rmsnorm, rope, softmax, swiglu  # noqa: F401  (registers the kinds)
-from .registry import canonicalize, get_kind, kinds, origin, register, source_digest
+from . import add_rmsnorm, attention, gemm, kv_attention, layernorm, program, rmsnorm, rope, softmax, swiglu  # noqa: F401  (registers the kinds)
+from .registry import canonicalize, get_kind, kinds, label, origin, register, source_digest
 from .spec import CanonicalSpec, InvalidSpec, KernelKind, Param, Target, parse_target
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "canonicalize",
     "get_kind",
     "kinds",
+    "label",
     "origin",
     "parse_target",
     "register",

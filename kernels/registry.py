@@ -44,6 +44,11 @@ def origin(name: str) -> str:
     return _ORIGINS.get(name, "unknown")
 
 
+def label(spec: CanonicalSpec) -> str:
+    """A spec as logs and messages name it: its JSON, but for kinds whose params are documents."""
+    return get_kind(spec.kind).label(spec.params, spec.target) or spec.to_json()
+
+
 def canonicalize(kind: str, params: dict, target: str | None = None) -> CanonicalSpec:
     """Validates a request and fills in defaults; raises InvalidSpec naming the bad field."""
     if not isinstance(params, dict):

@@ -413,6 +413,10 @@ class KernelKind:
 
         return [inspect.getsourcefile(type(self))]
 
+    def label(self, p: dict, target: Target) -> str | None:
+        """A short name for a spec of this kind in logs and messages; None: its JSON."""
+        return None
+
     def describe(self) -> dict:
         """The kind's schema as plain data: what ListKinds sends and `kernel-service kinds` prints."""
         return {"name": self.name, "doc": self.doc, "params": [field_doc(p) for p in self.params]}

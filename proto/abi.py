@@ -26,6 +26,16 @@ calls the library by it. An ABI, as JSON:
                                      optional: a router (KernelKind.dispatch): the client loads each
                                      route's build (a canonical spec: kind, params, target) and calls,
                                      per call, the first whose inclusive `upto` bounds the runtime dim
+
+A TileLang program sent as IR (kernels.program) is built as TileLang's own cache entry and
+loaded by TileLang in its sender (`JITKernel.from_database`), which reads its parameters from
+the entry's files. Its ABI only says which files those are:
+
+    {"loader":  "tilelang",
+     "backend": "tvm_ffi" | "cython",  TileLang's execution backend (its adapter)
+     "device":  "cpu" | "cuda",
+     "symbol":  "main",                the PrimFunc's global symbol
+     "files":   {"device_source": "device_kernel.cu", "host_source": "host_kernel.cu", "params": "params.json"}}
 """
 
 from __future__ import annotations
@@ -33,6 +43,9 @@ from __future__ import annotations
 LOADERS = {"c": "cpu", "tvm_ffi": "cuda"}  # loader -> the device its tensors live on
 FIELDS = {"loader": str, "symbol": str, "device": str, "params": list, "outputs": list, "dynamic": list}
 C_INT_DTYPES = ("int32", "int64")
+PROGRAM = "tilelang"  # the loader of TileLang programs' entries
+PROGRAM_BACKENDS = ("tvm_ffi", "cython")
+PROGRAM_FILES = ("device_source", "host_source", "params")
 
 
 class AbiError(ValueError):
@@ -60,6 +73,23 @@ def make(
     return abi
 
 
+def program(backend: str, device: str, symbol: str, files: dict[str, str]) -> dict:
+    """The ABI of a TileLang program's entry: TileLang's backend and which files hold what."""
+    abi = {"loader": PROGRAM, "backend": backend, "device": device, "symbol": symbol, "files": dict(files)}
+    check(abi)
+    return abi
+
+
+def _check_program(abi: dict) -> None:
+    if set(abi) != {"loader", "backend", "device", "symbol", "files"}:
+        raise AbiError("a TileLang program's abi has exactly loader, backend, device, symbol and files")
+    if abi["backend"] not in PROGRAM_BACKENDS or abi["device"] not in ("cpu", "cuda") or not isinstance(abi["symbol"], str):
+        raise AbiError(f"abi.backend {abi['backend']!r} with device {abi['device']!r} is not a TileLang program's")
+    files = abi["files"]
+    if not isinstance(files, dict) or set(files) != set(PROGRAM_FILES) or not all(isinstance(name, str) for name in files.values()):
+        raise AbiError(f"abi.files must name a file for each of {', '.join(PROGRAM_FILES)} (proto.entry checks the names)")
+
+
 def with_fixed(abi: dict, fixed: dict[str, int]) -> dict:
     """The ABI of a copy of a shared build whose spec fixes some of its runtime dims
     (beside those the build, itself a copy, may fix)."""
@@ -76,6 +106,8 @@ def check(abi) -> None:
     """Raises AbiError unless `abi` is one the loader can call."""
     if not isinstance(abi, dict):
         raise AbiError("abi is not a mapping")
+    if abi.get("loader") == PROGRAM:
+        return _check_program(abi)
     for name, kind in FIELDS.items():
         if not isinstance(abi.get(name), kind):
             raise AbiError(f"abi.{name} is missing or not a {kind.__name__}")

@@ -126,6 +126,9 @@ def check_meta(meta, spec: dict | None = None) -> dict:
         abi.check(meta["abi"])
     except abi.AbiError as exc:
         raise EntryRefused(f"{ENTRY_META}'s {exc}") from None
+    named = meta["abi"].get("files", {}) if meta["abi"]["loader"] == abi.PROGRAM else {}
+    if not all(is_file_name(name) and name not in RECORDS for name in named.values()):
+        raise EntryRefused(f"{ENTRY_META}'s abi.files names something other than a file of the entry")
     if spec is not None and meta["spec"] != spec:
         raise EntryRefused(f"{ENTRY_META} records spec {json.dumps(meta['spec'], sort_keys=True)[:200]}, not the one its key was computed from")
     return meta
@@ -235,10 +238,11 @@ class Entry:
     library_sha256: str
     library_size: int
     meta: dict  # entry.json: spec, abi, compile_seconds, toolchain, created, shared_build, ...
+    files: dict | None = None  # the manifest's {name: {"size", "sha256"}}, where it was read
 
     @classmethod
     def of(cls, key: str, path: Path, library: str, files: dict, meta: dict) -> Entry:
-        return cls(key, path, library, files[library]["sha256"], files[library]["size"], meta)
+        return cls(key, path, library, files[library]["sha256"], files[library]["size"], meta, files)
 
     @property
     def abi(self) -> dict:

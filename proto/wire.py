@@ -24,6 +24,10 @@ from .kernelservice.v1 import kernel_service_pb2 as pb
 MAX_PARAMS = 64
 MAX_NAME = 64  # kind, target and parameter names
 MAX_STRING = 256  # string parameter values
+# The parameter that travels in KernelSpec.program instead (kind "tilelang": kernels.program), and
+# its bound: a program's IR is tens of kilobytes.
+PROGRAM = "program"
+MAX_PROGRAM = 8 << 20
 MAX_BATCH = 4096  # specs in one Prefetch; the compiles it may queue are bounded apart (a share of the queue)
 MAX_MESSAGE = 16 << 20  # bytes of one gRPC message, both ways
 # Bytes of an error's text in a status's details, as sent: gRPC percent-encodes them into the
@@ -95,8 +99,13 @@ def param_value(name: str, value) -> pb.ParamValue:
 
 
 def spec_to_proto(kind: str, params: dict, target: str | None) -> pb.KernelSpec:
-    """A spec as sent: `target` None or "" leaves the choice to the daemon's default."""
-    return pb.KernelSpec(kind=kind, target=target or "", params={k: param_value(k, v) for k, v in params.items()})
+    """A spec as sent: `target` None or "" leaves the choice to the daemon's default; a parameter
+    named `program` travels in its own field."""
+    program = params.get(PROGRAM)
+    if program is not None and not isinstance(program, str):
+        raise InvalidSpec(PROGRAM, f"expected the program's JSON text, got {type(program).__name__}")
+    rest = {k: param_value(k, v) for k, v in params.items() if k != PROGRAM}
+    return pb.KernelSpec(kind=kind, target=target or "", params=rest, program=program or "")
 
 
 def spec_from_proto(spec: pb.KernelSpec) -> tuple[str, dict, str]:
@@ -117,6 +126,12 @@ def spec_from_proto(spec: pb.KernelSpec) -> tuple[str, dict, str]:
         if which is None:
             raise InvalidSpec(name, "parameter sent with no value")
         params[name] = None if which == "null_value" else getattr(value, which)
+    if spec.program:
+        if len(spec.program) > MAX_PROGRAM:
+            raise InvalidSpec(PROGRAM, f"at most {MAX_PROGRAM} characters, got {len(spec.program)}")
+        if PROGRAM in params:
+            raise InvalidSpec(PROGRAM, "sent twice, in params and in the program field")
+        params[PROGRAM] = spec.program
     return spec.kind, params, spec.target
 
 

@@ -29,7 +29,7 @@ from proto import abi as call_abi_schema
 from proto.entry import LIBRARY, SOURCES
 
 from ..keys import toolchain
-from . import devices, nvrtc, rewrites
+from . import devices, nvrtc, programs, rewrites
 
 log = logging.getLogger(__name__)
 
@@ -320,6 +320,10 @@ def build(spec_json: str, staging: str) -> dict:
     """Compiles one canonical spec into `staging`; returns the library's file name
     and the entry's metadata (spec, abi, compile_seconds, toolchain).
 
+    A zoo or plugin kind is built as this service's own entry (kernel.so, called by the
+    client's loader without TileLang); a TileLang program sent as IR (kernels.program) as
+    TileLang's own cache entry (build/programs.py), loaded by TileLang in its sender.
+
     Raises CompileFailed with TileLang's message on any compile error, and
     OSError when the staging directory cannot be written.
     """
@@ -330,16 +334,21 @@ def build(spec_json: str, staging: str) -> dict:
     spec = json.loads(spec_json)
     target = kernels.parse_target(spec["target"])
     kind = kernels.get_kind(spec["kind"])
+    program = json.loads(spec["params"][kernels.program.FIELD]) if kind.name == kernels.program.KIND else None
     out = Path(staging)
     start = time.perf_counter()
     _device["seconds"], _device["compiled"] = 0.0, None
     try:
-        func = kind.build(dict(spec["params"]), target)
-        params = dict(spec["params"])
-        func, outputs, options = _build_options(func, kind, params)
-        abi = call_abi(func, outputs, target, kind.inplace(params), kind.scratch(params), kind.writes(params))
-        traced = time.perf_counter()
-        kernel = tilelang.JITKernel(func, target=target.tilelang_target(), execution_backend="auto", **options)
+        if program is not None:
+            traced = time.perf_counter()  # the IR arrives traced: loading it is part of lowering
+            kernel = programs.compile_program(program)
+        else:
+            func = kind.build(dict(spec["params"]), target)
+            params = dict(spec["params"])
+            func, outputs, options = _build_options(func, kind, params)
+            abi = call_abi(func, outputs, target, kind.inplace(params), kind.scratch(params), kind.writes(params))
+            traced = time.perf_counter()
+            kernel = tilelang.JITKernel(func, target=target.tilelang_target(), execution_backend="auto", **options)
         lowered = time.perf_counter()
     except CompileFailed:
         raise
@@ -348,13 +357,17 @@ def build(spec_json: str, staging: str) -> dict:
     # Writing into the staging directory can fail (disk full): that is a cache error, raised
     # as OSError, not a compile failure to report as the kernel's fault or to remember.
     try:
-        if target.is_cpu:
-            shutil.copyfile(kernel.adapter.libpath, out / LIBRARY)
+        if program is not None:
+            library, abi = programs.write_entry(kernel, program, out, export_cuda_library)
         else:
-            export_cuda_library(kernel.adapter.get_exportable_executable(), str(out / LIBRARY))
+            library = LIBRARY
+            if target.is_cpu:
+                shutil.copyfile(kernel.adapter.libpath, out / LIBRARY)
+            else:
+                export_cuda_library(kernel.adapter.get_exportable_executable(), str(out / LIBRARY))
         exported = time.perf_counter()
         source = kernel.get_kernel_source()
-        if source:
+        if source and program is None:
             (out / SOURCES[0 if target.is_cpu else 1]).write_text(source)
     except OSError:
         raise
@@ -379,7 +392,7 @@ def build(spec_json: str, staging: str) -> dict:
     }
     if _device["compiled"] is not None:
         meta["device_compiled"] = _device["compiled"]  # False: the device binary was already built
-    return {"library": LIBRARY, "meta": meta}
+    return {"library": library, "meta": meta}
 
 
 def export_cuda_library(executable, path: str) -> None:

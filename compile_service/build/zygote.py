@@ -13,6 +13,9 @@ import os
 # TileLang's import asks torch whether CUDA is there. NVML answers without initialising the CUDA
 # driver in this process, whose state a forked worker could not use.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+# Workers are TileLang's compiler, never a client of the service (client/tilelang_hook.py): a
+# daemon started with KERNEL_SERVICE_TILELANG=1 must not route its own builds back to itself.
+os.environ["KERNEL_SERVICE_TILELANG"] = "0"
 
 import tilelang  # noqa: E402, F401
 

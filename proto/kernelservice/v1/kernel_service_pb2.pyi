@@ -20,7 +20,7 @@ OUTCOME_COMPILED: Outcome
 OUTCOME_JOINED: Outcome
 
 class KernelSpec(_message.Message):
-    __slots__ = ("kind", "params", "target")
+    __slots__ = ("kind", "params", "target", "program")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -31,10 +31,12 @@ class KernelSpec(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
     kind: str
     params: _containers.MessageMap[str, ParamValue]
     target: str
-    def __init__(self, kind: _Optional[str] = ..., params: _Optional[_Mapping[str, ParamValue]] = ..., target: _Optional[str] = ...) -> None: ...
+    program: str
+    def __init__(self, kind: _Optional[str] = ..., params: _Optional[_Mapping[str, ParamValue]] = ..., target: _Optional[str] = ..., program: _Optional[str] = ...) -> None: ...
 
 class ParamValue(_message.Message):
     __slots__ = ("int_value", "float_value", "bool_value", "string_value", "null_value")
