@@ -226,6 +226,8 @@ class Client:
         CorruptArtifact.
         """
         memo_key, proto, spec = self._request(kind, params, target)
+        if spec is not None and kernels.get_kind(spec.kind).artifact != "service":
+            raise InvalidSpec("kind", f"{kind!r} kernels are TileLang's own: compile them with TileLang's API after client.install_tilelang_cache()")
         kernel = self._memo.get(memo_key)
         if kernel is not None:
             return kernel
@@ -370,6 +372,13 @@ class Client:
         """The kernel of a hit without a round trip (_cached_entry), loaded; None: ask the daemon."""
         found = self._cached_entry(key, json.loads(spec.to_json()))
         return loader.open_published(*found) if found is not None else None
+
+    def find(self, spec: kernels.CanonicalSpec) -> tuple[Entry, int] | None:
+        """The published entry of a canonical spec and the uid its files belong to, found in the
+        cache without a round trip (its records checked, as entry() checks them); None: not there,
+        or this client asks the daemon for everything (an `app`, direct_hits=False)."""
+        key = self._key(spec) if self.direct_hits else None
+        return self._cached_entry(key, json.loads(spec.to_json())) if key else None
 
     def entry(self, spec: kernels.CanonicalSpec, *, timeout: float | None = None) -> tuple[Entry, int, str]:
         """The published entry of a canonical spec, with the uid its files belong to and how it was

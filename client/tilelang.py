@@ -146,9 +146,10 @@ def _resolve(target, target_host, execution_backend, pass_configs):
     return create_backend_context(target, target_host, execution_backend), _normalized(pass_configs)
 
 
-def program_spec(func, out_idx, context, pass_configs: dict, compile_flags) -> kernels.CanonicalSpec:
+def program_spec(func, out_idx, context, pass_configs: dict, compile_flags, check: bool = True) -> kernels.CanonicalSpec:
     """The canonical spec (kind "tilelang") of one compile, as TileLang's cache receives it; raises
-    program.NotTravelling naming what may not travel."""
+    program.NotTravelling naming what may not travel (`check`: kernels.program's rule; a spec
+    only looked up in the cache needs none: an entry exists only for what the daemon checked)."""
     import tvm
 
     backend = context.execution_backend.name
@@ -176,7 +177,8 @@ def program_spec(func, out_idx, context, pass_configs: dict, compile_flags) -> k
         "pass_configs": options["pass_configs"],
         "compile_flags": [flags] if isinstance(flags, str) else flags,
     }
-    program.check_program(doc)
+    if check:
+        program.check_program(doc)
     return kernels.CanonicalSpec(program.KIND, {program.FIELD: program.canonical_text(doc)}, kernels.parse_target(program.service_target(doc)))
 
 
@@ -197,7 +199,7 @@ def _cached(state, cache, func, out_idx, *args, target=None, target_host=None, e
     else:
         pass_configs = _normalized(pass_configs)
     try:
-        spec = program_spec(func, out_idx, backend_context, pass_configs, compile_flags)
+        spec = program_spec(func, out_idx, backend_context, pass_configs, compile_flags, check=False)  # checked before it is sent
     except program.NotTravelling as exc:
         return _here(state, exc, lambda: own(backend_context, pass_configs))
     return _serve(state, spec, func, backend_context, out_idx, pass_configs, compile_flags, lambda: own(backend_context, pass_configs))
@@ -226,7 +228,12 @@ def _serve(state, spec: kernels.CanonicalSpec, func, context, out_idx, pass_conf
     if time.monotonic() < state.down_until and not state.client.strict:
         return compile_here()
     try:
-        entry, owner, _ = state.client.entry(spec)
+        found = state.client.find(spec)
+        if found is None:  # to be asked for: only what may travel
+            program.check_program(program.parse(spec.params[program.FIELD]))
+        entry, owner = found or state.client.entry(spec)[:2]
+    except program.NotTravelling as exc:
+        return _here(state, exc, compile_here)
     except InvalidSpec as exc:  # the daemon's rule refused what this process's let through (another release)
         return _here(state, program.NotTravelling(exc.field, f"the daemon refused it: {str(exc).split(': ', 1)[-1]}"), compile_here)
     except ServiceUnavailable as exc:

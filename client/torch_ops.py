@@ -166,7 +166,8 @@ def bind(kernel: Kernel) -> Kernel:
 def register_all() -> None:
     """Registers the ops of every kind this process knows."""
     for name, kind in kernels.kinds().items():
-        register_kind(name, len(kind.outputs), kind.multi_output)
+        if kind.artifact == "service":  # TileLang loads its own programs: no op
+            register_kind(name, len(kind.outputs), kind.multi_output)
 
 
 register_all()

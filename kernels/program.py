@@ -205,30 +205,29 @@ def check_target(target, where: str, host: bool = False) -> dict | None:
     return target
 
 
-def _refs(value, field=None):
-    """(field, integer) for each integer in a node's data (field None in a container's list)."""
-    if isinstance(value, bool):
-        return
-    if isinstance(value, int):
-        yield field, value
-    elif isinstance(value, list):
+def _scan(value, field, refs: list, strings: list) -> None:
+    """Collects (field, integer) into `refs` and every string (dict keys too) into `strings`."""
+    kind = type(value)
+    if kind is int:
+        refs.append((field, value))
+    elif kind is str:
+        strings.append(value)
+    elif kind is list:
         for item in value:
-            yield from _refs(item, field)
-    elif isinstance(value, dict):
+            _scan(item, field, refs, strings)
+    elif kind is dict:
         for name, item in value.items():
-            yield from _refs(item, name)
+            strings.append(name)
+            _scan(item, name, refs, strings)
 
 
-def _strings(value, where: str):
-    if isinstance(value, str):
-        check_string(value, where)
-    elif isinstance(value, list):
-        for item in value:
-            _strings(item, where)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _strings(key, where)
-            _strings(item, where)
+def check_strings(strings: list[str], where: str) -> None:
+    """check_string on each, the plain ones (nearly all) with one search over them joined."""
+    if strings and max(map(len, strings)) > MAX_STRING:
+        _refuse(where, f"a string of {max(map(len, strings))} characters, at most {MAX_STRING}")
+    if _UNSAFE.search(" ".join(strings)):  # a space joins them: it cannot complete a digraph or trigraph
+        for text in strings:
+            check_string(text, where)
 
 
 def check_ir(ir) -> dict:
@@ -241,30 +240,34 @@ def check_ir(ir) -> dict:
     nodes = ir["nodes"]
     if not 0 < len(nodes) <= MAX_NODES or not 0 <= ir["root_index"] < len(nodes):
         _refuse("ir", f"expected 1 to {MAX_NODES} nodes and a root among them")
-    _strings(ir.get("metadata", {}), "ir.metadata")
+    strings: list[str] = []
+    _scan(ir.get("metadata", {}), None, [], strings)
     depth = [0] * len(nodes)
     for i, node in enumerate(nodes):
-        kind = node.get("type") if isinstance(node, dict) else None
-        if not isinstance(kind, str) or not (kind in _TYPES or kind.startswith(_TYPE_PREFIXES)):
+        kind = node.get("type") if type(node) is dict else None
+        if type(kind) is not str or not (kind in _TYPES or kind.startswith(_TYPE_PREFIXES)):
             _refuse("ir", f"node {i}: type {str(kind)[:40]!r} does not travel (only TVM IR, TIR and TileLang nodes)")
-        if set(node) - {"type", "data"}:
+        if len(node) > 2 or (len(node) == 2 and "data" not in node):
             _refuse("ir", f"node {i}: unexpected fields")
-        data = node.get("data")
-        _strings(data, f"ir.nodes[{i}]")
+        refs: list = []
+        _scan(node.get("data"), None, refs, strings)
         deepest = 0
-        for field, ref in () if kind in _BOXED else _refs(data):
-            if kind not in _CONTAINERS and (kind, field) in _VALUES:
-                continue
-            # Any other integer may be a reference: only to a node before this one (a forward or
-            # self reference can make a cycle, which TVM's loader follows until it crashes).
-            # Values in fields not listed in _VALUES count as references too: the depth is then
-            # an upper bound, and a value past the node's index refuses the program.
-            if not 0 <= ref < i:
-                _refuse("ir", f"node {i} ({kind}): field {field or 'item'} refers to node {ref}, not to one before it")
-            deepest = max(deepest, depth[ref])
+        if kind not in _BOXED:
+            for field, ref in refs:
+                if kind not in _CONTAINERS and (kind, field) in _VALUES:
+                    continue
+                # Any other integer may be a reference: only to a node before this one (a forward
+                # or self reference can make a cycle, which TVM's loader follows until it crashes).
+                # Values in fields not listed in _VALUES count as references too: the depth is
+                # then an upper bound, and a value past the node's index refuses the program.
+                if not 0 <= ref < i:
+                    _refuse("ir", f"node {i} ({kind}): field {field or 'item'} refers to node {ref}, not to one before it")
+                if depth[ref] > deepest:
+                    deepest = depth[ref]
         depth[i] = deepest + 1
-        if depth[i] > MAX_DEPTH:
+        if deepest >= MAX_DEPTH:
             _refuse("ir", f"nested more than {MAX_DEPTH} levels deep")
+    check_strings(strings, "ir")
     if nodes[ir["root_index"]].get("type") != "tirx.PrimFunc":
         _refuse("ir", "the root is not a PrimFunc")
     return ir
@@ -323,7 +326,7 @@ class TileLangProgram(KernelKind):
     name = KIND
     doc = "A TileLang program sent as IR by a process that runs TileLang's own API (client.install_tilelang_cache)."
     params = (Param(FIELD, str, doc="the program as JSON: its IR, target, out_idx, pass_configs, compile_flags (kernels.program)"),)
-    artifact = "tilelang"  # built and loaded as TileLang's own cache entry (compile_service.build.programs)
+    artifact = "tilelang"  # TileLang's own cache entry (compile_service.build.programs), loaded by TileLang
 
     def canonicalize(self, raw: dict, target: Target) -> CanonicalSpec:
         extra = sorted(set(raw) - {FIELD})

@@ -261,6 +261,10 @@ class KernelKind:
     # `compile_flags` (a @tilelang.jit factory's decorator arguments: kernels.jit). They are
     # part of the kind's keys (registry.source_digest).
     compile_options: ClassVar[dict] = {}
+    # What a build is and who loads it: "service", this service's entry (kernel.so and its call
+    # ABI), loaded by the client without TileLang and served as a torch op; "tilelang", TileLang's
+    # own cache entry, loaded by TileLang in the sender (kernels.program: TileLang's API, served).
+    artifact: ClassVar[str] = "service"
 
     def canonicalize(self, raw: dict, target: Target) -> CanonicalSpec:
         known = {p.name for p in self.params}

@@ -68,7 +68,7 @@ def _fresh_process(code: str, socket) -> str:
 def test_importing_the_client_registers_the_ops_once_torch_is_there():
     code = "import sys, client; print('torch' in sys.modules); import torch, client.torch_ops; print(hasattr(torch.ops.kernel_service, 'gemm'))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split() == ["False", "True"]
-    code = "import torch, client, kernels; print(all(hasattr(torch.ops.kernel_service, k) for k in kernels.kinds()), len(kernels.kinds()))"
+    code = "import torch, client, kernels; print(all(hasattr(torch.ops.kernel_service, k) == (v.artifact == 'service') for k, v in kernels.kinds().items()), sum(v.artifact == 'service' for v in kernels.kinds().values()))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split() == ["True", str(len(ZOO))]
 
 

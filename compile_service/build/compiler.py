@@ -334,7 +334,7 @@ def build(spec_json: str, staging: str) -> dict:
     spec = json.loads(spec_json)
     target = kernels.parse_target(spec["target"])
     kind = kernels.get_kind(spec["kind"])
-    program = json.loads(spec["params"][kernels.program.FIELD]) if kind.name == kernels.program.KIND else None
+    program = json.loads(spec["params"][kernels.program.FIELD]) if kind.artifact == "tilelang" else None
     out = Path(staging)
     start = time.perf_counter()
     _device["seconds"], _device["compiled"] = 0.0, None
