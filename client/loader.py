@@ -133,20 +133,27 @@ def _private_dir() -> Path:
 _names = itertools.count()
 
 
-def dlopen_bytes(data: bytes, key: str, opener):
-    """opener(path) on a private copy of `data` under a name never used before in this process."""
+def dlopen_bytes(data: bytes, key: str, opener, keep: bool = False):
+    """opener(path) on a private copy of `data` under a name never used before in this process.
+    The copy is unlinked once opened (the mapping outlives the name), unless `keep`: TileLang's
+    JITKernel reads its library's path again (its autotuner copies it into its own cache); the
+    private directory goes at exit."""
     path = _private_dir() / f"{key[:16]}-{next(_names)}.so"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o500)
+    opened = False
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        return opener(str(path))
+        result = opener(str(path))
+        opened = True
+        return result
     except OSError as exc:  # mapped executable refused on a filesystem statvfs did not flag (a policy, an overlay)
         if "failed to map segment" in str(exc):
             raise LoadError(f"cannot load kernel {key[:16]} from {path}: {exc}; {NOEXEC_FIX}") from None
         raise
     finally:
-        path.unlink(missing_ok=True)  # the mapping outlives the name
+        if not (keep and opened):
+            path.unlink(missing_ok=True)
 
 
 class _Refused:

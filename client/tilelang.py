@@ -285,7 +285,7 @@ def load(entry, owner: int, func, context, out_idx, pass_configs, compile_flags)
             backend_context=context,
         )
 
-    return loader.dlopen_bytes(library, entry.key, open_library)
+    return loader.dlopen_bytes(library, entry.key, open_library, keep=True)
 
 
 def _read(entry, name: str, owner: int) -> bytes:

@@ -288,7 +288,12 @@ def device_options(pass_config) -> list[str]:
     if extra:
         for flag in [extra] if isinstance(extra, str) else extra:
             options += shlex.split(flag) if isinstance(flag, str) else [str(flag)]
-    return options
+    # nvcc's host-side optimisation levels and warning switches, which TileLang code passes as compile
+    # flags (-O3, -Wno-deprecated-declarations): NVRTC takes neither and optimises device code anyway.
+    return [o for o in options if not _NVCC_ONLY.fullmatch(o)]
+
+
+_NVCC_ONLY = re.compile(r"-O[1-3]|-W[A-Za-z].*")
 
 
 def callback(compiler: Compiler):
