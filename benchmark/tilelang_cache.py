@@ -275,16 +275,14 @@ class Run:
         return path
 
     def fresh(self, name: str) -> Path:
-        path = self.work / f"{name}-{next(self.seq)}"
-        path.mkdir()
-        return path
+        return Path(tempfile.mkdtemp(prefix=f"{name}-{next(self.seq)}-", dir=self.work))
 
     def spawn(self, role: str, env: dict, **flags) -> subprocess.Popen:
         argv = [sys.executable, str(Path(__file__).resolve()), "_child", role]
         for name, value in flags.items():
             argv += [f"--{name}", str(value)]
         log = open(self.work / f"{role}-{next(self.seq)}.log", "w")
-        environment = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), **env}
         proc = subprocess.Popen(argv, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=log, text=True)
         proc.log = log
         return proc

@@ -81,7 +81,7 @@ def run_case(name: str, examples: Path, work: Path, socket: Path, mode: str) -> 
     file, _, args = EXAMPLES[name]
     record = work / f"{name}-{mode}.pt"
     own = work / f"tilelang-cache-{name}-{mode}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TILELANG_CACHE_DIR": str(own)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "TILELANG_CACHE_DIR": str(own)}
     if mode == "service":
         env.update(KERNEL_SERVICE_TILELANG="1", KERNEL_SERVICE_SOCKET=str(socket))
     log = work / f"{name}-{mode}.log"

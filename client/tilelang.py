@@ -173,13 +173,21 @@ def program_spec(func, out_idx, context, pass_configs: dict, compile_flags, chec
         "target": target,
         "target_host": host,
         "execution_backend": backend,
-        "out_idx": None if out_idx is None else [out_idx] if isinstance(out_idx, int) else list(out_idx),
+        "out_idx": _out_idx(out_idx, len(func.params)),
         "pass_configs": options["pass_configs"],
         "compile_flags": [flags] if isinstance(flags, str) else flags,
     }
     if check:
         program.check_program(doc)
     return kernels.CanonicalSpec(program.KIND, {program.FIELD: program.canonical_text(doc)}, kernels.parse_target(program.service_target(doc)))
+
+
+def _out_idx(out_idx, params: int) -> list[int] | None:
+    """out_idx as a list of parameter indices from 0: [-1] and [2] of a three-tensor kernel are one
+    program (TileLang's own cache rewrites a caller's out_idx list in place when it loads a kernel)."""
+    if out_idx is None:
+        return None
+    return [i % params if -params <= i < params else i for i in ([out_idx] if isinstance(out_idx, int) else out_idx)]
 
 
 def _cached(state, cache, func, out_idx, *args, target=None, target_host=None, execution_backend=None, verbose=None, pass_configs=None, compile_flags=None, backend_context=None):  # fmt: skip

@@ -61,7 +61,7 @@ def agent(socket, tmp: Path, *steps: str, name: str = "agent", **env) -> subproc
         "KERNEL_SERVICE_TILELANG": "1",
         "KERNEL_SERVICE_SOCKET": str(socket),
         "TILELANG_CACHE_DIR": str(tmp / f"tilelang-{name}"),
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
         **env,
     }
     return subprocess.Popen([sys.executable, "-c", AGENT, *steps], cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
