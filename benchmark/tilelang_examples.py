@@ -54,7 +54,14 @@ sys.path.insert(0, os.path.dirname(path))
 torch.manual_seed(0)
 import tilelang
 from tilelang.jit import JITKernel
-seen, outputs = {}, []
+seen, outputs, compiled = {}, [], []
+jit = sys.modules["tilelang.jit"]
+cached = jit.cached  # every tilelang.compile (the decorator's, the autotuner's) goes through it
+def recording_cached(*args, **kwargs):
+    kernel = cached(*args, **kwargs)
+    compiled.append(str(kernel.get_kernel_source()))
+    return kernel
+jit.cached = recording_cached
 call = JITKernel.__call__
 def recording(self, *args, **kwargs):
     out = call(self, *args, **kwargs)
@@ -71,7 +78,7 @@ except SystemExit as exc:
     status = "ok" if exc.code in (None, 0) else f"exit {exc.code}"
 except Exception as exc:
     status = f"{type(exc).__name__}: {str(exc)[:500]}"
-torch.save(outputs, record)
+torch.save({"called": outputs, "compiled": compiled}, record)
 import client.tilelang
 print(json.dumps({"status": status, "kernels": len(outputs), "served": client.tilelang.installed() is not None}))
 """
@@ -103,13 +110,27 @@ def compare(a: dict, b: dict) -> dict:
 
     if not (Path(a["record"]).exists() and Path(b["record"]).exists()):
         return {"same_sources": False, "same_outputs": False, "max_abs_diff": None}
-    x, y = torch.load(a["record"]), torch.load(b["record"])
-    same_sources = len(x) == len(y) and all(p["source"] == q["source"] for p, q in zip(x, y))
+    ra, rb = torch.load(a["record"]), torch.load(b["record"])
+    x, y = ra["called"], rb["called"]
+    same_sources = ra["compiled"] == rb["compiled"] and len(x) == len(y) and all(p["source"] == q["source"] for p, q in zip(x, y))
+    differing = [i for i, (p, q) in enumerate(zip(ra["compiled"], rb["compiled"])) if p != q]
+    diff_lines = []
+    for i in differing[:2]:
+        import difflib
+
+        diff_lines += [line for line in difflib.unified_diff(ra["compiled"][i].splitlines(), rb["compiled"][i].splitlines(), lineterm="", n=0)][:12]
     diffs = []
     for p, q in zip(x, y):
         for s, t in zip(p["outputs"], q["outputs"]):
             diffs.append(0.0 if torch.equal(s, t) else float((s.double() - t.double()).abs().max()) if s.shape == t.shape else float("inf"))
-    return {"same_sources": same_sources, "same_outputs": len(x) == len(y) and all(d == 0.0 for d in diffs), "max_abs_diff": max(diffs, default=0.0)}
+    return {
+        "compiled": len(ra["compiled"]),
+        "same_sources": same_sources,
+        "differing_sources": differing,
+        "source_diff": diff_lines,
+        "same_outputs": len(x) == len(y) and all(d == 0.0 for d in diffs),
+        "max_abs_diff": max(diffs, default=0.0),
+    }
 
 
 def main(argv=None) -> int:
@@ -145,10 +166,12 @@ def main(argv=None) -> int:
             r = report[name]
             print(
                 f"{name:<16} tilelang {alone['status'][:30]:<10} {alone['seconds']:5.1f} s | service {served['status'][:30]:<10} {served['seconds']:5.1f} s "
-                f"kernels {served['kernels']} compiles {r['daemon_compiles']} own cache {served['own_cache_kernels']} | "
+                f"compiled {r['compiled']} called {served['kernels']} daemon compiles {r['daemon_compiles']} own cache {served['own_cache_kernels']} | "
                 f"same source {r['same_sources']} same output {r['same_outputs']} (max diff {r['max_abs_diff']})",
                 flush=True,
             )
+            for line in r["source_diff"]:
+                print(f"    {line[:200]}")
     finally:
         rpc.close()
         daemon.stop()

@@ -8,6 +8,7 @@ Light to import: no TileLang, no compiler, and torch only once the caller has it
 See README for the full API.
 """
 
+import os
 import sys
 
 from .api import Client, connect, default_client, explain, get_kernel, kinds, prefetch, stats
@@ -20,7 +21,10 @@ from .errors import (
 from .loader import Kernel
 from .tilelang import install_tilelang_cache, uninstall_tilelang_cache
 
-if "torch" in sys.modules:  # the kernels' torch ops (torch.compile, torch.export); else when a kernel loads
+# The kernels' torch ops (torch.compile, torch.export) once torch is there, else when a kernel loads. A
+# process started with KERNEL_SERVICE_TILELANG=1 imports this package as TileLang's cache
+# (client/tilelang_hook.py): it registers the ops at its first zoo kernel, not at TileLang's import.
+if "torch" in sys.modules and os.environ.get("KERNEL_SERVICE_TILELANG") != "1":
     from . import torch_ops  # noqa: F401
 
 __all__ = [

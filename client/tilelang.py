@@ -342,7 +342,12 @@ def _par_compile(state, funcs: list, out_idx, options: dict, num_workers, ignore
                 state.warn_once(f"travel:{exc.field}", f"kernel-service: a TileLang kernel compiles in this process, not on the daemon: {exc}")
     own = [i for i in range(len(funcs)) if i not in requests]
     results: list = [None] * len(funcs)
-    errors = _batch(state, requests)
+
+    def ready(i: int) -> None:  # loaded as the daemon reports each built: loads overlap the builds still running
+        spec, context, index, configs, flags = requests[i]
+        _serve(state, spec, funcs[i], context, index, configs, flags, lambda: None)
+
+    errors = _batch(state, requests, ready)
     if errors is None:  # no daemon: TileLang's own, for all of them
         own = list(range(len(funcs)))
         requests = {}
@@ -364,16 +369,27 @@ def _par_compile(state, funcs: list, out_idx, options: dict, num_workers, ignore
     return results
 
 
-def _batch(state, requests: dict) -> dict | None:
-    """Builds every request's program on the daemon in one Prefetch, with TileLang's progress bar;
-    returns {index: exception} for those that failed, or None when no daemon answers (and this
-    process is not strict)."""
+def _batch(state, requests: dict, ready) -> dict | None:
+    """Builds every request's program on the daemon in one Prefetch, with TileLang's progress bar,
+    calling ready(index) as each is built; returns {index: exception} for those that failed, or
+    None when no daemon answers (and this process is not strict)."""
     todo = [(i, r[0]) for i, r in requests.items() if r[0].to_json() not in state.memo]
     if not todo:
         return {}
     bar = _progress(len(todo))
+    errors = {}
+
+    def progress(done: int, total: int, event: dict) -> None:
+        bar.update(1)
+        i = todo[event["index"]][0]
+        if not event.get("error_code"):
+            try:
+                ready(i)
+            except Exception as exc:  # noqa: BLE001 - that kernel's answer, reported as par_compile reports it
+                errors[i] = exc
+
     try:
-        answers = state.client.prefetch([spec for _, spec in todo], load=False, progress=lambda done, total: bar.update(1))
+        answers = state.client.prefetch([spec for _, spec in todo], load=False, progress=progress)
     except ServiceUnavailable as exc:
         if state.client.strict:
             raise KernelNotReady(f"par_compile: no kernel service answers ({exc}), and this process is strict: nothing compiles here") from None
@@ -382,7 +398,7 @@ def _batch(state, requests: dict) -> dict | None:
         return None
     finally:
         bar.close()
-    return {i: answer for (i, _), answer in zip(todo, answers) if isinstance(answer, Exception)}
+    return {**errors, **{i: answer for (i, _), answer in zip(todo, answers) if isinstance(answer, Exception)}}
 
 
 def _progress(total: int):
