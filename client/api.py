@@ -406,6 +406,14 @@ class Client:
                 self._report_corrupt(a.key)
         raise CorruptArtifact(f"the daemon's entry {a.entry_dir} for {kernels.label(spec)} fails its checks, after it was rebuilt")
 
+    def report_local_compiles(self, count: int) -> None:
+        """Tells the daemon that `count` TileLang kernels compiled in this process instead
+        (Stats.local_compiles); best effort: a daemon that does not answer is not waited for."""
+        try:
+            self._stub.ReportUsage(pb.UsageReport(local_compiles=count), timeout=STATS_TIMEOUT, metadata=self._auth())
+        except (grpc.RpcError, OSError, ServiceError) as exc:
+            log.debug("local compiles not reported: %s", exc)
+
     def _report_corrupt(self, key: str) -> None:
         try:
             self._call(self._stub.ReportCorrupt, pb.ReportCorruptRequest(key=key), STATS_TIMEOUT, "report corrupt")

@@ -224,7 +224,9 @@ def _here(state, exc: program.NotTravelling, compile_here):
     if state.client.strict:
         raise KernelNotReady(f"a TileLang kernel that cannot be sent to the kernel service ({exc}), and this process is strict: nothing compiles here")
     state.warn_once(f"travel:{exc.field}", f"kernel-service: a TileLang kernel compiles in this process, not on the daemon: {exc}")
-    return compile_here()
+    kernel = compile_here()
+    state.client.report_local_compiles(1)
+    return kernel
 
 
 def _serve(state, spec: kernels.CanonicalSpec, func, context, out_idx, pass_configs, compile_flags, compile_here):
@@ -348,9 +350,9 @@ def _par_compile(state, funcs: list, out_idx, options: dict, num_workers, ignore
         _serve(state, spec, funcs[i], context, index, configs, flags, lambda: None)
 
     errors = _batch(state, requests, ready)
+    untravelled = len(own)
     if errors is None:  # no daemon: TileLang's own, for all of them
-        own = list(range(len(funcs)))
-        requests = {}
+        own, requests, untravelled = list(range(len(funcs))), {}, 0
     for i, (spec, context, index, configs, flags) in requests.items():
         error = errors.get(i)
         if error is None:
@@ -366,6 +368,8 @@ def _par_compile(state, funcs: list, out_idx, options: dict, num_workers, ignore
         compiled = state.par_compile([funcs[i] for i in own], out_idx, num_workers=num_workers, ignore_error=ignore_error, **options)
         for i, kernel in zip(own, compiled):
             results[i] = kernel
+        if untravelled:  # they count in the daemon's stats
+            state.client.report_local_compiles(untravelled)
     return results
 
 

@@ -48,6 +48,7 @@ COUNTERS = (
     "evictions",
     "not_ready",
     "compile_timeouts",
+    "local_compiles",
     *REMOTE_COUNTERS,
 )
 SECONDS = ("compile_seconds", "device_compile_seconds")

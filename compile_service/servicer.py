@@ -38,6 +38,7 @@ VALID_MEMO = 4096  # validated specs remembered (a plain dict, cleared when full
 # streams); more get BUSY at once. It bounds what idle and unread callers can hold; hits and
 # health are never counted.
 MAX_WAITING = 1024
+MAX_REPORTED = 1_000_000  # a count one ReportUsage may add
 SLOW_THREADS = 4  # the pool for the RPCs' slow parts (walking the store, stats probes): the loop never waits on them
 
 
@@ -361,6 +362,13 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
             await context.abort(Status.INVALID_SPEC, f"key: expected 64 lowercase hex characters, got {request.key[:80]!r}")
         reason = await self._off_loop(self.scheduler.store.recheck, request.key)
         return pb.ReportCorruptResponse(removed=reason is not None, reason=wire.clip(reason or ""))
+
+    async def ReportUsage(self, request, context):
+        if not 0 <= request.local_compiles <= MAX_REPORTED:
+            self.metrics.add(invalid=1)
+            await context.abort(Status.INVALID_SPEC, f"local_compiles: expected 0 to {MAX_REPORTED}, got {request.local_compiles}")
+        self.metrics.add(local_compiles=request.local_compiles)
+        return pb.UsageReportResponse()
 
     def _stats(self) -> pb.Stats:
         return pb.Stats(**self.metrics.read())

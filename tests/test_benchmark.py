@@ -286,3 +286,30 @@ def test_user_kernels_case_table_covers_issue_30s_styles(tmp_path):
         [sys.executable, str(script), "--examples", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
     )
     assert missing.returncode == 2 and "example_gemm.py" in missing.stderr
+
+
+def test_tilelang_cache_small_runs_every_part_on_the_cpu(tmp_path):
+    """benchmark/tilelang_cache.py --small (issue 46), every part: the daemon compiles each cold
+    kernel once for all processes while TileLang alone compiles them in each; warm processes
+    compile nothing; par_compile builds the quick zoo; served kernels give TileLang's own source
+    and outputs. Timings are not asserted."""
+    out = tmp_path / "tilelang_cache.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmark" / "tilelang_cache.py"), "--small", "--processes", "2", "--rounds", "1", "--json", str(out), "--work-dir", str(tmp_path / "w")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["cold_tilelang_1"]["compiles"] == 8
+    assert report["cold_tilelang_2"]["compiles"] >= 8
+    served = report["cold_service_2"]
+    assert served["compiles"] == 8 and served["tilelang_compiles_in_processes"] == 0
+    assert all(r["served"] and not r["warnings"] for r in served["per_process"])
+    assert report["warm"]["tilelang"]["compiled"] == 0 and report["warm"]["service"]["compiled"] == 0
+    par = report["par_compile"]
+    assert par["tilelang"]["built"] == par["service"]["built"] == par["service"]["compiles"] == len(zoo.QUICK)
+    assert report["speed"]["same_source"] and report["speed"]["same_output"]
+    assert report["goals"]["cold: service compiles each kernel once"]

@@ -1032,3 +1032,82 @@ def test_the_cli_refuses_a_daemon_the_client_would_refuse(world, evil):
     finally:
         server.stop(None)
     assert done.returncode == 1 and done.stdout == "" and "runs as uid 0, not as the daemon's uid" in done.stderr, done
+
+
+# ----------------------------------------------------------------------------- TileLang programs sent as IR (issue 46)
+
+SEND_PROGRAMS = r"""
+import grpc, json, sys
+from proto import wire
+from proto.kernelservice.v1 import kernel_service_pb2 as pb, kernel_service_pb2_grpc as pb_grpc
+stub = pb_grpc.KernelServiceStub(grpc.insecure_channel("unix:" + sys.argv[1], options=[("grpc.max_send_message_length", 16 << 20)]))
+out = []
+for name, text in json.load(open(sys.argv[2])):
+    try:
+        reply = stub.GetKernel(pb.GetKernelRequest(spec=wire.spec_to_proto("tilelang", {"program": text}, "c")), timeout=300)
+        files = sorted(p.name for p in __import__("pathlib").Path(reply.artifact.entry_dir).iterdir())
+        out.append([name, "OK", json.dumps(files)])
+    except grpc.RpcError as e:
+        out.append([name, e.code().name, e.details()])
+print(json.dumps(out))
+"""
+
+
+def test_a_tilelang_program_cannot_make_a_root_daemon_read_its_files(world, tmp_path):
+    """Issue 46: a second local user, in a root daemon's group (--mode 0750), sends TileLang
+    programs as IR that would make a compiler read root's secret: an #include in a prelude
+    (T.import_source), a call_extern name that breaks out into source, -include and @file compile
+    flags (also as a pass config), and a pass config that writes files. Each is refused with
+    INVALID_ARGUMENT before any work, naming the part, the secret is in no answer, and nothing is
+    compiled; a plain program from the same user builds (the channel is open to them)."""
+    import json as json_
+
+    import tilelang  # noqa: F401
+
+    from client.tilelang import _resolve, program_spec
+    from kernels import program
+    from tests import tilelang_programs as tp
+
+    base = world.base / "rootd"
+    base.mkdir(mode=0o750)
+    secret = base / "secret"
+    secret.write_text("ROOT-SECRET-7f3a9c")
+    os.chmod(secret, 0o600)
+    context, configs = _resolve("c", None, None, None)
+
+    def text(func, **change) -> str:
+        doc = json_.loads(program_spec(func, [-1], context, configs, None, check=False).params[program.FIELD])
+        doc.update(change)
+        return json_.dumps(doc)
+
+    plain = tp.shift(4, 1.0)
+    attacks = [
+        ("prelude include", text(tp.with_source(4, f'#include "{secret}"\n'))),
+        ("extern name", text(tp.calling(4, f'f(); }}\n#include "{secret}"\nint g() {{ return 0'))),
+        ("include flag", text(plain, compile_flags=["-include", str(secret)])),
+        ("include flag joined", text(plain, compile_flags=[f"-include{secret}"])),
+        ("response file", text(plain, compile_flags=[f"@{secret}"])),
+        ("flag in pass config", text(plain, pass_configs={"tl.device_compile_flags": [f"-include {secret}"]})),
+        ("dump path", text(plain, pass_configs={"tl.enable_dump_ir": True, "tl.dump_ir_path": str(base)})),
+    ]
+    requests = world.shared / "programs.json"
+    requests.write_text(json_.dumps([*attacks, ("plain", text(plain))]))
+    os.chmod(requests, 0o644)
+
+    from devtools.launch import DaemonProcess
+
+    daemon = DaemonProcess(base / "cache", "--mode", "0750", "--target", "c", socket=base / "run" / "ks.sock", workers=1, log_path=tmp_path / "daemon.log")
+    daemon.start(timeout=120)
+    try:
+        answers = world.json_of(ATTACKER, SEND_PROGRAMS, daemon.socket, requests, groups=(0,), timeout=600)
+        stats = daemon.client().stats()
+    finally:
+        daemon.stop()
+    by_name = {name: (code, details) for name, code, details in answers}
+    for name, _ in attacks:
+        code, details = by_name[name]
+        assert code == "INVALID_ARGUMENT" and details.startswith("program."), (name, code, details)
+        assert "ROOT-SECRET" not in details
+    assert by_name["plain"][0] == "OK", by_name["plain"]
+    assert stats["compiles"] == 1 and stats["invalid"] == len(attacks), stats
+    assert "ROOT-SECRET" not in daemon.log()

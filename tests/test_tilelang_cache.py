@@ -162,7 +162,8 @@ def test_a_kernel_that_cannot_travel_compiles_here_with_a_warning_and_the_daemon
     r = result(agent(d.socket, tmp_path, "include", "scale"))
     assert "error" not in r and [s["err"] for s in r["steps"]] == [0.0, 0.0], r
     assert len(r["warnings"]) == 1 and "C source other than #define lines" in r["warnings"][0], r["warnings"]
-    assert counters(d)["compiles"] == 1  # scale; the kernel with an #include compiled in the process
+    stats = counters(d)
+    assert stats["compiles"] == 1 and stats["local_compiles"] == 1, stats  # scale; the kernel with an #include compiled in the process, reported
 
     # Sent anyway (a client of another rule): refused before any work, naming the part.
     func = tp.with_include.get_tir(4)

@@ -57,3 +57,29 @@ def with_include(N):
                 Y[j] = X[j] * 3.0
 
     return main
+
+
+def with_source(N, source: str):
+    """Y = X * 3 with `source` as a C prelude (T.import_source): what an attacker would send."""
+
+    @T.prim_func
+    def main(X: T.Tensor((N,), "float32"), Y: T.Tensor((N,), "float32")):
+        with T.Kernel(1):
+            T.import_source(source)
+            for j in T.serial(N):
+                Y[j] = X[j] * 3.0
+
+    return main
+
+
+def calling(N, name: str):
+    """Y = X with a call to the extern function `name`: its name reaches the C source as written."""
+
+    @T.prim_func
+    def main(X: T.Tensor((N,), "float32"), Y: T.Tensor((N,), "float32")):
+        with T.Kernel(1):
+            T.evaluate(T.call_extern("int32", name))
+            for j in T.serial(N):
+                Y[j] = X[j]
+
+    return main

@@ -52,6 +52,11 @@ class KernelServiceStub:
                 request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ReportCorruptRequest.SerializeToString,
                 response_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ReportCorruptResponse.FromString,
                 _registered_method=True)
+        self.ReportUsage = channel.unary_unary(
+                '/kernelservice.v1.KernelService/ReportUsage',
+                request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.UsageReport.SerializeToString,
+                response_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.UsageReportResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kernelservice.v1.KernelService/GetStats',
                 request_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.GetStatsRequest.SerializeToString,
@@ -179,6 +184,21 @@ class KernelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportUsage(self, request, context):
+        """What a client did without the daemon, added to the counters: TileLang
+        kernels it compiled in its own process because they could not be sent
+        (client.install_tilelang_cache: a C prelude, a backend or flag that does
+        not travel, a program the daemon refused). Sent once per such compile,
+        never on a hit.
+
+        Errors:
+        INVALID_ARGUMENT: a count below 0 or above 1000000.
+        UNAVAILABLE: the daemon is shutting down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Counters and cache totals. Errors: UNAVAILABLE.
         """
@@ -247,6 +267,11 @@ def add_KernelServiceServicer_to_server(servicer, server):
                     servicer.ReportCorrupt,
                     request_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ReportCorruptRequest.FromString,
                     response_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ReportCorruptResponse.SerializeToString,
+            ),
+            'ReportUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportUsage,
+                    request_deserializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.UsageReport.FromString,
+                    response_serializer=proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.UsageReportResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -358,6 +383,33 @@ class KernelService:
             '/kernelservice.v1.KernelService/ReportCorrupt',
             proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ReportCorruptRequest.SerializeToString,
             proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.ReportCorruptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kernelservice.v1.KernelService/ReportUsage',
+            proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.UsageReport.SerializeToString,
+            proto_dot_kernelservice_dot_v1_dot_kernel__service__pb2.UsageReportResponse.FromString,
             options,
             channel_credentials,
             insecure,
