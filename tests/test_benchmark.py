@@ -295,7 +295,19 @@ def test_tilelang_cache_small_runs_every_part_on_the_cpu(tmp_path):
     and outputs. Timings are not asserted."""
     out = tmp_path / "tilelang_cache.json"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmark" / "tilelang_cache.py"), "--small", "--processes", "2", "--rounds", "1", "--json", str(out), "--work-dir", str(tmp_path / "w")],
+        [
+            sys.executable,
+            str(ROOT / "benchmark" / "tilelang_cache.py"),
+            "--small",
+            "--processes",
+            "2",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+            "--work-dir",
+            str(tmp_path / "w"),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -121,7 +121,7 @@ def test_a_strict_process_gets_kernel_not_ready_naming_the_kernel(make_daemon, t
     assert own_kernels(tmp_path) == []
 
 
-def test_a_recorded_app_prewarmed_on_a_fresh_cache_serves_a_strict_process_with_no_compile(make_daemon, tmp_path):
+def test_a_recorded_app_prewarmed_or_bundled_serves_a_strict_process_with_no_compile(make_daemon, tmp_path):
     recorder = make_daemon()
     r = result(agent(recorder.socket, tmp_path, "scale", "eager", "par", name="rec", KERNEL_SERVICE_APP="engine"))
     assert "error" not in r, r
@@ -138,6 +138,22 @@ def test_a_recorded_app_prewarmed_on_a_fresh_cache_serves_a_strict_process_with_
     assert "error" not in r and [s["err"] for s in r["steps"]] == [0.0, 0.0, 0.0], r
     assert counters(server)["compiles"] == built
     assert own_kernels(tmp_path, "strict") == []
+
+    # A signed bundle of the recorded programs feeds a serve-only host, which compiles nothing.
+    bundle, key = tmp_path / "engine.tar", tmp_path / "builder.pub"
+    subprocess.run(
+        [*cli, "bundle", "export", "--manifest", str(manifest), "--cache-dir", str(recorder.cache_dir), "-o", str(bundle)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    key.write_text(subprocess.run([*cli, "bundle", "key", "--cache-dir", str(recorder.cache_dir)], cwd=ROOT, check=True, capture_output=True, text=True).stdout)
+    fresh = tmp_path / "serve-only"
+    subprocess.run([*cli, "bundle", "import", str(bundle), "--cache-dir", str(fresh), "--trusted-key", str(key)], cwd=ROOT, check=True, capture_output=True)
+    serve_only = make_daemon("--no-compile", cache_dir=fresh)
+    r = result(agent(serve_only.socket, tmp_path, "scale", "eager", "par", name="serve-only", KERNEL_SERVICE_STRICT="1"))
+    assert "error" not in r and [s["err"] for s in r["steps"]] == [0.0, 0.0, 0.0], r
+    assert counters(serve_only)["compiles"] == 0
 
 
 def test_with_no_daemon_tilelang_compiles_here_with_one_warning_and_strict_raises(tmp_path):
