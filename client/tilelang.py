@@ -219,11 +219,25 @@ def _normalized(pass_configs):
     return normalize_pass_configs(pass_configs)
 
 
-def _here(state, exc: program.NotTravelling, compile_here):
-    """A kernel that may not travel: TileLang compiles it here (a strict process compiles nothing)."""
+def _not_travelling(state, exc: program.NotTravelling, what: str = "a TileLang kernel") -> None:
+    """A kernel that may not travel is compiled here, with one warning per reason; a strict
+    process raises instead."""
     if state.client.strict:
-        raise KernelNotReady(f"a TileLang kernel that cannot be sent to the kernel service ({exc}), and this process is strict: nothing compiles here")
-    state.warn_once(f"travel:{exc.field}", f"kernel-service: a TileLang kernel compiles in this process, not on the daemon: {exc}")
+        raise KernelNotReady(f"{what} cannot be sent to the kernel service ({exc}), and this process is strict: nothing compiles here")
+    state.warn_once(f"travel:{exc.field}", f"kernel-service: {what} compiles in this process, not on the daemon: {exc}")
+
+
+def _unavailable(state, exc: ServiceUnavailable, what: str) -> None:
+    """No daemon answers: TileLang compiles here for RETRY_DOWN seconds, with one warning per
+    process; a strict process raises instead."""
+    if state.client.strict:
+        raise KernelNotReady(f"{what}: no kernel service answers ({exc}), and this process is strict: nothing compiles here") from None
+    state.down_until = time.monotonic() + RETRY_DOWN
+    state.warn_once("unavailable", f"kernel-service: {exc}; TileLang compiles in this process meanwhile")
+
+
+def _here(state, exc: program.NotTravelling, compile_here):
+    _not_travelling(state, exc)
     kernel = compile_here()
     state.client.report_local_compiles(1)
     return kernel
@@ -247,16 +261,20 @@ def _serve(state, spec: kernels.CanonicalSpec, func, context, out_idx, pass_conf
     except InvalidSpec as exc:  # the daemon's rule refused what this process's let through (another release)
         return _here(state, program.NotTravelling(exc.field, f"the daemon refused it: {str(exc).split(': ', 1)[-1]}"), compile_here)
     except ServiceUnavailable as exc:
-        if state.client.strict:
-            raise KernelNotReady(
-                f"kernel {kernels.label(spec)}: no kernel service answers ({exc}), and this process is strict: nothing compiles here"
-            ) from None
-        state.down_until = time.monotonic() + RETRY_DOWN
-        state.warn_once("unavailable", f"kernel-service: {exc}; TileLang compiles in this process meanwhile")
+        _unavailable(state, exc, f"kernel {kernels.label(spec)}")
         return compile_here()
     kernel = load(entry, owner, func, context, out_idx, pass_configs, compile_flags)
     with state.lock:
         return state.memo.setdefault(memo_key, kernel)
+
+
+def _compile_own(state, func, out_idx, context, pass_configs, compile_flags):
+    """TileLang's own compile of a resolved request, into its own cache (TileLang's cache for the
+    request's backend, as its dispatch picks it)."""
+    from tilelang.cache import _resolve_cache_dispatch
+
+    cache, _, _ = _resolve_cache_dispatch(context.target, context.target_host, context.execution_backend.name, False)
+    return state.cached(cache, func, out_idx, backend_context=context, verbose=False, pass_configs=pass_configs, compile_flags=compile_flags)
 
 
 def load(entry, owner: int, func, context, out_idx, pass_configs, compile_flags):
@@ -337,27 +355,23 @@ def _par_compile(state, funcs: list, out_idx, options: dict, num_workers, ignore
                 context, configs = _resolve(options["target"], options["target_host"], options["execution_backend"], configs)
                 requests[i] = (program_spec(func, index, context, configs, flags), context, index, configs, flags)
             except program.NotTravelling as exc:
-                if state.client.strict:
-                    raise KernelNotReady(
-                        f"par_compile: a TileLang kernel that cannot be sent to the kernel service ({exc}), and this process is strict"
-                    ) from None
-                state.warn_once(f"travel:{exc.field}", f"kernel-service: a TileLang kernel compiles in this process, not on the daemon: {exc}")
+                _not_travelling(state, exc)
     own = [i for i in range(len(funcs)) if i not in requests]
     results: list = [None] * len(funcs)
 
-    def ready(i: int) -> None:  # loaded as the daemon reports each built: loads overlap the builds still running
+    def served(i: int):
         spec, context, index, configs, flags = requests[i]
-        _serve(state, spec, funcs[i], context, index, configs, flags, lambda: None)
+        return _serve(state, spec, funcs[i], context, index, configs, flags, lambda: _compile_own(state, funcs[i], index, context, configs, flags))
 
-    errors = _batch(state, requests, ready)
+    errors = _batch(state, requests, served)  # each loaded as the daemon reports it built: loads overlap the builds still running
     untravelled = len(own)
     if errors is None:  # no daemon: TileLang's own, for all of them
         own, requests, untravelled = list(range(len(funcs))), {}, 0
-    for i, (spec, context, index, configs, flags) in requests.items():
+    for i in requests:
         error = errors.get(i)
         if error is None:
             try:
-                results[i] = _serve(state, spec, funcs[i], context, index, configs, flags, lambda: None)
+                results[i] = served(i)
             except Exception as exc:  # noqa: BLE001 - reported as par_compile reports it
                 error = exc
         if error is not None:
@@ -395,10 +409,7 @@ def _batch(state, requests: dict, ready) -> dict | None:
     try:
         answers = state.client.prefetch([spec for _, spec in todo], load=False, progress=progress)
     except ServiceUnavailable as exc:
-        if state.client.strict:
-            raise KernelNotReady(f"par_compile: no kernel service answers ({exc}), and this process is strict: nothing compiles here") from None
-        state.down_until = time.monotonic() + RETRY_DOWN
-        state.warn_once("unavailable", f"kernel-service: {exc}; TileLang compiles in this process meanwhile")
+        _unavailable(state, exc, "par_compile")
         return None
     finally:
         bar.close()
