@@ -21,8 +21,8 @@ from proto import abi, channel, keys, manifest, wire
 from proto.entry import Entry
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-from proto.paths import default_cache_dir, default_socket, entry_dir, socket_address
-from proto.trust import layer_owner
+from proto.paths import default_cache_dir, default_socket, entry_dir, service_info_file, socket_address
+from proto.trust import layer_owner, read_owned
 from proto.wire import Outcome, Status
 
 from . import loader, resolver
@@ -300,10 +300,35 @@ class Client:
         return proto.SerializeToString(deterministic=True).hex(), proto, None
 
     def _info(self) -> dict:
-        """The daemon's ServiceInfo, asked once (raises ServiceUnavailable)."""
+        """The daemon's ServiceInfo, asked once; with no daemon answering, the one it left in the
+        cache root (recorded_service_info), so that the kernels the cache holds still load;
+        else raises ServiceUnavailable."""
         if self._service is None:  # on get_kernel's path, which waits as long as a compile may
-            self._service = self.service_info(timeout=self.timeout)
+            try:
+                self._service = self.service_info(timeout=self.timeout)
+            except ServiceUnavailable:
+                recorded = self.recorded_service_info()
+                if recorded is None:
+                    raise
+                self._service = recorded
         return self._service
+
+    def recorded_service_info(self) -> dict | None:
+        """The ServiceInfo the daemon left in its cache root (`cache_dir`, else
+        $KERNEL_SERVICE_CACHE_DIR, else the default), read only from a file of the daemon's uid
+        that no one else may write; None when there is none or it fails that check."""
+        path = service_info_file(Path(self.cache_dir) if self.cache_dir else default_cache_dir())
+        try:
+            info = json.loads(read_owned(path, self.daemon_uid))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:  # refused (another owner, writable by others) or garbage
+            log.warning("not using %s: %s", path, exc)
+            return None
+        if not isinstance(info, dict) or Path(str(info.get("cache_dir", ""))).resolve() != path.parent.resolve():
+            log.warning("not using %s: it names another cache root", path)
+            return None
+        return info
 
     def _default_target(self) -> str:
         try:

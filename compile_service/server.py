@@ -49,7 +49,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kernels import plugins
 from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
-from proto.paths import ADMIN_TOKEN_FILE, TOKEN_FILE, socket_address
+from proto.paths import ADMIN_TOKEN_FILE, TOKEN_FILE, service_info_file, socket_address
 from proto.trust import UntrustedPath, open_private_file, private_dir
 
 from . import __version__, inductor
@@ -58,6 +58,7 @@ from .build import devices
 from .build.compiler import DEVICE_BINARIES, device_binary_dir
 from .config import ServiceConfig
 from .cpus import usable_cpus
+from .fsutil import write_text_atomic
 from .guard import RequestGuard
 from .keys import describe_toolchain
 from .layout import counted_dirs
@@ -465,7 +466,13 @@ class Daemon:
         swept = self.local.clean_staging()
         if swept:
             log.info("removed %d staging directories left by dead writers", swept)
-        self.servicer.info  # noqa: B018 - built now, so that an agent's first GetServiceInfo finds it
+        # Built now, so that an agent's first GetServiceInfo finds it; and left in the cache root,
+        # where agents that find no daemon read it to load the kernels the cache holds.
+        info = {f.name: list(v) if f.is_repeated else v for f in self.servicer.info.DESCRIPTOR.fields for v in [getattr(self.servicer.info, f.name)]}
+        try:
+            write_text_atomic(service_info_file(self.config.cache_dir), json.dumps(info, sort_keys=True), mode=self.config.mode & 0o640)
+        except OSError as exc:
+            log.warning("could not leave the service info in the cache root (agents then need a daemon for every kernel): %s", exc)
         self.scheduler.enforce_budget()  # the budget may have shrunk since the last run
         while not self._stopped.wait(SAVE_EVERY):
             self.metrics.save(self.config.cache_dir / STATS_FILE)

@@ -69,6 +69,15 @@ def socket_address(path: Path | str) -> str:
     return f"unix:{os.path.abspath(text)}"
 
 
+SERVICE_INFO = "service-info.json"  # the daemon's ServiceInfo, so that clients find hits while it is down
+
+
+def service_info_file(cache_root: Path | str) -> Path:
+    """Where a daemon leaves its ServiceInfo (as JSON, proto field names) under its cache root: a
+    client that finds no daemon computes keys and finds entries from it."""
+    return Path(cache_root) / SERVICE_INFO
+
+
 def entry_dir(cache_root: Path | str, key: str) -> Path:
     """A published entry's directory: <cache root>/entries/<key[:2]>/<key>."""
     return Path(cache_root) / "entries" / key[:2] / key

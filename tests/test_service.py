@@ -93,6 +93,38 @@ def test_second_process_is_served_without_compiling(make_daemon):
     assert d2.client().stats()["compiles"] == 3
 
 
+def test_a_fresh_process_loads_cached_kernels_with_the_daemon_down(make_daemon):
+    """Issue 49, item 1: the daemon leaves its ServiceInfo in the cache root; a process that finds
+    no daemon computes keys from it and loads what the cache holds, strict or not, without
+    TileLang. A miss still fails at once, as it did."""
+    d = make_daemon()
+    assert run_fresh(d.socket, [dict(s) for s in SPECS])["outcomes"] == ["compiled"] * 3
+    info = d.cache_dir / "service-info.json"
+    deadline = time.monotonic() + 30
+    while not info.exists():  # written once the daemon is up
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    d.stop()
+    env = {**os.environ, "KERNEL_SERVICE_CACHE_DIR": str(d.cache_dir)}
+    for strict in ("0", "1"):
+        done = subprocess.run(
+            [sys.executable, "-c", FRESH_PROCESS, str(d.socket), json.dumps([dict(s) for s in SPECS])],
+            cwd=ROOT,
+            env={**env, "KERNEL_SERVICE_STRICT": strict},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        assert (out["outcomes"], out["tilelang_imported"]) == (["hit"] * 3, False)
+    miss = 'import client; client.connect(__import__("sys").argv[1]).get_kernel("rmsnorm", M=None, N=96, dtype="float32", target="c")'
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", miss, str(d.socket)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "ServiceUnavailable: no kernel service" in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - start < 30
+
+
 def test_stampede_of_8_processes_compiles_each_kernel_once(make_daemon):
     d = make_daemon()
     procs = [

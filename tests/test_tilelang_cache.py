@@ -168,6 +168,17 @@ def test_with_no_daemon_tilelang_compiles_here_with_one_warning_and_strict_raise
     assert own_kernels(tmp_path, "strict") == []
 
 
+def test_with_the_daemon_down_kernels_in_the_cache_still_load(make_daemon, tmp_path):
+    """The daemon's ServiceInfo left in the cache root lets a process started with the daemon down
+    load the programs the cache holds, with no warning and nothing compiled in the process."""
+    d = make_daemon()
+    assert "error" not in result(agent(d.socket, tmp_path, "scale", "eager", name="first"))
+    d.stop()
+    r = result(agent(d.socket, tmp_path, "scale", "eager", KERNEL_SERVICE_CACHE_DIR=str(d.cache_dir)))
+    assert "error" not in r and [s["err"] for s in r["steps"]] == [0.0, 0.0] and r["warnings"] == [], r
+    assert own_kernels(tmp_path) == []
+
+
 def test_a_kernel_that_cannot_travel_compiles_here_with_a_warning_and_the_daemon_refuses_it(make_daemon, tmp_path):
     import tilelang
 
