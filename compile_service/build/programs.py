@@ -9,7 +9,7 @@ TileLang's callback and the same device-binary cache. The entry holds:
                                     cython's compiled C)
     device_kernel.cu                the device source (get_kernel_source())
     host_kernel.cu                  the host source
-    params.json                     TileLang's parameter records (dump_kernel_params: IR as JSON, no pickle)
+    params.json                     TileLang's parameter records (dump_kernel_params: IR as JSON, never unserialized code)
 """
 
 from __future__ import annotations
