@@ -52,7 +52,7 @@ import kernels
 from kernels.spec import CanonicalSpec, InvalidSpec, Target, detect_local_target
 from proto.entry import ENTRY_META, HEX64, MANIFEST, EntryRefused, bundle_entry, read_bundle_entry, read_manifest, read_meta
 from proto.jsondepth import load_json
-from proto.trust import read_owned
+from proto.trust import NotRegularFile, open_regular, read_owned
 
 from . import __version__
 from . import provenance as prov
@@ -296,7 +296,9 @@ def info(bundle: Path) -> dict:
     its files, so a file entries share counts in each; by_*: entries and bytes)."""
     path = Path(bundle)
     try:
-        raw = open(path, "rb")
+        raw = os.fdopen(open_regular(path, "bundle"), "rb")
+    except NotRegularFile as exc:
+        raise BundleError(str(exc)) from None
     except OSError as exc:
         raise BundleError(f"{path}: cannot read it: {exc.strerror or exc}") from None
     with raw:

@@ -216,7 +216,8 @@ class ServiceConfig:
     kernel_modules: tuple[str, ...] = setting(
         (), flag="--kernel-module", metavar="MODULE[:ATTR]", form="repeat",
         help="import MODULE to register extra kernel kinds, or serve MODULE's kind class or @tilelang.jit factory ATTR (the kind is named ATTR); "
-        "the daemon must be able to import it: set PYTHONPATH or install it",
+        "the daemon must be able to import it: set PYTHONPATH or install it; its file and every directory on the way to it must be yours or root's "
+        "and not writable by group or others, else it is refused before it runs",
     )  # fmt: skip
     entry_points: bool = setting(
         True, flag="--no-entry-points", form="switch", help="load no installed kinds (entry-point group kernel_service.kinds), only the zoo and --kernel-module"

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from proto.jsondepth import load_json
-from proto.trust import UntrustedPath, open_private_file
+from proto.trust import NotRegularFile, UntrustedPath, not_yours, open_private_file, open_regular
 
 SIGNING_KEY = "bundle-signing-key"  # under the cache root: PEM (PKCS#8) Ed25519 private key, 0600
 TRUSTED_KEYS_ENV = "KERNEL_SERVICE_TRUSTED_KEYS"  # ':'-separated public key files, when no --trusted-key is given
@@ -44,27 +44,20 @@ class ProvenanceError(Exception):
 
 
 def open_trusted(path: Path | str, what: str) -> int:
-    """A read descriptor on `path`, once fstat on it shows a regular file owned by this user or
-    root that neither group nor others may write; raises ProvenanceError (OSError when it
-    cannot be opened at all)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # O_NONBLOCK: a fifo must not hang us
+    """A read descriptor on `path`, once fstat on it shows a regular file (proto.trust.open_regular)
+    owned by this user or root that neither group nor others may write; raises ProvenanceError
+    (OSError when it cannot be opened at all)."""
     try:
-        st = os.fstat(fd)
-        me = os.geteuid()
-        why = None
-        if not stat.S_ISREG(st.st_mode):
-            why = "is not a regular file"
-        elif st.st_uid not in (me, 0):
-            why = f"is owned by uid {st.st_uid}, neither you (uid {me}) nor root: whoever owns it chose its bytes"
-        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            why = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): anyone of them could have changed it"
-        if why:
-            raise ProvenanceError(f"{what} {path} {why}; refusing it (copy it to a file of yours with `install -m 0644` after checking where it came from)")
-        os.set_blocking(fd, True)
-        return fd
-    except BaseException:
+        fd = open_regular(path, what)
+    except NotRegularFile as exc:
+        raise ProvenanceError(str(exc)) from None
+    why = not_yours(os.fstat(fd), os.geteuid())
+    if why:
         os.close(fd)
-        raise
+        raise ProvenanceError(
+            f"{what} {path} {why}: whoever may write it chose its bytes; refusing it (copy it to a file of yours with `install -m 0644` after checking where it came from)"
+        )
+    return fd
 
 
 def _read_trusted(path: Path | str, what: str) -> bytes:
@@ -128,12 +121,14 @@ def cache_signing_key(cache_root: Path):
 def load_signing_key(path: Path | str):
     """A private key given by path: a regular file of this user that no one else may read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = open_regular(path, "signing key", os.O_NOFOLLOW)
+    except NotRegularFile as exc:
+        raise ProvenanceError(str(exc)) from None
     except OSError as exc:
         raise ProvenanceError(f"signing key {path}: {exc.strerror} (links are refused)") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise ProvenanceError(
                 f"signing key {path} must be a regular file of yours that no one else may read or write "
                 f"(it is mode {stat.S_IMODE(st.st_mode):04o}, uid {st.st_uid}); chmod 0600 it"

@@ -4,7 +4,8 @@
   entry point names a module (importing it registers its kinds, and each
   `@tilelang.jit` / `@autotune` object it defines is served under its name), a
   KernelKind subclass, or a factory (kernels.jit), served under the entry point's name;
-- `serve --kernel-module MODULE` or `--kernel-module MODULE:ATTR`, the same three.
+- `serve --kernel-module MODULE` or `--kernel-module MODULE:ATTR`, the same three, imported only
+  when no other user than this process's or root could have written it.
 
 Never a module a request names: requests only pick among registered kinds.
 `allow` (serve --plugin NAME) narrows the entry points to the names given.
@@ -15,7 +16,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import os
+import sys
 from importlib import metadata
+
+from proto.trust import not_yours_on_the_way
 
 from .jit import JitKind, is_factory, is_jit_object, jit_function
 from .registry import register
@@ -52,6 +57,7 @@ def load_module(target: str) -> None:
     """`MODULE` (its kinds and @tilelang.jit objects) or `MODULE:ATTR` (a kind class, or a
     factory served under ATTR's name). Raises KernelModuleError."""
     module_name, _, attr = target.partition(":")
+    _refuse_others_code(target, module_name)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:  # the module, or one it imports
@@ -64,6 +70,51 @@ def load_module(target: str) -> None:
     if attr and not hasattr(module, attr):
         raise KernelModuleError(f"--kernel-module {target}: module {module_name} has no attribute {attr!r}; ATTR names a kind class or a kernel factory in it")
     _register(getattr(module, attr) if attr else module, attr, f"module {target}")
+
+
+def _refuse_others_code(target: str, module_name: str) -> None:
+    """Refuses a module that a user other than this process's or root could have written, before
+    any of it runs (as bundles are refused): whoever may write its file, or a directory on the
+    way to it, chooses the code a daemon runs, as root perhaps."""
+    me = os.geteuid()
+    for path in _import_files(module_name):
+        why = not_yours_on_the_way(path, me)
+        if why:
+            raise KernelModuleError(
+                f"--kernel-module {target}: {why}: whoever may write it chooses the code this process runs; "
+                "refusing to import it (keep it where only you or root may write)"
+            )
+
+
+def _import_files(module_name: str) -> list[str]:
+    """What importing `module_name` runs: each package's __init__ on the way and the module's own
+    file (for a namespace package, the directories searched), found as the import system finds
+    them without running anything. Modules already imported run nothing again and are skipped;
+    the list stops at a name that is not found (the import then says so)."""
+    files: list[str] = []
+    search = None  # sys.path, then each package's own path
+    parts = module_name.split(".")
+    for name in (".".join(parts[: i + 1]) for i in range(len(parts))):
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            search = getattr(loaded, "__path__", None)
+            continue
+        spec = _find_spec(name, search)
+        if spec is None:
+            break
+        files.extend([spec.origin] if spec.has_location else spec.submodule_search_locations or ())
+        search = spec.submodule_search_locations
+    return files
+
+
+def _find_spec(name: str, search):
+    """importlib.util.find_spec without importing the parent packages: asks each finder directly."""
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        spec = find(name, search) if find else None
+        if spec is not None:
+            return spec
+    return None
 
 
 def load_entry_points(allow: tuple[str, ...] | None = None) -> list[str]:

@@ -16,10 +16,11 @@ from google.protobuf import json_format
 
 from . import wire
 from .paths import TOKEN_FILE_ENV, default_socket, default_token_file, socket_address
-from .trust import peer_uid, problem
+from .trust import NotRegularFile, open_regular, peer_uid, problem
 from .wire import Status
 
 DAEMON_UID_ENV = "KERNEL_SERVICE_DAEMON_UID"  # the uid the daemon must run as, when the caller names none
+MAX_TOKEN = 4096  # bytes read of a TCP token file: the daemon's token is far shorter
 
 # ----- where and how
 
@@ -83,7 +84,10 @@ def auth_metadata(address: str, token_file: str | Path | None = None) -> tuple |
         return None
     path = Path(token_file) if token_file else default_token_file()
     try:
-        token = path.read_text().strip()
+        with os.fdopen(open_regular(path, "token file"), "rb") as f:
+            token = f.read(MAX_TOKEN + 1).decode(errors="replace").strip()
+    except NotRegularFile as exc:
+        raise ServiceUnavailable(f"kernel service at {address}: {exc}") from None
     except OSError as exc:
         raise ServiceUnavailable(
             f"kernel service at {address}: cannot read the daemon's TCP token from {path} ({exc.strerror}); "

@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from pathlib import Path
 
 from .errors import InvalidSpec
 from .jsondepth import load_json
+from .trust import NotRegularFile, open_regular
 
 FORMAT = "kernel-service-manifest"
 VERSION = 1
@@ -61,7 +61,10 @@ def load(source: str | os.PathLike | dict) -> dict:
     if not isinstance(source, dict):
         where = str(source)
         try:
-            text = Path(source).read_text()
+            with os.fdopen(open_regular(source, "manifest"), encoding="utf-8") as f:
+                text = f.read()
+        except NotRegularFile as exc:
+            raise ManifestError(str(exc)) from None
         except OSError as exc:
             raise ManifestError(f"{where}: cannot read it: {exc.strerror or exc}") from None
         except ValueError as exc:  # not UTF-8

@@ -53,6 +53,70 @@ def problem(st: os.stat_result, uid: int, kind: int = stat.S_IFDIR) -> str | Non
     return None
 
 
+def not_yours(st: os.stat_result, uid: int) -> str | None:
+    """Why a file or directory (its stat) may hold what another user than `uid` or root chose,
+    or None: it must be owned by one of them and writable by neither group nor others. A
+    directory like /tmp (sticky, and still root's or `uid`'s) lets others add names to it, but
+    not rename or remove one of `uid`'s: it passes."""
+    if st.st_uid not in (uid, 0):
+        return f"is owned by {_who(st.st_uid)}, neither you (uid {uid}) nor root"
+    sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_dir:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def not_yours_on_the_way(path: Path | str, uid: int) -> str | None:
+    """Why another user than `uid` or root could change what `path` holds, as "<path> <why>",
+    or None: the file and every directory on the way to it (as given and once links are
+    resolved) must pass not_yours, since whoever may write a directory may rename what is in it
+    and put their own in its place."""
+    given, real = Path(os.path.abspath(path)), Path(os.path.realpath(path))
+    for place in dict.fromkeys([*reversed(given.parents), given, *reversed(real.parents), real]):
+        why = not_yours(os.stat(place), uid)
+        if why:
+            return f"{place} {why}"
+    return None
+
+
+class NotRegularFile(ValueError):
+    """A path a command was told to read that is no regular file: a device, a fifo, a directory."""
+
+
+_FILE_TYPES = {
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a fifo",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def _regular(st: os.stat_result, path: Path | str, what: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = _FILE_TYPES.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        raise NotRegularFile(f"{what} {path} is {kind}, not a regular file; refusing to read it")
+
+
+def open_regular(path: Path | str, what: str, flags: int = 0) -> int:
+    """A read descriptor on `path`, only if it is a regular file: the one rule for every file a
+    command is told to read (a manifest, a bundle, a key, a token), so that /dev/zero, a fifo or
+    a directory is refused in one line instead of read forever or waited on. A device is refused
+    before it is opened (opening one may do something); the descriptor is checked again, opened
+    without blocking, in case a fifo took the file's place meanwhile. `flags`: more open flags
+    (O_NOFOLLOW). Raises NotRegularFile, or OSError when the path cannot be opened."""
+    _regular(os.stat(path, follow_symlinks=not flags & os.O_NOFOLLOW), path, what)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | flags)
+    try:
+        _regular(os.fstat(fd), path, what)
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def check_dir(path: Path | str, uid: int, what: str, fix: str) -> os.stat_result:
     """lstat `path`: a real directory owned by `uid`, not writable by group or others; else UntrustedPath."""
     st = os.lstat(path)

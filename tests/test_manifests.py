@@ -306,3 +306,40 @@ def test_nested_or_ill_typed_manifests_are_one_line_errors(shared_daemon, tmp_pa
             c.prefetch(path)
         with pytest.raises(manifest.ManifestError):
             manifest.load(path)
+
+
+# ----- #47 item 10: a file to read that is a device or a fifo is refused in one line, never read
+
+
+def _bounded(*args) -> subprocess.CompletedProcess:
+    """The CLI, with its memory capped and a time limit: a command that reads /dev/zero fails
+    the test rather than the machine."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))
+
+    return subprocess.run([sys.executable, "-m", "compile_service.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=60, preexec_fn=cap)
+
+
+def test_every_command_refuses_a_device_or_a_fifo_in_one_line(shared_daemon, tmp_path):
+    """prewarm (against a running daemon), bundle export --manifest, bundle info, bundle import and
+    client.prefetch(path), given /dev/zero or a fifo no one writes: each says what the path is
+    in one line, at once (before, prewarm read /dev/zero forever and waited on the fifo)."""
+    import os
+
+    fifo = tmp_path / "manifest.fifo"
+    os.mkfifo(fifo)
+    for path, what in ((Path("/dev/zero"), "a character device"), (fifo, "a fifo")):
+        for argv, noun in (
+            (("prewarm", str(path), "--socket", str(shared_daemon.socket)), "manifest"),
+            (("bundle", "export", "--manifest", str(path), "-o", str(tmp_path / "b.tar")), "manifest"),
+            (("bundle", "info", str(path)), "bundle"),
+            (("bundle", "import", str(path), "--cache-dir", str(tmp_path / "cache"), "--trust-unsigned"), "bundle"),
+        ):
+            done = _bounded(*argv)
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode in (1, 2) and len(lines) == 1, (argv, done.stderr[-500:])
+            assert f"{noun} {path} is {what}, not a regular file; refusing to read it" in lines[0], (argv, lines)
+        with pytest.raises(manifest.ManifestError, match=f"is {what}, not a regular file"):
+            shared_daemon.client().prefetch(path)

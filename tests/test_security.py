@@ -174,8 +174,8 @@ class Daemon:
             wait_serving(f"unix:{self.socket}", 120, self.proc)
         return self
 
-    def refused(self) -> str:
-        """The error of a daemon that must refuse to start (fails at once if it serves instead)."""
+    def refused(self, status: int = 1) -> str:
+        """The error of a daemon that must refuse to start, with exit `status` (fails at once if it serves instead)."""
         deadline = time.monotonic() + 120
         while self.proc.poll() is None:
             assert time.monotonic() < deadline, self.log()
@@ -185,7 +185,7 @@ class Daemon:
                     self.stop()
                     pytest.fail(f"the daemon started instead of refusing:\n{self.log()}")
             time.sleep(0.1)
-        assert self.proc.returncode == 1, self.log()
+        assert self.proc.returncode == status, self.log()
         return self.log()
 
     def log(self) -> str:
@@ -883,9 +883,11 @@ def test_bundle_import_refuses_a_file_another_user_wrote(world, builder_bundle):
     assert made.returncode == 0 and os.stat(evil).st_uid == world.attacker.pw_uid, made.stderr
     cache = world.base / "root-cache-owner-check"
     refused = _import(str(evil), "--cache-dir", str(cache), "--trusted-key", str(pub), "--trust-unsigned")
-    assert refused.returncode == 1 and f"is owned by uid {world.attacker.pw_uid}, neither you (uid 0) nor root" in refused.stderr, refused.stderr
+    assert refused.returncode == 1 and f"is owned by uid {world.attacker.pw_uid} ({ATTACKER}), neither you (uid 0) nor root" in refused.stderr, refused.stderr
     as_owner = _import(str(evil), "--cache-dir", str(world.home[OWNER] / "bundle-cache"), "--trust-unsigned", as_user=OWNER, world=world)
-    assert as_owner.returncode == 1 and f"is owned by uid {world.attacker.pw_uid}, neither you (uid {world.owner.pw_uid}) nor root" in as_owner.stderr
+    assert (
+        as_owner.returncode == 1 and f"is owned by uid {world.attacker.pw_uid} ({ATTACKER}), neither you (uid {world.owner.pw_uid}) nor root" in as_owner.stderr
+    )
     assert not (cache / "entries").exists() or not any((cache / "entries").iterdir())
 
 
@@ -1032,6 +1034,103 @@ def test_the_cli_refuses_a_daemon_the_client_would_refuse(world, evil):
     finally:
         server.stop(None)
     assert done.returncode == 1 and done.stdout == "" and "runs as uid 0, not as the daemon's uid" in done.stderr, done
+
+
+# ----------------------------------------------------------------------------- round three (#47): plugins
+
+# A kernel module whose mere import is the attack: it leaves a marker naming the uid it ran as.
+EVIL_PLUGIN = "import os\nopen(os.environ['KS_TEST_MARKER'], 'w').write(str(os.getuid()))\n"
+
+
+def _as_root(*args: str, env: dict, marker: Path) -> subprocess.CompletedProcess:
+    """`kernel-service ARGS` run by root; one that serves instead of refusing is stopped once the
+    module it imported has run (or after a timeout), and then fails the test."""
+    proc = subprocess.Popen([sys.executable, "-c", CLI, *args], cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if proc.poll() is None:
+        proc.terminate()
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_a_kernel_module_another_user_could_write_is_refused_before_it_runs(world):
+    """#47 item 1: the attacker's module, in a directory of theirs, named by root's `serve
+    --kernel-module` and `kinds --kernel-module` and by the owner's daemon; and the owner's own
+    module in a directory the owner left group-writable. Each is refused in one line naming the
+    path and its owner (exit 2), and the module never runs. Root's copy of the same module, in a
+    directory of root's under /tmp, is imported."""
+    marks = world.base / "plugin-marks"
+    marks.mkdir()
+    os.chmod(marks, 0o777)  # whoever imports the module can leave its marker
+    theirs = world.home[ATTACKER] / "plugins"
+    made = world.python(ATTACKER, "import os, sys; os.mkdir(sys.argv[1]); open(sys.argv[1] + '/evil_kinds.py', 'w').write(sys.argv[2])", theirs, EVIL_PLUGIN)
+    assert made.returncode == 0, made.stderr
+    owned_by_them = f"{world.home[ATTACKER]} is owned by uid {world.attacker.pw_uid} ({ATTACKER}), neither you"  # the first directory on the way
+
+    def env(name: str, plugins: Path) -> dict:
+        return {"PYTHONPATH": str(plugins), "KS_TEST_MARKER": str(marks / name), "KERNEL_SERVICE_SOCKET": str(world.base / "no-daemon" / "ks.sock")}
+
+    for command, name in (
+        (["kinds", "--kernel-module", "evil_kinds"], "root-kinds"),
+        (
+            [
+                "serve",
+                "--socket",
+                str(world.base / "root-plugin-run" / "ks.sock"),
+                "--cache-dir",
+                str(world.base / "root-plugin-cache"),
+                "--target",
+                "c",
+                "--workers",
+                "1",
+                "--kernel-module",
+                "evil_kinds",
+            ],
+            "root-serve",
+        ),
+    ):
+        done = _as_root(*command, env=env(name, theirs), marker=marks / name)
+        assert not (marks / name).exists(), f"root's {command[0]} ran the attacker's module"
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and owned_by_them in lines[0] and "--kernel-module evil_kinds" in lines[0], done.stderr
+
+    as_owner = world.daemon(
+        "--kernel-module",
+        "evil_kinds",
+        cache=world.home[OWNER] / "cache-plugin",
+        socket=world.home[OWNER] / "run-plugin" / "ks.sock",
+        env=env("owner-serve", theirs),
+        wait=False,
+    )
+    error = as_owner.refused(status=2)
+    assert owned_by_them in error and error.strip().count("\n") == 0 and not (marks / "owner-serve").exists(), error
+
+    loose = world.home[OWNER] / "loose-plugins"
+    made = world.python(
+        OWNER,
+        "import os, sys; os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], 0o775); open(sys.argv[1] + '/evil_kinds.py', 'w').write(sys.argv[2])",
+        loose,
+        EVIL_PLUGIN,
+    )
+    assert made.returncode == 0, made.stderr
+    loose_daemon = world.daemon(
+        "--kernel-module",
+        "evil_kinds",
+        cache=world.home[OWNER] / "cache-plugin-2",
+        socket=world.home[OWNER] / "run-plugin-2" / "ks.sock",
+        env=env("owner-loose", loose),
+        wait=False,
+    )
+    error = loose_daemon.refused(status=2)
+    assert f"{loose} is writable by group or others (mode 0775)" in error and not (marks / "owner-loose").exists(), error
+
+    ours = world.base / "root-plugins"
+    ours.mkdir(mode=0o755)
+    (ours / "evil_kinds.py").write_text(EVIL_PLUGIN)
+    done = _as_root("kinds", "--json", "--kernel-module", "evil_kinds", env=env("root-own", ours), marker=marks / "root-own-never")
+    assert done.returncode == 0 and (marks / "root-own").read_text() == "0", done.stderr
 
 
 # ----------------------------------------------------------------------------- TileLang programs sent as IR (issue 46)
