@@ -49,6 +49,9 @@
   dropped before it starts.
 - A worker crash is not a compile failure: the worker is replaced, the build is
   retried once, then reported as WorkerCrashed, and never remembered.
+- A key describes the source that was built: a build whose worker imported other
+  source than the key was made from (a file edited after the daemon started, and
+  a worker started since) is not published (SourceChanged, never remembered).
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ from proto.wire import Outcome, not_ready_details
 from . import memory as memory_
 from . import metrics as metrics_
 from .build import compiler, devices
-from .keys import cache_key
+from .keys import cache_key, toolchain
 from .store import BUILD, Budget, Claim, Entry, Storage, StoreError
 from .workers import BrokenProcessPool, TimedOut, Workers, in_process_pool, process_pool  # noqa: F401 - the pools Scheduler(pool=...) takes
 
@@ -122,6 +125,13 @@ WARM_AFTER_IDLE = 0.5
 class WorkerCrashed(Exception):
     """The compile worker's process died, twice, while building the kernel. Not remembered:
     it may have been killed from outside, or run out of memory."""
+
+
+class SourceChanged(Exception):
+    """A worker built a kind from other source (or TileLang) than this daemon's keys describe: a
+    worker started after a file was edited imports the edited one. Nothing is published, and it
+    is not remembered as a compile failure: a worker that imported the daemon's source may
+    build it."""
 
 
 # ----- the scheduler's records (their fields change under Scheduler._lock only)
@@ -761,6 +771,7 @@ class Scheduler:
             try:
                 result, peak = self._pool.run(memory_.measured, compiler.build, flight.spec.to_json(), str(staging), timeout=self.compile_timeout)
                 self.memory.record(kind, peak)
+                self._check_source(flight.spec, result["meta"]["toolchain"])
                 return result
             except TimedOut:
                 self.metrics.add(compile_timeouts=1)
@@ -785,6 +796,20 @@ class Scheduler:
                 raise StoreError(exc.errno, f"cannot write the built kernel into {staging}: {exc.strerror or exc}") from exc
         raise AssertionError("unreachable")
 
+    def _check_source(self, spec: CanonicalSpec, built_with: dict) -> None:
+        """A key must describe the source that was built: the toolchain a build records (the
+        kind's source digest as its worker read it right after importing it) must be the one
+        the key was made from. Raises SourceChanged."""
+        keyed_with = toolchain(spec.kind, spec.target.kind, self.device.id)
+        if built_with != keyed_with:
+            changed = ", ".join(
+                f"{name} {keyed_with.get(name)} -> {built_with.get(name)}" for name in keyed_with if built_with.get(name) != keyed_with.get(name)
+            )
+            raise SourceChanged(
+                f"not published: the compile worker that built this {spec.kind} kernel imported other code than this daemon's keys "
+                f"describe ({changed}): the files changed on disk after the daemon started. Restart the daemon to serve them, or restore them"
+            )
+
     def _publish(self, fn, *args) -> None:
         try:
             self._publisher.submit(fn, *args)
@@ -799,7 +824,7 @@ class Scheduler:
             if built.error is not None:
                 raise built.error
             outcome: Entry | BaseException = self._put(flight, built)
-        except (compiler.CompileFailed, StoreError, ShuttingDown, WorkerCrashed, Cancelled, NotReady) as exc:
+        except (compiler.CompileFailed, StoreError, ShuttingDown, WorkerCrashed, SourceChanged, Cancelled, NotReady) as exc:
             outcome = exc
         except BaseException as exc:  # never leave waiters hanging
             log.exception("unexpected error compiling %s", key[:16])

@@ -28,7 +28,7 @@ from .apps import AppRecorder
 from .build.compiler import CompileFailed
 from .keys import describe_toolchain, toolchain
 from .metrics import Metrics
-from .scheduler import BACKGROUND, MEMO_SPEC, URGENT, Cancelled, CompileTimeout, NotReady, QueueFull, Scheduler, ShuttingDown, WorkerCrashed
+from .scheduler import BACKGROUND, MEMO_SPEC, URGENT, Cancelled, CompileTimeout, NotReady, QueueFull, Scheduler, ShuttingDown, SourceChanged, WorkerCrashed
 from .store import Entry, StoreError
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return Status.INVALID_SPEC, wire.clip(wire.invalid_spec_details(exc))
     if isinstance(exc, CompileTimeout):  # a CompileFailed with a status of its own
         return Status.COMPILE_TIMEOUT, wire.clip(wire.COMPILE_TIMEOUT_DETAILS + str(exc))
-    if isinstance(exc, CompileFailed):
+    if isinstance(exc, (CompileFailed, SourceChanged)):
         return Status.COMPILE_FAILED, wire.clip(str(exc))
     if isinstance(exc, NotReady):
         return Status.NOT_READY, str(exc)

@@ -139,3 +139,11 @@ def source_digest(kind: str) -> str:
         options = json.dumps(k.compile_options, sort_keys=True, default=str)
         digest = _DIGESTS[kind] = _digest_of_files(dependency_files(k), options)
     return digest
+
+
+def digest_sources() -> None:
+    """Reads every registered kind's source digest now. A process that builds calls this right
+    after importing its kinds, so that its builds record the source it imported, not what is on
+    disk when a kind is first asked for."""
+    for kind in list(_KINDS):
+        source_digest(kind)

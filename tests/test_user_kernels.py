@@ -208,3 +208,70 @@ def test_keys_cover_a_jit_kind_subclasss_own_file(tmp_path):
     with open(tmp_path / "sub_kind.py", "a") as f:
         f.write("# an edit\n")
     assert digest() != before
+
+
+# A plugin whose factor the test edits, and a kind whose build kills its compile worker (the
+# daemon then starts a fresh one, which imports the plugin's file again).
+EDITED_KINDS = """
+import os
+
+from kernels.registry import register
+from kernels.spec import KernelKind, dim
+
+
+@register
+class Scaled(KernelKind):
+    name = "edited_scale"
+    params = (dim("N"),)
+
+    def build_cpu(self, p):
+        import tilelang.language as T
+
+        N = p["N"]
+
+        @T.prim_func
+        def main(X: T.Tensor((N,), "float32"), Y: T.Tensor((N,), "float32")):
+            with T.Kernel(1):
+                for i in T.serial(N):
+                    Y[i] = X[i] * FACTOR
+
+        return main
+
+
+@register
+class CrashWorker(KernelKind):
+    name = "crash_worker"
+    params = (dim("N"),)
+
+    def build_cpu(self, p):
+        os._exit(70)
+"""
+
+
+def test_a_plugin_edited_while_the_daemon_runs_is_never_filed_under_its_old_key(make_daemon, tmp_path):
+    """#47 item 2: a plugin's file is edited while the daemon serves it, and its worker is replaced
+    (a crash), so the fresh worker imports the edited file. Its build is refused, not published
+    under the key of the source the daemon started with; and once the file is restored, a
+    restarted daemon serves what the restored source builds, not the edited kernel as a hit."""
+    plugin = tmp_path / "plugins" / "edited_kinds.py"
+    plugin.parent.mkdir()
+    plugin.write_text(EDITED_KINDS.replace("FACTOR", "2.0"))
+    env = {"PYTHONPATH": str(plugin.parent), "PYTHONDONTWRITEBYTECODE": "1"}  # no .pyc of an earlier version
+    cache = tmp_path / "cache"
+    x = torch.arange(1.0, 9.0)
+    d = make_daemon("--kernel-module", "edited_kinds", cache_dir=cache, workers=1, env=env)
+    c = d.client()
+    torch.testing.assert_close(c.get_kernel("edited_scale", N=4, target="c")(x[:4]), 2 * x[:4])  # the daemon's keys are made
+
+    plugin.write_text(EDITED_KINDS.replace("FACTOR", "30.0"))
+    with pytest.raises(client.ServiceError, match="crashed"):
+        c.get_kernel("crash_worker", N=1, target="c")
+    with pytest.raises(client.CompileError, match="changed on disk after the daemon started"):
+        c.get_kernel("edited_scale", N=8, target="c")
+    c.close()
+    d.stop()
+
+    plugin.write_text(EDITED_KINDS.replace("FACTOR", "2.0"))
+    again = make_daemon("--kernel-module", "edited_kinds", cache_dir=cache, workers=1, env=env).client()
+    torch.testing.assert_close(again.get_kernel("edited_scale", N=8, target="c")(x), 2 * x)
+    again.close()

@@ -82,8 +82,10 @@ def worker_init(
     if log_level is not None:
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[worker %(process)d]: %(message)s")
     from kernels import plugins as kernel_plugins
+    from kernels import registry
 
     kernel_plugins.load(**(plugins or {}))
+    registry.digest_sources()  # now: a fresh worker's builds must record the source it imported
 
     device = devices.get(cuda_compiler)
     _warm["target"] = warm_target if cuda_compiler == devices.NVRTC else None

@@ -1,7 +1,8 @@
 """The compile workers' zygote: multiprocessing's forkserver imports this module once, and every
 worker forks from it with TileLang and the kernel kinds already imported (workers.process_pool).
 
-Only imports run here. Nothing touches NVRTC or a GPU, and no thread is started: a fork copies
+Only imports run here, and the zoo's source digests are read right after its import, so that a
+worker's builds record the source it runs (Scheduler checks them). Nothing touches NVRTC or a GPU, and no thread is started: a fork copies
 the calling thread alone, so each worker sets up its own device compiler and precompiled
 headers (compiler.worker_init) after the fork.
 """
@@ -19,6 +20,8 @@ os.environ["KERNEL_SERVICE_TILELANG"] = "0"
 
 import tilelang  # noqa: E402, F401
 
-import kernels  # noqa: E402, F401
+import kernels  # noqa: E402
 
 from . import compiler  # noqa: E402, F401
+
+kernels.registry.digest_sources()
