@@ -116,6 +116,9 @@ class KernelServiceServicer:
         the compiler's output. Nothing is cached. The failure is remembered:
         requests for the same spec get it again, without a compile, for the
         daemon's --failure-ttl seconds (default 60), then it is retried.
+        Or the kind's files changed on disk after the daemon started, and the
+        worker that built it imported the changed ones: the message says so;
+        nothing is published or remembered (restart the daemon to serve them).
         RESOURCE_EXHAUSTED: the compile queue is full (more distinct kernels
         compiling or waiting than the daemon's --queue-limit), or 1024 calls
         already wait on compiles or the fleet tier; the message says which.
