@@ -73,6 +73,9 @@ from .workers import process_pool
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kernelservice.v1.KernelService"
+# The health of the metrics endpoint, apart from the daemon's own: with --metrics-address,
+# SERVING while /metrics serves, NOT_SERVING when it could not listen (the daemon serves on).
+METRICS_HEALTH = "kernelservice.v1.Metrics"
 # Concurrent calls on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a client queues
 # more until one ends): the per-peer limit, since each TCP connection is a peer of its own and
 # gRPC names every Unix client alike. Waiting calls are bounded in all by servicer.MAX_WAITING.
@@ -418,16 +421,25 @@ class Daemon:
         if cfg.metrics_address:
             from .exporter import serve_metrics
 
+            # Metrics are optional, and any user of the host may take a port first: serve without them.
             try:
                 self.exporter = await serve_metrics(self.metrics, cfg.metrics_address)
             except OSError as exc:
-                raise StartError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror or exc}; choose another --metrics-address") from None
+                log.warning(
+                    "NOT SERVING METRICS: cannot listen on --metrics-address %s (%s); the daemon serves without them, "
+                    "and health service %s says NOT_SERVING. Free the port or choose another, then restart the daemon",
+                    cfg.metrics_address,
+                    exc.strerror or exc,
+                    METRICS_HEALTH,
+                )
         for started in self.servers:
             await started.start()
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
+        if self.config.metrics_address:
+            await self.health.set(METRICS_HEALTH, status if self.exporter is not None else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def _drain(self, grace: float | None) -> None:
         """Health NOT_SERVING, new calls refused, running ones given `grace` seconds."""

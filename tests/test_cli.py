@@ -157,6 +157,28 @@ def test_a_bad_number_is_one_line_naming_the_flag_and_what_it_accepts(args, env,
     assert not (tmp_path / "s.sock").exists()
 
 
+def test_a_busy_metrics_port_leaves_the_daemon_serving_without_metrics(make_daemon):
+    """Issue 47, item 8: another user may bind the metrics port first; the daemon serves anyway,
+    warns, and its metrics health says NOT_SERVING while the daemon's own says SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from compile_service.server import METRICS_HEALTH, SERVICE_NAME
+    from proto.paths import socket_address
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        d = make_daemon("--metrics-address", f"127.0.0.1:{taken.getsockname()[1]}", workers=1)
+        with grpc.insecure_channel(socket_address(d.socket)) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            status = {name: stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status for name in ("", SERVICE_NAME, METRICS_HEALTH)}
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert status == {"": serving, SERVICE_NAME: serving, METRICS_HEALTH: not_serving}
+    assert d.client().get_kernel("rmsnorm", M=None, N=24, dtype="float32", target="c").outcome == "compiled"
+    assert "NOT SERVING METRICS" in d.log() and "--metrics-address" in d.log()
+
+
 def test_a_busy_tcp_port_is_one_line_and_no_drain_warning(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
