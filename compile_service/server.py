@@ -39,6 +39,7 @@ import secrets
 import signal
 import socket
 import stat
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -56,9 +57,9 @@ from . import __version__, inductor
 from .apps import AppRecorder
 from .build import devices
 from .build.compiler import DEVICE_BINARIES, device_binary_dir
-from .config import ServiceConfig
+from .config import MAX_SOCKET_PATH, ServiceConfig
 from .cpus import usable_cpus
-from .fsutil import write_text_atomic
+from .fsutil import remove_tree, write_text_atomic
 from .guard import RequestGuard
 from .keys import describe_toolchain
 from .layout import counted_dirs
@@ -152,6 +153,24 @@ SOCKET_FIX = "remove it, or pass --socket (or set $XDG_RUNTIME_DIR) to a path in
 def socket_lock(socket: Path) -> Path:
     """The instance lock a daemon holds for as long as it serves `socket` (its pid next to it)."""
     return socket.with_name(socket.name + ".lock")
+
+
+# What multiprocessing adds below a temporary directory for the zygote's Unix socket:
+# "/pymp-XXXXXXXX/listener-XXXXXXXX".
+_LISTENER_SUFFIX = 32
+
+
+def _own_temp_dir(socket: Path) -> None:
+    """Points this process's temporary files (multiprocessing's pymp-* directory, with the zygote's
+    socket) into <socket>.tmp, made afresh at each start, so that what a daemon killed with -9
+    left there goes with the next daemon on the socket. Next to the socket, whose path is short,
+    as a Unix socket's must be; a socket path too long for that keeps the default."""
+    own = socket.with_name(socket.name + ".tmp")
+    if len(os.fsencode(own)) + _LISTENER_SUFFIX > MAX_SOCKET_PATH:
+        return
+    remove_tree(own)
+    own.mkdir(mode=0o700)
+    tempfile.tempdir = str(own)
 
 
 def _make_dir(path: Path, mode: int, what: str, flag: str, wanted: Path | None = None) -> None:
@@ -289,6 +308,7 @@ class Daemon:
         try:
             self._locks.append(_instance_lock(socket_lock(cfg.socket), f"socket {cfg.socket}"))
             _remove_stale_socket(cfg.socket)
+            _own_temp_dir(cfg.socket)  # before the zygote starts
             self._start(cfg)
         except BaseException:
             self._abandon()
