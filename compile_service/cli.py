@@ -542,8 +542,6 @@ def _prewarm_tier(args, specs: list[dict]) -> int:
         plugins.load(modules=tuple(args.kernel_module))
     except (ValueError, ImportError, LookupError) as exc:  # KernelModuleError included
         return _fail(str(exc), 2)
-    if args.workers is not None and args.workers < 1:
-        return _fail(f"--workers must be at least 1, got {args.workers}", 2)
     try:
         start, _ = resolve_setting("worker_start", args.worker_start)  # as serve resolves it
     except ValueError as exc:
@@ -886,9 +884,9 @@ def _shown_default(name: str, setting) -> str:
 
 
 def _flag_type(parse):
-    """An argparse type from a setting's parse: its ValueError's message is what argparse says."""
-    if parse in (str, int, float):
-        return None if parse is str else parse
+    """An argparse type from a parse function (a setting's, a Range's): its ValueError's message is what argparse says."""
+    if parse is str:
+        return None
 
     def convert(text: str):
         try:
@@ -1019,7 +1017,7 @@ def _log_level(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .config import WORKER_STARTS
+    from .config import POSITIVE_SECONDS, SETTINGS, WORKER_STARTS
 
     parser = _Parser(prog="kernel-service", description="TileLang kernel-compilation daemon")
     parser.add_argument("--version", action="version", version=f"kernel-service {__version__}")
@@ -1039,7 +1037,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     stop = sub.add_parser("stop", help="stop the daemon gracefully: it refuses new requests and lets running compiles finish (its --grace)")
     stop.add_argument("--socket", help=socket_help)
-    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to exit (default 60); exit 1 if it has not")
+    stop.add_argument(
+        "--timeout", type=_flag_type(POSITIVE_SECONDS.parse), default=60.0, help="seconds to wait for it to exit (default 60); exit 1 if it has not"
+    )
     stop.set_defaults(run=_stop)
 
     info = sub.add_parser(
@@ -1074,7 +1074,7 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--max-size", required=True, metavar="SIZE", help="the size to fit in: bytes, or 512M, 10G")
     prune.add_argument(
         "--min-age",
-        type=float,
+        type=_flag_type(SETTINGS["evict_min_age"].parse),
         default=300.0,
         metavar="SECONDS",
         help="keep entries used this recently, whatever the size (default 300, as serve --evict-min-age)",
@@ -1103,7 +1103,7 @@ def build_parser() -> argparse.ArgumentParser:
     prewarm = sub.add_parser("prewarm", help="build what the manifests list and the cache lacks, at prefetch priority; exit 1 if any failed")
     prewarm.add_argument("manifests", nargs="+", metavar="MANIFEST", help="manifest files (`kernel-service manifest -o FILE`)")
     prewarm.add_argument("--socket", help=socket_help)
-    prewarm.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole prewarm may take (default 3600)")
+    prewarm.add_argument("--timeout", type=_flag_type(POSITIVE_SECONDS.parse), default=3600.0, help="seconds the whole prewarm may take (default 3600)")
     prewarm.add_argument(
         "--remote",
         metavar="URL",
@@ -1111,7 +1111,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prewarm.add_argument("--cache-dir", help="with --remote: where the builds are kept (default: a temporary directory, removed at the end)")
     prewarm.add_argument("--cuda-compiler", choices=("auto", "nvrtc", "nvcc"), help="with --remote: how CUDA kernels are compiled, as for serve (default auto)")
-    prewarm.add_argument("--workers", type=int, help="with --remote: compile workers (default: the CPU quota)")
+    prewarm.add_argument("--workers", type=_flag_type(SETTINGS["workers"].parse), help="with --remote: compile workers (default: the CPU quota)")
     prewarm.add_argument(
         "--worker-start",
         choices=WORKER_STARTS,

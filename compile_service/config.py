@@ -9,6 +9,7 @@ from those fields.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Callable
@@ -28,6 +29,7 @@ CACHE_LAYERS_ENV = "KERNEL_SERVICE_CACHE_LAYERS"
 COMPILE_TIMEOUT_ENV = "KERNEL_SERVICE_COMPILE_TIMEOUT"
 MEMORY_LIMIT_ENV = "KERNEL_SERVICE_MEMORY_LIMIT"
 WORKER_START_ENV = "KERNEL_SERVICE_WORKER_START"
+WORKERS_ENV = "KERNEL_SERVICE_WORKERS"
 WORKER_STARTS = ("zygote", "spawn")  # how compile workers start (workers.process_pool)
 
 
@@ -123,24 +125,60 @@ def octal_mode(text: str) -> int:
 # ----- checks a value must pass, whether a flag, a variable or a caller gave it (value, flag -> ValueError)
 
 
-def _at_least_one(value, flag: str) -> None:
-    if value < 1:
-        raise ValueError(f"{flag} must be at least 1, got {value}")
+@dataclass(frozen=True)
+class Range:
+    """The numbers a setting (or another command's flag) accepts: finite, whole when `whole`,
+    from `low` (excluded when `above_low`) to `high`. Its messages say what is accepted."""
+
+    low: int
+    high: int | None = None
+    whole: bool = False
+    above_low: bool = False
+    unit: str = ""  # "seconds": said in its messages
+
+    def __str__(self) -> str:
+        number = f"{'a whole number' if self.whole else 'a number'}{f' of {self.unit}' if self.unit else ''}"
+        if self.high is None:
+            return f"{number} above {self.low}" if self.above_low else f"{number}, {self.low} or more"
+        return f"{number} above {self.low}, at most {self.high}" if self.above_low else f"{number} from {self.low} to {self.high}"
+
+    def accepts(self, value) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.whole else (int, float)):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison below
+            return False
+        return (value > self.low if self.above_low else value >= self.low) and (self.high is None or value <= self.high)
+
+    def parse(self, text: str) -> int | float:
+        """The number `text` says (what a flag or a variable gives); ValueError says what is accepted."""
+        try:
+            value = int(text) if self.whole else float(text)
+        except ValueError:
+            value = None
+        if not self.accepts(value):
+            raise ValueError(f"expected {self}, got {text!r}")
+        return value
+
+    def check(self, value, flag: str) -> None:
+        if not self.accepts(value):
+            raise ValueError(f"{flag}: expected {self}, got {value!r}")
+
+
+MOST_WORKERS = 1024  # each a process of hundreds of MB: more is a typo, not a host
+# Longer waits than threading.TIMEOUT_MAX raise OverflowError mid-build; ten years is far inside it.
+MOST_SECONDS = 10 * 365 * 86400
+WORKERS = Range(1, MOST_WORKERS, whole=True)
+AT_LEAST_ONE = Range(1, whole=True)
+COUNT = Range(0, whole=True)
+SECONDS = Range(0, MOST_SECONDS, unit="seconds")
+POSITIVE_SECONDS = Range(0, MOST_SECONDS, above_low=True, unit="seconds")
+BYTES = Range(0, whole=True, unit="bytes")
+POSITIVE_BYTES = Range(0, whole=True, above_low=True, unit="bytes")
 
 
 def _worker_start(value, name: str) -> None:
     if value not in WORKER_STARTS:
         raise ValueError(f"{name} must be {' or '.join(WORKER_STARTS)}, got {value!r}")
-
-
-def _not_negative(value, flag: str) -> None:
-    if value < 0:
-        raise ValueError(f"{flag} must not be negative, got {value}")
-
-
-def _positive(value, flag: str) -> None:
-    if value <= 0:
-        raise ValueError(f"{flag} must be positive, got {value}")
 
 
 def _mode(value: int, flag: str) -> None:
@@ -175,8 +213,11 @@ class Setting:
     group: str | None = None  # a heading in --help ("fleet tier")
 
 
-def setting(default: Any = MISSING, **how) -> Any:
-    """A ServiceConfig field that is a setting: its default (none when computed) and its Setting."""
+def setting(default: Any = MISSING, accepts: Range | None = None, **how) -> Any:
+    """A ServiceConfig field that is a setting: its default (none when computed) and its Setting.
+    `accepts`: the numbers it takes, which parse its text (unless `parse` is given) and check its value."""
+    if accepts is not None:
+        how = {"parse": accepts.parse, **how, "check": accepts.check}
     return field(default=default, metadata={"setting": Setting(**how)})
 
 
@@ -195,23 +236,25 @@ class ServiceConfig:
         default_text="$XDG_CACHE_HOME/kernel-service, else ~/.cache/kernel-service", help="root of the kernel cache",
     )  # fmt: skip
     workers: int = setting(
-        flag="--workers", metavar="N", parse=int, check=_at_least_one, computed=lambda env: usable_cpus(),
+        flag="--workers", env=WORKERS_ENV, metavar="N", accepts=WORKERS, computed=lambda env: usable_cpus(),
         default_text=f"CPUs usable here (affinity and cgroup quota), at most one per {memory.DEFAULT_PEAK >> 30} GiB of --memory-limit", help="compile processes",
     )  # fmt: skip
     compile_timeout: float = setting(
-        600.0, flag="--compile-timeout", env=COMPILE_TIMEOUT_ENV, metavar="SECONDS", parse=float, check=_not_negative,
+        600.0, flag="--compile-timeout", env=COMPILE_TIMEOUT_ENV, metavar="SECONDS", accepts=SECONDS,
         help="seconds one build may run in its worker; past it the worker is killed and replaced, and the request fails "
         "with a compile timeout, remembered for --failure-ttl (0: no limit)",
     )  # fmt: skip
     memory_limit: int | None = setting(
-        None, flag="--memory-limit", env=MEMORY_LIMIT_ENV, metavar="BYTES", parse=parse_size, check=_positive,
+        None, flag="--memory-limit", env=MEMORY_LIMIT_ENV, metavar="BYTES", parse=parse_size, accepts=POSITIVE_BYTES,
         computed=lambda env: memory.memory_limit(), default_text="the cgroup memory limit or MemAvailable, whichever is smaller",
         help="memory the compile workers may use (bytes, or 512M, 10G): a build starts only while the measured peaks of the builds "
         "running and its own fit it, else it waits",
     )  # fmt: skip
     target: str = setting("auto", flag="--target", check=_target, help="target for requests that name none: auto, c, sm_90a, ...")
-    grace: float = setting(30.0, flag="--grace", metavar="SECONDS", parse=float, help="seconds SIGTERM (or `kernel-service stop`) waits for running compiles")
-    queue_limit: int = setting(4096, flag="--queue-limit", metavar="N", parse=int, help="compiles queued or running before RESOURCE_EXHAUSTED")
+    grace: float = setting(
+        30.0, flag="--grace", metavar="SECONDS", accepts=SECONDS, help="seconds SIGTERM (or `kernel-service stop`) waits for running compiles"
+    )
+    queue_limit: int = setting(4096, flag="--queue-limit", metavar="N", accepts=AT_LEAST_ONE, help="compiles queued or running before RESOURCE_EXHAUSTED")
     warm_up: bool = True  # start every compile worker at launch (not a flag: tests turn it off)
     kernel_modules: tuple[str, ...] = setting(
         (), flag="--kernel-module", metavar="MODULE[:ATTR]", form="repeat",
@@ -230,20 +273,15 @@ class ServiceConfig:
         60.0,
         flag="--failure-ttl",
         metavar="SECONDS",
-        parse=float,
-        check=_not_negative,
+        accepts=SECONDS,
         help="seconds a failed compile is answered from memory before it is retried (0: never remembered)",
     )
     max_bytes: int | None = setting(
-        None, flag="--max-size", metavar="BYTES", parse=parse_size, check=_not_negative, default_text="unbounded",
+        None, flag="--max-size", metavar="BYTES", parse=parse_size, accepts=BYTES, default_text="unbounded",
         help="cache budget: evict least recently used entries above this size (bytes, or 512M, 10G)",
     )  # fmt: skip
-    max_entries: int | None = setting(
-        None, flag="--max-entries", metavar="N", parse=int, check=_not_negative, default_text="unbounded", help="cache budget in entries"
-    )
-    evict_min_age: float = setting(
-        300.0, flag="--evict-min-age", metavar="SECONDS", parse=float, check=_not_negative, help="never evict an entry used this recently"
-    )
+    max_entries: int | None = setting(None, flag="--max-entries", metavar="N", accepts=COUNT, default_text="unbounded", help="cache budget in entries")
+    evict_min_age: float = setting(300.0, flag="--evict-min-age", metavar="SECONDS", accepts=SECONDS, help="never evict an entry used this recently")
     mode: int = setting(
         0o700, flag="--mode", metavar="0700|0750", parse=octal_mode, check=_mode, default_text="0700",
         help="cache and socket directory mode: 0700 owner only, 0750 group may read and connect, never write (agents of other users then pass daemon_uid)",
@@ -298,15 +336,14 @@ class ServiceConfig:
         help="read kernels from the tier and wait on other hosts' builds, never write (pair with a read-only ACL user)",
     )
     remote_lease_seconds: float = setting(
-        30.0, flag="--remote-lease-seconds", metavar="S", parse=float, check=_positive, group=FLEET,
+        30.0, flag="--remote-lease-seconds", metavar="S", accepts=POSITIVE_SECONDS, group=FLEET,
         help="a build lease lasts this long unless its holder renews it; a dead holder's build is taken over after it",
     )  # fmt: skip
     remote_timeout: float = setting(
         1.0,
         flag="--remote-timeout",
         metavar="S",
-        parse=float,
-        check=_positive,
+        accepts=POSITIVE_SECONDS,
         group=FLEET,
         help="seconds any one Redis call may take before the host goes on alone",
     )
@@ -314,8 +351,7 @@ class ServiceConfig:
         7 * 86400.0,
         flag="--remote-ttl",
         metavar="S",
-        parse=float,
-        check=_positive,
+        accepts=POSITIVE_SECONDS,
         group=FLEET,
         default_text="604800 (7 days)",
         help="seconds an entry stays in the tier after it was last written",
@@ -367,7 +403,7 @@ class ServiceConfig:
             if source != "default":
                 sources[name] = source
         # Rules that join settings.
-        if sources["workers"] != SETTINGS["workers"].flag:  # the default: the CPUs, as many as the memory limit holds
+        if sources["workers"] == SETTINGS["workers"].default_text:  # the default: the CPUs, as many as the memory limit holds
             values["workers"] = memory.pool_size(values["workers"], values["memory_limit"])
         if values["tcp"] is not None:
             values["tcp"] = tcp_address(values["tcp"], values["allow_remote"])
@@ -406,7 +442,10 @@ def resolve_setting(name: str, given: Any, env=os.environ) -> tuple[Any, str]:
     if value == "":  # an empty flag is no flag, as an empty variable is no variable
         value = None
     elif isinstance(value, str) and s.parse is not str:  # text from a caller, as a flag gives it
-        value = s.parse(value)
+        try:
+            value = s.parse(value)
+        except ValueError as exc:
+            raise ValueError(f"{s.flag}: {exc}") from None
     if value is None and s.env and env.get(s.env):
         value, source = env[s.env], f"${s.env}"
         try:

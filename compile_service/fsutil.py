@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import stat
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -83,6 +84,37 @@ def die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # the parent died before the prctl took effect
         os._exit(1)
+
+
+def lead_process_group() -> None:
+    """Makes this process the leader of a process group of its own (in a session of its own, so
+    no terminal stops or interrupts it), which every subprocess it starts joins (nvcc, g++ and
+    theirs), and starts a guard that kills that group once this process is gone, however it
+    died: its compilers must not outlive it. The guard is a shell blocked reading a pipe whose
+    write end only this process holds (pipes are close-on-exec), so the read ends when this
+    process does. Linux and other POSIX systems."""
+    os.setsid()
+    read_end, write_end = os.pipe()
+    guard = subprocess.Popen(
+        ["/bin/sh", "-c", 'read _; kill -s KILL -- "-$1"', "process-group-guard", str(os.getpid())],
+        stdin=read_end,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    os.close(read_end)
+    _group_guard.update(process=guard, write_end=write_end)  # both kept for as long as this process lives
+
+
+_group_guard: dict = {}
+
+
+def kill_process_group(pid: int) -> None:
+    """SIGKILL to the process group `pid` leads (lead_process_group), else to `pid` alone."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # not a group leader (yet): the process alone
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def real_dir(path: Path) -> bool:

@@ -39,6 +39,7 @@ import secrets
 import signal
 import socket
 import stat
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -56,9 +57,9 @@ from . import __version__, inductor
 from .apps import AppRecorder
 from .build import devices
 from .build.compiler import DEVICE_BINARIES, device_binary_dir
-from .config import ServiceConfig
+from .config import MAX_SOCKET_PATH, ServiceConfig
 from .cpus import usable_cpus
-from .fsutil import write_text_atomic
+from .fsutil import remove_tree, write_text_atomic
 from .guard import RequestGuard
 from .keys import describe_toolchain
 from .layout import counted_dirs
@@ -73,6 +74,9 @@ from .workers import process_pool
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kernelservice.v1.KernelService"
+# The health of the metrics endpoint, apart from the daemon's own: with --metrics-address,
+# SERVING while /metrics serves, NOT_SERVING when it could not listen (the daemon serves on).
+METRICS_HEALTH = "kernelservice.v1.Metrics"
 # Concurrent calls on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a client queues
 # more until one ends): the per-peer limit, since each TCP connection is a peer of its own and
 # gRPC names every Unix client alike. Waiting calls are bounded in all by servicer.MAX_WAITING.
@@ -149,6 +153,24 @@ SOCKET_FIX = "remove it, or pass --socket (or set $XDG_RUNTIME_DIR) to a path in
 def socket_lock(socket: Path) -> Path:
     """The instance lock a daemon holds for as long as it serves `socket` (its pid next to it)."""
     return socket.with_name(socket.name + ".lock")
+
+
+# What multiprocessing adds below a temporary directory for the zygote's Unix socket:
+# "/pymp-XXXXXXXX/listener-XXXXXXXX".
+_LISTENER_SUFFIX = 32
+
+
+def _own_temp_dir(socket: Path) -> None:
+    """Points this process's temporary files (multiprocessing's pymp-* directory, with the zygote's
+    socket) into <socket>.tmp, made afresh at each start, so that what a daemon killed with -9
+    left there goes with the next daemon on the socket. Next to the socket, whose path is short,
+    as a Unix socket's must be; a socket path too long for that keeps the default."""
+    own = socket.with_name(socket.name + ".tmp")
+    if len(os.fsencode(own)) + _LISTENER_SUFFIX > MAX_SOCKET_PATH:
+        return
+    remove_tree(own)
+    own.mkdir(mode=0o700)
+    tempfile.tempdir = str(own)
 
 
 def _make_dir(path: Path, mode: int, what: str, flag: str, wanted: Path | None = None) -> None:
@@ -286,6 +308,7 @@ class Daemon:
         try:
             self._locks.append(_instance_lock(socket_lock(cfg.socket), f"socket {cfg.socket}"))
             _remove_stale_socket(cfg.socket)
+            _own_temp_dir(cfg.socket)  # before the zygote starts
             self._start(cfg)
         except BaseException:
             self._abandon()
@@ -418,16 +441,25 @@ class Daemon:
         if cfg.metrics_address:
             from .exporter import serve_metrics
 
+            # Metrics are optional, and any user of the host may take a port first: serve without them.
             try:
                 self.exporter = await serve_metrics(self.metrics, cfg.metrics_address)
             except OSError as exc:
-                raise StartError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror or exc}; choose another --metrics-address") from None
+                log.warning(
+                    "NOT SERVING METRICS: cannot listen on --metrics-address %s (%s); the daemon serves without them, "
+                    "and health service %s says NOT_SERVING. Free the port or choose another, then restart the daemon",
+                    cfg.metrics_address,
+                    exc.strerror or exc,
+                    METRICS_HEALTH,
+                )
         for started in self.servers:
             await started.start()
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
+        if self.config.metrics_address:
+            await self.health.set(METRICS_HEALTH, status if self.exporter is not None else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def _drain(self, grace: float | None) -> None:
         """Health NOT_SERVING, new calls refused, running ones given `grace` seconds."""

@@ -1,7 +1,8 @@
 """The compile workers: one executor per worker, so that one can be killed and replaced alone.
 
 A build that runs past the compile timeout, or a worker that dies, costs that worker only:
-the builds running on the others go on, and a fresh worker takes its place. Worker processes
+the builds running on the others go on, and a fresh worker takes its place. Each worker leads a
+process group that its builds' compilers join, and a killed worker's group dies with it. Worker processes
 fork from a zygote that imported TileLang once (never from the daemon, whose gRPC threads a
 fork does not survive), so a fresh worker is ready at once; each dies with the daemon.
 
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 
 from .build import compiler
-from .fsutil import die_with_parent, pid_alive
+from .fsutil import die_with_parent, kill_process_group, lead_process_group, pid_alive
 
 __all__ = ["BrokenProcessPool", "TimedOut", "Workers", "in_process_pool", "process_pool"]
 
@@ -125,9 +126,10 @@ class Workers:
 
 
 def _kill(executor: cf.Executor) -> None:
+    """Kills the executor's worker and its build's compilers (its process group) now."""
     for proc in list((getattr(executor, "_processes", None) or {}).values()):
         if proc.is_alive():
-            proc.kill()
+            kill_process_group(proc.pid)
 
 
 def process_pool(workers: int, initargs: tuple, start: str = "zygote", early: bool = True) -> Workers:
@@ -166,6 +168,9 @@ def _start_worker(daemon_pid: int, *initargs) -> None:
     die_with_parent(os.getppid())
     if not pid_alive(daemon_pid):  # it died before the line above took effect
         os._exit(1)
+    # Its builds' compilers (nvcc, g++) run in its process group, killed with it: by the daemon
+    # past the compile timeout, or by the group's guard once it died with the daemon.
+    lead_process_group()
     compiler.worker_init(*initargs)
 
 

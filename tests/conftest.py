@@ -18,27 +18,9 @@ from pathlib import Path
 import pytest
 
 from devtools.launch import DaemonProcess
+from tests.processes import carrying
 
 SESSION_MARK = "KERNEL_SERVICE_TEST_SESSION"  # inherited by every process the session starts, and theirs
-
-
-def _ours_alive(mark: bytes) -> dict[int, str]:
-    """Live processes carrying this session's mark in their environment: its daemons, their
-    workers, its client subprocesses, orphans included (a process's environment is fixed at
-    its start, so the mark shows even when it was reparented)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if mark not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue  # a zombie is dead; only its parent's wait is missing
-            found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile, or not ours to read
-    return found
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -54,10 +36,10 @@ def no_process_left():
     if inductor is not None:
         inductor.shutdown_compile_workers()
     deadline = time.monotonic() + 10  # a daemon told to stop may take a moment to exit
-    left = _ours_alive(mark)
+    left = carrying(mark)
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
-        left = _ours_alive(mark)
+        left = carrying(mark)
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -3,6 +3,7 @@ whether they still live."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -28,3 +29,20 @@ def alive(pid: int) -> bool:
 
 def cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def carrying(mark: bytes) -> dict[int, str]:
+    """Live processes (zombies aside) whose environment holds `mark` ("NAME=value"), with their
+    command lines: those a test started, their children and orphans alike (a process's
+    environment is fixed at its start, so the mark shows even once it was reparented)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if mark not in (entry / "environ").read_bytes().split(b"\0") or not alive(int(entry.name)):
+                continue
+            found[int(entry.name)] = cmdline(int(entry.name)).strip()
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return found

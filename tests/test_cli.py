@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from compile_service.cli import _exited, build_parser, cli_markdown
 from compile_service.config import SETTINGS, ServiceConfig
 
@@ -34,7 +36,7 @@ FLAGS = {
 VARIABLES = {
     "KERNEL_SERVICE_SOCKET": "socket", "KERNEL_SERVICE_CACHE_DIR": "cache_dir", "KERNEL_SERVICE_REMOTE": "remote",
     "KERNEL_SERVICE_CUDA_COMPILER": "cuda_compiler", "KERNEL_SERVICE_CUDA_COMPILER_ID": "cuda_compiler_id",
-    "KERNEL_SERVICE_WORKER_START": "worker_start",
+    "KERNEL_SERVICE_WORKER_START": "worker_start", "KERNEL_SERVICE_WORKERS": "workers",
     "KERNEL_SERVICE_CACHE_LAYERS": "cache_layers",
     "KERNEL_SERVICE_COMPILE_TIMEOUT": "compile_timeout", "KERNEL_SERVICE_MEMORY_LIMIT": "memory_limit",
 }  # fmt: skip
@@ -128,6 +130,53 @@ def test_a_bad_worker_start_is_one_line_for_serve_and_prewarm(tmp_path):
     path.write_text(json.dumps(manifest.make("app", [{"kind": "rmsnorm", "target": "c", "params": {"M": None, "N": 64, "dtype": "float32"}}])))
     line = one_line_error(cli("prewarm", str(path), "--remote", "redis://127.0.0.1:1/0", env=bad), 2)
     assert "$KERNEL_SERVICE_WORKER_START must be zygote or spawn, got 'fork'" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (["serve", "--compile-timeout", "nan"], {}, "--compile-timeout"),
+        (["serve", "--compile-timeout", "inf"], {}, "--compile-timeout"),
+        (["serve", "--compile-timeout", "1e309"], {}, "--compile-timeout"),
+        (["serve", "--grace", "-3"], {}, "--grace"),
+        (["serve", "--grace", "nan"], {}, "--grace"),
+        (["serve", "--queue-limit", "0"], {}, "--queue-limit"),
+        (["serve", "--queue-limit", "-1"], {}, "--queue-limit"),
+        (["serve", "--workers", "99999999999999999999"], {}, "--workers"),
+        (["serve", "--workers", "abc"], {}, "--workers"),
+        (["serve"], {"KERNEL_SERVICE_WORKERS": "abc"}, "$KERNEL_SERVICE_WORKERS"),
+        (["stop", "--timeout", "-1"], {}, "--timeout"),
+        (["prune", "--max-size", "1G", "--min-age", "-5"], {}, "--min-age"),
+    ],
+)
+def test_a_bad_number_is_one_line_naming_the_flag_and_what_it_accepts(args, env, named, tmp_path):
+    """Issue 47, item 9: refused before any work (no daemon starts, stop signals nothing)."""
+    where = ["--socket", str(tmp_path / "s.sock")] if args[0] in ("serve", "stop") else ["--cache-dir", str(tmp_path / "c")]
+    line = one_line_error(cli(*args, *where, env=env, timeout=60), 2)
+    assert named in line and re.search(r"expected a (whole )?number", line), line
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_a_busy_metrics_port_leaves_the_daemon_serving_without_metrics(make_daemon):
+    """Issue 47, item 8: another user may bind the metrics port first; the daemon serves anyway,
+    warns, and its metrics health says NOT_SERVING while the daemon's own says SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from compile_service.server import METRICS_HEALTH, SERVICE_NAME
+    from proto.paths import socket_address
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        d = make_daemon("--metrics-address", f"127.0.0.1:{taken.getsockname()[1]}", workers=1)
+        with grpc.insecure_channel(socket_address(d.socket)) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            status = {name: stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status for name in ("", SERVICE_NAME, METRICS_HEALTH)}
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert status == {"": serving, SERVICE_NAME: serving, METRICS_HEALTH: not_serving}
+    assert d.client().get_kernel("rmsnorm", M=None, N=24, dtype="float32", target="c").outcome == "compiled"
+    assert "NOT SERVING METRICS" in d.log() and "--metrics-address" in d.log()
 
 
 def test_a_busy_tcp_port_is_one_line_and_no_drain_warning(tmp_path):

@@ -466,7 +466,7 @@ def test_a_host_started_without_its_redis_says_so_and_finds_it_when_it_comes(tmp
     [
         (["--remote", "http://u:secret@host/0"], r"--remote 'http://u:\*\*\*@host/0': expected a redis://, rediss:// or unix:// URL"),
         (["--remote-read-only"], r"--remote-read-only needs a tier to read: pass --remote URL \(or set KERNEL_SERVICE_REMOTE\)"),
-        (["--remote", "redis://h:6379", "--remote-lease-seconds", "0"], r"--remote-lease-seconds must be positive, got 0.0"),
+        (["--remote", "redis://h:6379", "--remote-lease-seconds", "0"], r"--remote-lease-seconds: expected a number of seconds above 0"),
     ],
 )
 def test_bad_fleet_flags_are_refused_with_one_line(args, message, tmp_path):

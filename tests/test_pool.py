@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -16,7 +21,7 @@ import client
 from compile_service import apps
 from devtools import redis_server
 import tests.slow_kind  # noqa: F401  (clients validate locally: they share the daemons' registry)
-from tests.processes import children, cmdline
+from tests.processes import carrying, children, cmdline
 
 SLOW = ("--kernel-module", "tests.slow_kind")
 LIMIT = 10  # the test's --compile-timeout: past any real build of these kernels on a loaded 2-core machine
@@ -149,3 +154,61 @@ def test_recorded_applications_count_in_the_cache_bytes(make_daemon):
                 c.get_kernel("rmsnorm", M=None, N=n, dtype="float32", target="c")
         recorded = (d.cache_dir / "apps" / "svc.jsonl").stat().st_size
         assert recorded > 0 and c.stats()["bytes"] == before + recorded
+
+
+# ----- a build's compiler subprocesses die with the build and with the daemon (issue 47, item 6)
+
+
+def _slow_compiler(tmp_path: Path, mark: str) -> dict:
+    """The daemon's environment for builds whose C++ compile is real but starts a minute late
+    (TileLang runs $CXX), marked so that every process of the daemon can be found, orphans too."""
+    cxx = tmp_path / "slow-g++"
+    cxx.write_text('#!/bin/sh\nsleep 61\nexec g++ "$@"\n')
+    cxx.chmod(0o755)
+    return {"CXX": str(cxx), "KS_TEST_DAEMON": mark}
+
+
+def _compilers(mark: str) -> dict[int, str]:
+    return {pid: cmd for pid, cmd in carrying(f"KS_TEST_DAEMON={mark}".encode()).items() if "sleep 61" in cmd or "slow-g++" in cmd}
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_timed_out_build_leaves_no_compiler_running(make_daemon, tmp_path):
+    mark = os.urandom(8).hex()
+    d = make_daemon("--compile-timeout", "4", env=_slow_compiler(tmp_path, mark), workers=1)
+    with d.client(timeout=120) as c, pytest.raises(client.CompileTimeout):
+        c.get_kernel("rmsnorm", M=None, N=88, dtype="float32", target="c")
+    _wait(lambda: not _compilers(mark), 5, f"the timed-out build's compilers to die: {_compilers(mark)}")
+
+
+def _unix_listeners(pid: int) -> list[str]:
+    """The paths of the Unix sockets process `pid` holds open."""
+    inodes = {os.readlink(fd).removeprefix("socket:[").rstrip("]") for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd).startswith("socket:[")}
+    rows = [line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:]]
+    return [row[7] for row in rows if len(row) > 7 and row[6] in inodes]
+
+
+def test_a_daemon_killed_mid_build_leaves_no_compiler_and_no_temporary_directory(make_daemon, tmp_path):
+    mark = os.urandom(8).hex()
+    d = make_daemon(env=_slow_compiler(tmp_path, mark), workers=1)
+    asking = subprocess.Popen([sys.executable, "-c", f"import client; client.connect({str(d.socket)!r}).get_kernel('rmsnorm', M=None, N=96, dtype='float32', target='c')"],
+                              cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    _wait(lambda: _compilers(mark), 120, "the build's compiler to start")
+    zygote = next(p for p in children(d.proc.pid) if "compile_service.build.zygote" in cmdline(p))
+    pymp = {Path(path).parent for path in _unix_listeners(zygote) if "/pymp-" in path}
+    assert len(pymp) == 1, _unix_listeners(zygote)
+    d.signal(signal.SIGKILL)
+    d.proc.wait()
+    asking.kill()  # its client would fall back to compiling in its own process
+    asking.wait()
+    _wait(lambda: not carrying(f"KS_TEST_DAEMON={mark}".encode()), 15, f"the daemon's processes to die: {carrying(f'KS_TEST_DAEMON={mark}'.encode())}")
+    (left,) = pymp
+    assert left.parent != Path(tempfile.gettempdir())  # not in /tmp, but in the daemon's own directory, next to its socket
+    make_daemon(cache_dir=d.cache_dir, socket=d.socket, workers=1)  # the next daemon on the socket removes it
+    assert not left.exists()
