@@ -310,7 +310,7 @@ def test_fake_and_meta_tensors_get_shapes_from_the_abi(cpu_kernel):
 # ----- torch.export and AOTInductor
 
 _RUN_EXPORTED = """
-import sys, torch, client
+import sys, {imports}
 io = torch.load(sys.argv[1] if len(sys.argv) > 1 else {io!r})
 program = {load}
 with torch.inference_mode():
@@ -329,7 +329,8 @@ def _export(encoder, tmp_path):
     return program
 
 
-def test_exported_program_runs_in_a_fresh_process(encoder, shared_daemon, tmp_path):
+@pytest.mark.parametrize("imports", ["torch, client", "client, torch"])  # either order: isort puts client first
+def test_exported_program_runs_in_a_fresh_process(encoder, shared_daemon, tmp_path, imports):
     program = _export(encoder, tmp_path)
     calls = [n for n in program.graph.nodes if n.op == "call_function" and str(n.target).startswith("kernel_service.")]
     assert len(calls) == 11
@@ -337,7 +338,7 @@ def test_exported_program_runs_in_a_fresh_process(encoder, shared_daemon, tmp_pa
     assert spec["kind"] == "rmsnorm" and spec["params"]["M"] is None and spec["target"] == "c"
     torch.export.save(program, tmp_path / "block.pt2")
     load = f"torch.export.load({str(tmp_path / 'block.pt2')!r}).module()"
-    out = _fresh_process(_RUN_EXPORTED.format(io=str(tmp_path / "io.pt"), load=load), shared_daemon.socket)
+    out = _fresh_process(_RUN_EXPORTED.format(imports=imports, io=str(tmp_path / "io.pt"), load=load), shared_daemon.socket)
     assert out.split()[0] == "ok" and out.split()[-1] == "8"  # eight distinct kernels resolved through the daemon
 
 
@@ -346,14 +347,14 @@ def test_aoti_package_runs_in_a_fresh_process(encoder, shared_daemon, tmp_path):
     with torch.no_grad():  # as AOTInductor's own examples: its lowering runs the ops
         path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "block-aoti.pt2"))
     load = f"torch._inductor.aoti_load_package({path!r})"
-    out = _fresh_process(_RUN_EXPORTED.format(io=str(tmp_path / "io.pt"), load=load), shared_daemon.socket)
+    out = _fresh_process(_RUN_EXPORTED.format(imports="torch, client", io=str(tmp_path / "io.pt"), load=load), shared_daemon.socket)
     assert out.split()[0] == "ok"
 
 
 def test_a_fresh_process_without_a_daemon_names_the_missing_service(encoder, tmp_path):
     program = _export(encoder, tmp_path)
     torch.export.save(program, tmp_path / "block.pt2")
-    code = _RUN_EXPORTED.format(io=str(tmp_path / "io.pt"), load=f"torch.export.load({str(tmp_path / 'block.pt2')!r}).module()")
+    code = _RUN_EXPORTED.format(imports="torch, client", io=str(tmp_path / "io.pt"), load=f"torch.export.load({str(tmp_path / 'block.pt2')!r}).module()")
     proc = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
