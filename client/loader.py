@@ -338,7 +338,7 @@ class Kernel:
         for slot, t in zip(self._inputs, inputs):
             p = params[slot]
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{self.kind}: input {p['name']} must be a torch.Tensor, got {type(t).__name__}")
+                raise _not_a_tensor(self.kind, f"input {p['name']}", t)
             if t.dtype != self._dtypes[slot]:
                 raise TypeError(f"{self.kind}: input {p['name']} must be {p['dtype']}, got {str(t.dtype).removeprefix('torch.')}")
             if t.dim() != len(p["shape"]):
@@ -375,7 +375,7 @@ class Kernel:
         for pos, (t, shape) in enumerate(zip(outs, self.output_shapes(dims))):
             slot, name = self._outputs[pos], self.output_names[pos]
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{self.kind}: out {name} must be a torch.Tensor, got {type(t).__name__}")
+                raise _not_a_tensor(self.kind, f"out {name}", t)
             if t.dtype != self._dtypes[slot]:
                 raise TypeError(f"{self.kind}: out {name} must be {self.abi['params'][slot]['dtype']}, got {str(t.dtype).removeprefix('torch.')}")
             if list(t.shape) != list(shape):
@@ -451,6 +451,11 @@ class Kernel:
         import torch
 
         if torch.compiler.is_compiling() or not all(type(t) in fastcall.plain_types() for t in inputs):
+            outs = () if out is None else out if isinstance(out, (tuple, list)) else (out,)
+            named = [(f"input {n}", t) for n, t in zip(self.input_names, inputs)] + [(f"out {n}", t) for n, t in zip(self.output_names, outs)]
+            for what, t in named:  # the op's schema error would print the whole value
+                if not isinstance(t, torch.Tensor):
+                    raise _not_a_tensor(self.kind, what, t)
             return self._call_op(inputs, out)  # traced: the torch op, whose fake derives shapes from the ABI
         self.check_grad(inputs)
         return self.run(inputs, out)
@@ -511,6 +516,14 @@ class Kernel:
             return out
         outs = [args[i] for i in self._outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _not_a_tensor(kind: str, what: str, value) -> TypeError:
+    """The one-line error for an argument that is not a torch.Tensor (never the value itself: an array prints whole)."""
+    hint = " (torch.from_numpy(x) wraps one without a copy)" if type(value).__module__ == "numpy" else ""
+    module = type(value).__module__
+    named = type(value).__qualname__ if module == "builtins" else f"{module}.{type(value).__qualname__}"
+    return TypeError(f"{kind}: {what} must be a torch.Tensor, got {named}{hint}")
 
 
 def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec: dict, key: str, *, root: Path, owner: int) -> Kernel:

@@ -95,6 +95,18 @@ def test_specs_take_torch_dtypes_and_numpy_numbers(cpu_kernel):
         assert err.value.field == field
 
 
+def test_a_numpy_argument_is_one_line_naming_it_and_what_it_takes(cpu_kernel):
+    k = cpu_kernel("rmsnorm", M=None, N=64, dtype="float32")
+    x = np.ones((4, 64), dtype=np.float32)
+    for call in (lambda: k(x, torch.ones(64)), lambda: k(torch.ones(4, 64), torch.ones(64), out=x)):
+        with pytest.raises(TypeError) as err:
+            call()
+        message = str(err.value)
+        assert "\n" not in message and len(message) < 200, message
+        assert "must be a torch.Tensor, got numpy.ndarray (torch.from_numpy(x)" in message, message
+    assert f"input {k.input_names[0]} " in str(pytest.raises(TypeError, k, x, torch.ones(64)).value)
+
+
 def test_kinds_the_client_does_not_import_get_plain_values_on_the_wire():
     _request = client.connect("/nonexistent/ks.sock")._request  # an unknown kind asks no daemon
 
