@@ -47,7 +47,7 @@ from proto.entry import ENTRY_META, MANIFEST, Entry, EntryRefused, check_locatio
 from proto.paths import entry_dir, xdg_cache_home
 from proto.trust import read_owned, read_verified  # noqa: F401  (importable from here, as before)
 
-from . import fastcall
+from . import checks, fastcall
 from .errors import CorruptArtifact, LoadError
 
 _CHECKED = fastcall.CHECKED  # a fast call's answer: take the checked path
@@ -258,7 +258,8 @@ class Kernel:
         self.writes = [params[i]["name"] for i in abi.get("writes", [])]  # inputs updated in place
         self.inplace = self._inplace_slots()
         self.__doc__, self.__signature__ = self._describe()
-        self._fast = fastcall.make(self)  # None: every call takes the checked path
+        self._check_metadata = checks.rule_for(self.kind)  # checked mode (KERNEL_SERVICE_CHECK=1): index inputs validated
+        self._fast = None if self._check_metadata else fastcall.make(self)  # None: every call takes the checked path
         self._op = self._op_out = None  # kernel_service::<kind> and its .out: bound by the client after loading (torch_ops.bind)
         self.op_unbound = "a kernel from client.get_kernel has one"  # why no op is bound, when none is
 
@@ -486,6 +487,8 @@ class Kernel:
         dims, device = self.check_inputs(inputs)
         if device is not None and device.type == "meta":
             return self._call_op(inputs, out)  # shapes only: the op's Meta kernel is its fake
+        if self._check_metadata is not None:
+            self._check_metadata(self, dict(zip(self.input_names, inputs)))
         if "dispatch" in self.abi:
             return self.route(dims[self.abi["dispatch"]["dim"]]).run(inputs, out)
         params = self.abi["params"]
