@@ -9,7 +9,6 @@ See README for the full API.
 """
 
 import os
-import sys
 
 from .api import Client, connect, default_client, explain, get_kernel, kinds, prefetch, stats
 from .api import use_shared_inductor_cache_default as use_shared_inductor_cache
@@ -20,12 +19,19 @@ from .errors import (
 )  # fmt: skip
 from .loader import Kernel
 from .tilelang import install_tilelang_cache, uninstall_tilelang_cache
+from .when_imported import when_imported
 
-# The kernels' torch ops (torch.compile, torch.export) once torch is there, else when a kernel loads. A
+
+def _register_torch_ops() -> None:
+    from . import torch_ops  # noqa: F401  (its import registers the ops)
+
+
+# The kernels' torch ops (torch.compile, torch.export) once torch is imported, before or after this
+# package, so that a saved program loads in either order; a kernel's load registers them too. A
 # process started with KERNEL_SERVICE_TILELANG=1 imports this package as TileLang's cache
 # (client/tilelang_hook.py): it registers the ops at its first zoo kernel, not at TileLang's import.
-if "torch" in sys.modules and os.environ.get("KERNEL_SERVICE_TILELANG") != "1":
-    from . import torch_ops  # noqa: F401
+if os.environ.get("KERNEL_SERVICE_TILELANG") != "1":
+    when_imported("torch", _register_torch_ops)
 
 __all__ = [
     "Client",

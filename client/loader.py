@@ -47,7 +47,7 @@ from proto.entry import ENTRY_META, MANIFEST, Entry, EntryRefused, check_locatio
 from proto.paths import entry_dir, xdg_cache_home
 from proto.trust import read_owned, read_verified  # noqa: F401  (importable from here, as before)
 
-from . import fastcall
+from . import checks, fastcall
 from .errors import CorruptArtifact, LoadError
 
 _CHECKED = fastcall.CHECKED  # a fast call's answer: take the checked path
@@ -258,7 +258,8 @@ class Kernel:
         self.writes = [params[i]["name"] for i in abi.get("writes", [])]  # inputs updated in place
         self.inplace = self._inplace_slots()
         self.__doc__, self.__signature__ = self._describe()
-        self._fast = fastcall.make(self)  # None: every call takes the checked path
+        self._check_metadata = checks.rule_for(self.kind)  # checked mode (KERNEL_SERVICE_CHECK=1): index inputs validated
+        self._fast = None if self._check_metadata else fastcall.make(self)  # None: every call takes the checked path
         self._op = self._op_out = None  # kernel_service::<kind> and its .out: bound by the client after loading (torch_ops.bind)
         self.op_unbound = "a kernel from client.get_kernel has one"  # why no op is bound, when none is
 
@@ -338,7 +339,7 @@ class Kernel:
         for slot, t in zip(self._inputs, inputs):
             p = params[slot]
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{self.kind}: input {p['name']} must be a torch.Tensor, got {type(t).__name__}")
+                raise _not_a_tensor(self.kind, f"input {p['name']}", t)
             if t.dtype != self._dtypes[slot]:
                 raise TypeError(f"{self.kind}: input {p['name']} must be {p['dtype']}, got {str(t.dtype).removeprefix('torch.')}")
             if t.dim() != len(p["shape"]):
@@ -375,7 +376,7 @@ class Kernel:
         for pos, (t, shape) in enumerate(zip(outs, self.output_shapes(dims))):
             slot, name = self._outputs[pos], self.output_names[pos]
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{self.kind}: out {name} must be a torch.Tensor, got {type(t).__name__}")
+                raise _not_a_tensor(self.kind, f"out {name}", t)
             if t.dtype != self._dtypes[slot]:
                 raise TypeError(f"{self.kind}: out {name} must be {self.abi['params'][slot]['dtype']}, got {str(t.dtype).removeprefix('torch.')}")
             if list(t.shape) != list(shape):
@@ -451,6 +452,11 @@ class Kernel:
         import torch
 
         if torch.compiler.is_compiling() or not all(type(t) in fastcall.plain_types() for t in inputs):
+            outs = () if out is None else out if isinstance(out, (tuple, list)) else (out,)
+            named = [(f"input {n}", t) for n, t in zip(self.input_names, inputs)] + [(f"out {n}", t) for n, t in zip(self.output_names, outs)]
+            for what, t in named:  # the op's schema error would print the whole value
+                if not isinstance(t, torch.Tensor):
+                    raise _not_a_tensor(self.kind, what, t)
             return self._call_op(inputs, out)  # traced: the torch op, whose fake derives shapes from the ABI
         self.check_grad(inputs)
         return self.run(inputs, out)
@@ -481,6 +487,8 @@ class Kernel:
         dims, device = self.check_inputs(inputs)
         if device is not None and device.type == "meta":
             return self._call_op(inputs, out)  # shapes only: the op's Meta kernel is its fake
+        if self._check_metadata is not None:
+            self._check_metadata(self, dict(zip(self.input_names, inputs)))
         if "dispatch" in self.abi:
             return self.route(dims[self.abi["dispatch"]["dim"]]).run(inputs, out)
         params = self.abi["params"]
@@ -511,6 +519,14 @@ class Kernel:
             return out
         outs = [args[i] for i in self._outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _not_a_tensor(kind: str, what: str, value) -> TypeError:
+    """The one-line error for an argument that is not a torch.Tensor (never the value itself: an array prints whole)."""
+    hint = " (torch.from_numpy(x) wraps one without a copy)" if type(value).__module__ == "numpy" else ""
+    module = type(value).__module__
+    named = type(value).__qualname__ if module == "builtins" else f"{module}.{type(value).__qualname__}"
+    return TypeError(f"{kind}: {what} must be a torch.Tensor, got {named}{hint}")
 
 
 def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec: dict, key: str, *, root: Path, owner: int) -> Kernel:

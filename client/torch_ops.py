@@ -30,7 +30,8 @@ torch.compile(mode="reduce-overhead"), records them. The Autograd kernel refuses
 inputs that would record grad: the kernels are inference-only.
 
 Importing this module imports torch and registers the ops of every known kind;
-`import client` does so when torch is already imported, and loading any kernel does:
+`import client` has it imported once torch is (before or after the client: client/when_imported.py),
+and loading any kernel does:
 the client binds each kernel it loads to its kind's op (`bind`).
 """
 

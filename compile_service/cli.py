@@ -1017,7 +1017,7 @@ def _log_level(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .config import POSITIVE_SECONDS, SETTINGS, WORKER_STARTS
+    from .config import POSITIVE_SECONDS, SETTINGS, SIZE_FORMS, WORKER_STARTS
 
     parser = _Parser(prog="kernel-service", description="TileLang kernel-compilation daemon")
     parser.add_argument("--version", action="version", version=f"kernel-service {__version__}")
@@ -1071,7 +1071,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.set_defaults(run=_ls)
 
     prune = sub.add_parser("prune", help="remove least recently used entries (and device binaries) until the cache fits; safe while a daemon serves it")
-    prune.add_argument("--max-size", required=True, metavar="SIZE", help="the size to fit in: bytes, or 512M, 10G")
+    prune.add_argument("--max-size", required=True, metavar="SIZE", help=f"the size to fit in: {SIZE_FORMS}")
     prune.add_argument(
         "--min-age",
         type=_flag_type(SETTINGS["evict_min_age"].parse),

@@ -83,11 +83,14 @@ def check_target(text: str) -> None:
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
+SIZE_FORMS = "bytes, or 512M, 10G: binary units, 10G is 10 GiB"  # how every size flag's help says what parse_size reads
+
+
 def parse_size(text: str) -> int:
     """Bytes from "123", "512M", "10G" or "10GiB" (binary units)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
     if not match:
-        raise ValueError(f"cannot read {text!r} as a size; use bytes or a suffix: 512M, 10G")
+        raise ValueError(f"cannot read {text!r} as a size; use {SIZE_FORMS}")
     return int(float(match.group(1)) * _SUFFIXES[match.group(2).upper()])
 
 
@@ -247,7 +250,7 @@ class ServiceConfig:
     memory_limit: int | None = setting(
         None, flag="--memory-limit", env=MEMORY_LIMIT_ENV, metavar="BYTES", parse=parse_size, accepts=POSITIVE_BYTES,
         computed=lambda env: memory.memory_limit(), default_text="the cgroup memory limit or MemAvailable, whichever is smaller",
-        help="memory the compile workers may use (bytes, or 512M, 10G): a build starts only while the measured peaks of the builds "
+        help=f"memory the compile workers may use ({SIZE_FORMS}): a build starts only while the measured peaks of the builds "
         "running and its own fit it, else it waits",
     )  # fmt: skip
     target: str = setting("auto", flag="--target", check=_target, help="target for requests that name none: auto, c, sm_90a, ...")
@@ -255,7 +258,6 @@ class ServiceConfig:
         30.0, flag="--grace", metavar="SECONDS", accepts=SECONDS, help="seconds SIGTERM (or `kernel-service stop`) waits for running compiles"
     )
     queue_limit: int = setting(4096, flag="--queue-limit", metavar="N", accepts=AT_LEAST_ONE, help="compiles queued or running before RESOURCE_EXHAUSTED")
-    warm_up: bool = True  # start every compile worker at launch (not a flag: tests turn it off)
     kernel_modules: tuple[str, ...] = setting(
         (), flag="--kernel-module", metavar="MODULE[:ATTR]", form="repeat",
         help="import MODULE to register extra kernel kinds, or serve MODULE's kind class or @tilelang.jit factory ATTR (the kind is named ATTR); "
@@ -278,7 +280,7 @@ class ServiceConfig:
     )
     max_bytes: int | None = setting(
         None, flag="--max-size", metavar="BYTES", parse=parse_size, accepts=BYTES, default_text="unbounded",
-        help="cache budget: evict least recently used entries above this size (bytes, or 512M, 10G)",
+        help=f"cache budget: evict least recently used entries above this size ({SIZE_FORMS})",
     )  # fmt: skip
     max_entries: int | None = setting(None, flag="--max-entries", metavar="N", accepts=COUNT, default_text="unbounded", help="cache budget in entries")
     evict_min_age: float = setting(300.0, flag="--evict-min-age", metavar="SECONDS", accepts=SECONDS, help="never evict an entry used this recently")

@@ -483,6 +483,8 @@ class Scheduler:
         why = "this daemon compiles nothing (serve --no-compile)" if not self.compiles else "the request asked for no compile (a strict client)"
         if found is None:  # no other builders to ask
             return why
+        if found.tier_error:
+            return f"{why}, and {found.tier_error}"
         if found.waiting:
             return f"{why}, and a builder of the fleet is building it now: ask again once it is done"
         return f"{why}, and the fleet tier does not have it: a builder puts it there (a request or prefetch to a builder, or `kernel-service prewarm --remote`)"

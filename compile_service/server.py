@@ -256,7 +256,7 @@ def _yield_to_compiles() -> None:
 def _warm_target(cfg: ServiceConfig) -> str | None:
     """The target whose headers NVRTC workers parse as they warm up: the default target, when
     it is CUDA (a GPU host, or a daemon told to build for one; the workers resolve "auto")."""
-    return cfg.target if cfg.cuda_compiler == devices.NVRTC and cfg.warm_up and not cfg.no_compile else None
+    return cfg.target if cfg.cuda_compiler == devices.NVRTC and not cfg.no_compile else None
 
 
 def _fleet_tier(local: LocalStore, cfg: ServiceConfig, metrics: Metrics):

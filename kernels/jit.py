@@ -27,6 +27,8 @@ not parameters of the kind: they are the kernel's inputs):
   containing "dtype": a dtype-valued parameter, its value a dtype name;
 - an annotation int, float, bool or str: that type (required without a default);
 - a default int, float, bool or str: that type (ints unbounded: `num_stages=0` is fine);
+- no default, no annotation, and named in a shape (an element of a tuple such as `(M, K)` in
+  the body): a size, a positive int (so "64" and True are refused, naming it);
 - otherwise (no default, no annotation): any int, float, bool or str, passed as given.
 
 Outputs: the decorator's `out_idx`, or the PrimFunc's `T.empty` tensors (eager style), else
@@ -102,7 +104,7 @@ def _size(name: str, default=REQUIRED, doc: str = "size") -> Param:
     return Param(name, int, default=default, min=1, max=MAX_DIM, nullable=True, doc=doc)
 
 
-def _param(p: inspect.Parameter) -> Param:
+def _param(p: inspect.Parameter, shape_names: frozenset = frozenset()) -> Param:
     if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
         raise TypeError(f"a served factory takes named parameters only, not *{p.name}")
     default = REQUIRED if p.default is p.empty else p.default
@@ -118,6 +120,8 @@ def _param(p: inspect.Parameter) -> Param:
     if kind is None:
         if default is not REQUIRED:
             raise TypeError(f"parameter {p.name}: default {default!r} is not an int, float, bool, str or dtype")
+        if p.name in shape_names:
+            return Param(p.name, int, min=1, max=MAX_DIM, doc="size (in a tensor shape): a positive int")
         return ScalarParam(p.name, object, doc="required (int, float, bool or str)")
     if kind not in (int, float, bool, str):
         raise TypeError(f"parameter {p.name}: default {default!r} is not an int, float, bool, str or dtype")
@@ -132,6 +136,25 @@ def _calls_empty(function) -> bool:
     except (OSError, TypeError, SyntaxError):
         return True
     return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "empty" for n in ast.walk(tree))
+
+
+def _shape_names(function) -> frozenset:
+    """Names that are elements of a tuple or list the function's body builds, `(M, K)`: in
+    TileLang code, shapes (read off its source; loop targets and subscripts left out)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    body = [node for fn in tree.body for node in getattr(fn, "body", [])]
+    slices = {id(n.slice) for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Subscript)}
+    return frozenset(
+        e.id
+        for stmt in body
+        for n in ast.walk(stmt)
+        if isinstance(n, (ast.Tuple, ast.List)) and isinstance(n.ctx, ast.Load) and id(n) not in slices
+        for e in n.elts
+        if isinstance(e, ast.Name)
+    )
 
 
 def _const_names(function) -> list[str]:
@@ -188,7 +211,8 @@ class JitKind(KernelKind):
         self.doc = (inspect.getdoc(self._function) or "").split("\n\n")[0]
         signature = getattr(jit, "signature", None) or inspect.signature(self._function)
         tensors = set(getattr(getattr(jit, "func", None), "tensor_args", None) or ())  # eager style: the kernel's inputs
-        params = [_param(p) for p in signature.parameters.values() if p.name not in tensors]
+        shape_names = _shape_names(self._function)
+        params = [_param(p, shape_names) for p in signature.parameters.values() if p.name not in tensors]
         self.consts = tuple(n for n in _const_names(self._function) if n not in signature.parameters)
         self.params = tuple(_size(n, doc="size (T.const); None: a runtime size") for n in self.consts) + tuple(params)
         out_idx = options.get("outputs")

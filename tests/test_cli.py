@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from compile_service.cli import _exited, build_parser, cli_markdown
-from compile_service.config import SETTINGS, ServiceConfig
+from compile_service.config import SETTINGS, ServiceConfig, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 RMSNORM = {"M": None, "N": 64, "dtype": "float32", "target": "c"}
@@ -107,6 +107,22 @@ def test_info_names_the_flags_that_exist(tmp_path):
     assert named <= flags, named - flags
     text = cli("info", "--socket", str(tmp_path / "none.sock"), *argv).stdout
     assert "--max-bytes" not in text and "--kernel-modules" not in text and "--entry-points" not in text
+
+
+def test_info_shows_only_the_settings_docs_cli_md_lists(tmp_path):
+    """What `info` shows, a user looks up in docs/cli.md's settings table: nothing more."""
+    shown = set(json.loads(cli("info", "--socket", str(tmp_path / "none.sock"), "--json").stdout)["settings"])
+    listed = set(re.findall(r"^\| `(\w+)` \| `--", (ROOT / "docs" / "cli.md").read_text(), re.MULTILINE))
+    assert shown == listed == set(SETTINGS), (shown ^ listed) | (shown ^ set(SETTINGS))
+
+
+def test_every_size_flag_says_that_its_units_are_binary():
+    assert parse_size("10G") == 10 << 30 and parse_size("512M") == 512 << 20
+    text = (ROOT / "docs" / "cli.md").read_text()
+    size_rows = [line for line in text.splitlines() if "512M" in line]
+    assert len(size_rows) == 3, size_rows  # --memory-limit, --max-size, prune --max-size
+    for row in size_rows:
+        assert "10G is 10 GiB" in row, row
 
 
 def test_a_bad_kernel_module_is_one_line_and_says_how_the_daemon_finds_it(tmp_path):

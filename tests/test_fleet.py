@@ -545,6 +545,18 @@ def test_a_cpu_only_builder_feeds_three_serve_only_hosts_that_never_compile(make
     assert_no_tracebacks(builder, *servers)
 
 
+def test_a_serve_only_host_whose_tier_is_unreachable_says_so_with_its_address(make_daemon):
+    """Redis down (nothing listens on the port): the miss names the tier's address and says that
+    it is unreachable, not that the tier lacks the kernel."""
+    url = f"redis://127.0.0.1:{redis_server.free_port()}/0"
+    d = make_daemon(*serve_only(url)["args"], workers=1)
+    with d.client() as c, pytest.raises(client.KernelNotReady) as err:
+        get(c, specs(1, base=4200)[0])
+    assert f"the fleet tier {url} is unreachable (" in str(err.value), str(err.value)
+    assert "does not have it" not in str(err.value)
+    assert stats(d)["compiles"] == 0
+
+
 # ----- bounds on what Redis sends: a hostile server on loopback, and a planted index on a real one
 
 STREAM_CAP = 64 << 20  # what the hostile server sends at most before it gives up (unbounded reads take it all)

@@ -370,6 +370,17 @@ def test_training_falls_back_to_own_forward(llamas):
     assert trained.kernel_service.backend == "eager"
 
 
+def test_a_call_with_grad_enabled_warns_once_and_counts_every_fallback(daemon):
+    model = hf.kernelize(llama(), client=daemon[1], backend="kernel-service", warmup=False)
+    ids = torch.randint(3, VOCAB, (1, 5))
+    with pytest.warns(RuntimeWarning, match=r"grad enabled.*torch\.inference_mode\(\)") as caught:
+        model(ids)
+        model(ids)
+    assert sum("inference_mode" in str(w.message) for w in caught) == 1
+    r = model.kernel_service
+    assert not r.calls and dict(r.fallbacks) == {"rmsnorm": 10, "rope": 4, "attention": 4, "swiglu": 4}, r.fallbacks
+
+
 def test_backend_policy(daemon, monkeypatch):
     _, c = daemon
     m = hf.kernelize(llama(), client=c)  # auto on the CPU: eager, no warning
@@ -378,9 +389,15 @@ def test_backend_policy(daemon, monkeypatch):
     with pytest.raises(ValueError, match="backend must be one of"):
         hf.kernelize(llama(), backend="fast")
     # bfloat16 is not served on target "c": every module keeps its forward, and the backend falls back
-    with pytest.warns(RuntimeWarning, match="'kernel-service' is unavailable.*using 'eager'"):
+    with pytest.warns(RuntimeWarning, match="'kernel-service' is unavailable.*using 'eager'") as caught:
         bf = hf.kernelize(llama().to(torch.bfloat16), client=c, backend="kernel-service", warmup=False)
-    assert bf.kernel_service.backend == "eager" and "bfloat16" in bf.kernel_service.reason
+    message = str(caught[0].message)
+    assert "\n" not in message and len(message) < 200, message  # one short line: the details are in the report
+    assert bf.kernel_service.backend == "eager" and "kept" in bf.kernel_service.reason
+    assert bf.kernel_service.kept and all("bfloat16" in why for why in bf.kernel_service.kept.values())
+    # strict: the backend asked for, or an error; auto on the CPU would be eager
+    with pytest.raises(RuntimeError, match=r"strict=True.*'auto' would be 'eager'"):
+        hf.kernelize(llama(), client=c, strict=True)
     with pytest.raises(RuntimeError, match=r"strict=True.*model\.layers\.0\..*float32"):
         hf.kernelize(llama().to(torch.bfloat16), client=c, backend="kernel-service", strict=True)
     # no daemon on the socket

@@ -95,6 +95,18 @@ def test_specs_take_torch_dtypes_and_numpy_numbers(cpu_kernel):
         assert err.value.field == field
 
 
+def test_a_numpy_argument_is_one_line_naming_it_and_what_it_takes(cpu_kernel):
+    k = cpu_kernel("rmsnorm", M=None, N=64, dtype="float32")
+    x = np.ones((4, 64), dtype=np.float32)
+    for call in (lambda: k(x, torch.ones(64)), lambda: k(torch.ones(4, 64), torch.ones(64), out=x)):
+        with pytest.raises(TypeError) as err:
+            call()
+        message = str(err.value)
+        assert "\n" not in message and len(message) < 200, message
+        assert "must be a torch.Tensor, got numpy.ndarray (torch.from_numpy(x)" in message, message
+    assert f"input {k.input_names[0]} " in str(pytest.raises(TypeError, k, x, torch.ones(64)).value)
+
+
 def test_kinds_the_client_does_not_import_get_plain_values_on_the_wire():
     _request = client.connect("/nonexistent/ks.sock")._request  # an unknown kind asks no daemon
 
@@ -310,7 +322,7 @@ def test_fake_and_meta_tensors_get_shapes_from_the_abi(cpu_kernel):
 # ----- torch.export and AOTInductor
 
 _RUN_EXPORTED = """
-import sys, torch, client
+import sys, {imports}
 io = torch.load(sys.argv[1] if len(sys.argv) > 1 else {io!r})
 program = {load}
 with torch.inference_mode():
@@ -329,7 +341,8 @@ def _export(encoder, tmp_path):
     return program
 
 
-def test_exported_program_runs_in_a_fresh_process(encoder, shared_daemon, tmp_path):
+@pytest.mark.parametrize("imports", ["torch, client", "client, torch"])  # either order: isort puts client first
+def test_exported_program_runs_in_a_fresh_process(encoder, shared_daemon, tmp_path, imports):
     program = _export(encoder, tmp_path)
     calls = [n for n in program.graph.nodes if n.op == "call_function" and str(n.target).startswith("kernel_service.")]
     assert len(calls) == 11
@@ -337,7 +350,7 @@ def test_exported_program_runs_in_a_fresh_process(encoder, shared_daemon, tmp_pa
     assert spec["kind"] == "rmsnorm" and spec["params"]["M"] is None and spec["target"] == "c"
     torch.export.save(program, tmp_path / "block.pt2")
     load = f"torch.export.load({str(tmp_path / 'block.pt2')!r}).module()"
-    out = _fresh_process(_RUN_EXPORTED.format(io=str(tmp_path / "io.pt"), load=load), shared_daemon.socket)
+    out = _fresh_process(_RUN_EXPORTED.format(imports=imports, io=str(tmp_path / "io.pt"), load=load), shared_daemon.socket)
     assert out.split()[0] == "ok" and out.split()[-1] == "8"  # eight distinct kernels resolved through the daemon
 
 
@@ -346,14 +359,14 @@ def test_aoti_package_runs_in_a_fresh_process(encoder, shared_daemon, tmp_path):
     with torch.no_grad():  # as AOTInductor's own examples: its lowering runs the ops
         path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "block-aoti.pt2"))
     load = f"torch._inductor.aoti_load_package({path!r})"
-    out = _fresh_process(_RUN_EXPORTED.format(io=str(tmp_path / "io.pt"), load=load), shared_daemon.socket)
+    out = _fresh_process(_RUN_EXPORTED.format(imports="torch, client", io=str(tmp_path / "io.pt"), load=load), shared_daemon.socket)
     assert out.split()[0] == "ok"
 
 
 def test_a_fresh_process_without_a_daemon_names_the_missing_service(encoder, tmp_path):
     program = _export(encoder, tmp_path)
     torch.export.save(program, tmp_path / "block.pt2")
-    code = _RUN_EXPORTED.format(io=str(tmp_path / "io.pt"), load=f"torch.export.load({str(tmp_path / 'block.pt2')!r}).module()")
+    code = _RUN_EXPORTED.format(imports="torch, client", io=str(tmp_path / "io.pt"), load=f"torch.export.load({str(tmp_path / 'block.pt2')!r}).module()")
     proc = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,

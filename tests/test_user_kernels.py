@@ -275,3 +275,55 @@ def test_a_plugin_edited_while_the_daemon_runs_is_never_filed_under_its_old_key(
     again = make_daemon("--kernel-module", "edited_kinds", cache_dir=cache, workers=1, env=env).client()
     torch.testing.assert_close(again.get_kernel("edited_scale", N=8, target="c")(x), 2 * x)
     again.close()
+
+
+def test_an_unannotated_size_takes_a_positive_int_only(user_daemon):
+    """`gemm_kernel(N, K, trans_b, ...)`: N and K are in shapes, so sizes; trans_b is not."""
+    c = user_daemon.client()
+    for bad in ("64", True):
+        with pytest.raises(client.InvalidSpec) as err:
+            c.get_kernel("gemm_kernel", N=bad, K=5, trans_b=True, target="c")
+        assert err.value.field == "N" and "expected an integer" in str(err.value) and "\n" not in str(err.value), str(err.value)
+    kinds = {k["name"]: {p["name"]: p for p in k["params"]} for k in c.kinds()}
+    assert kinds["gemm_kernel"]["N"]["type"] == "int" and kinds["gemm_kernel"]["K"]["type"] == "int"
+
+
+def test_a_gpu_style_kernel_on_the_cpu_target_says_what_the_target_takes(tmp_path):
+    (tmp_path / "gpu_kinds.py").write_text(
+        textwrap.dedent("""
+        import tilelang
+        import tilelang.language as T
+
+        @tilelang.jit(out_idx=[-1])
+        def gpu_gemm(M, N, K, block_M=32, block_N=32, block_K=32, dtype="float32"):
+            @T.prim_func
+            def main(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), C: T.Tensor((M, N), dtype)):
+                with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), threads=128) as (bx, by):
+                    A_shared = T.alloc_shared((block_M, block_K), dtype)
+                    B_shared = T.alloc_shared((block_K, block_N), dtype)
+                    C_local = T.alloc_fragment((block_M, block_N), "float32")
+                    T.clear(C_local)
+                    for k in T.Pipelined(T.ceildiv(K, block_K), num_stages=2):
+                        T.copy(A[by * block_M, k * block_K], A_shared)
+                        T.copy(B[k * block_K, bx * block_N], B_shared)
+                        T.gemm(A_shared, B_shared, C_local)
+                    T.copy(C_local, C[by * block_M, bx * block_N])
+            return main
+    """)
+    )
+    code = textwrap.dedent("""
+        import tempfile, kernels
+        from kernels import plugins
+        from compile_service.build import compiler
+        plugins.load_module("gpu_kinds:gpu_gemm")
+        try:
+            compiler.build(kernels.canonicalize("gpu_gemm", {"M": 64, "N": 64, "K": 64}, "c").to_json(), tempfile.mkdtemp())
+            print("built")
+        except compiler.CompileFailed as exc:
+            print(exc)
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    message = run.stdout.strip().splitlines()[-1]
+    assert "target 'c'" in message and "CPU-style TIR" in message and "A_shared" in message, run.stdout

@@ -93,6 +93,7 @@ class Report:
     fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # kind -> calls that ran the module's own forward
     original_attn: str | None = None
     strict: bool = False  # a call the kernels do not serve raises instead of running the module's own forward
+    warned_grad: bool = dataclasses.field(default=False, repr=False)  # the grad-mode warning, given once per model
 
 
 @dataclasses.dataclass(eq=False)
@@ -105,20 +106,27 @@ class _Entry:
     more: dict = dataclasses.field(default_factory=dict)  # attention: the kv_attention, varlen and qkv_rope kernels, the window
 
 
+GRAD_WARNING = (
+    "kernelize: this model was called with grad enabled, so it runs its own eager forwards (served kernels are "
+    "inference-only); call it under torch.inference_mode() (or torch.no_grad())"
+)
+
+
 def _served(entry, module, *tensors, count: bool = True):
     """The entry when this call can be served (inference, the kernel's dtype and device), else None;
     `count`: count the call, served or fallen back, under the entry's kind."""
     if entry is None:
         return None
     x = tensors[0]
-    ok = (
-        not (module is not None and module.training)
-        and x.dtype == entry.dtype
-        and x.device.type == entry.device_type
-        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
-    )
-    if count and not torch.compiler.is_compiling():
-        (entry.report.calls if ok else entry.report.fallbacks)[entry.kind] += 1
+    training = module is not None and module.training
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    ok = not training and not grad and x.dtype == entry.dtype and x.device.type == entry.device_type
+    if not torch.compiler.is_compiling():
+        if count:
+            (entry.report.calls if ok else entry.report.fallbacks)[entry.kind] += 1
+        if grad and not training and not entry.report.warned_grad:  # an eval model called without inference_mode: say so, once
+            entry.report.warned_grad = True
+            warnings.warn(GRAD_WARNING, RuntimeWarning, stacklevel=2)
     return entry if ok else None
 
 
@@ -650,9 +658,9 @@ def _serve(model, report: Report, client, strict: bool, device: torch.device, dt
     if strict and report.kept:
         name, why = next(iter(report.kept.items()))
         raise RuntimeError(f"kernelize(strict=True): {name} would keep its own forward: {why}")
-    if not entries:
+    if not entries:  # one short line: each module's reason is in report.kept
         return (
-            "no module of this model is served: " + "; ".join(f"{n}: {w}" for n, w in report.kept.items())
+            f"no module of this model is served ({len(report.kept)} kept: model.kernel_service.kept says why)"
             if report.kept
             else "no module this integration knows"
         )
@@ -709,8 +717,9 @@ def kernelize(model, *, client=None, backend: str = "auto", strict: bool = False
     backend: "kernel-service" (served kernels), "compile" (`model.compile()`), "eager" (nothing
     changes), or "auto": kernel-service on CUDA when the daemon serves the model's shapes, else
     compile on CUDA, else eager. A requested backend that is unavailable warns (RuntimeWarning,
-    naming the backend used instead) and falls back; strict=True raises instead, and also when a
-    module would keep its own forward. client: a client.Client (default: the default connection).
+    naming the backend used instead) and falls back. strict=True means that backend or an error:
+    it raises instead, also for "auto" when it would not be kernel-service, and when a module
+    would keep its own forward. client: a client.Client (default: the default connection).
     warmup: run one tiny forward before returning. Returns the model; `model.kernel_service`
     (a Report) says which backend was chosen, which modules were swapped and which kept, and
     counts the calls served and fallen back (eager calls).
@@ -724,15 +733,20 @@ def kernelize(model, *, client=None, backend: str = "auto", strict: bool = False
     chosen = backend
     if backend == "auto" and not cuda:
         chosen, report.reason = "eager", "auto: the model is not on a CUDA device"
+        if strict:  # strict: the backend asked for, or an error; auto's is kernel-service
+            raise RuntimeError(
+                "kernelize(strict=True): backend 'auto' would be 'eager' (the model is not on a CUDA device); "
+                "ask for backend='kernel-service' (float32 on the CPU) or 'eager', or strict=False"
+            )
     elif backend in ("auto", "kernel-service"):
         why = _serve(model, report, client, strict, device, dtype)
         if not why:
             chosen = "kernel-service"
         else:
             chosen, report.reason = ("compile" if cuda else "eager"), f"kernel-service is unavailable: {why}"
+            if strict:
+                raise RuntimeError(f"kernelize(strict=True): backend {backend!r} would be {chosen!r}: kernel-service is unavailable: {why}")
             if backend == "kernel-service":
-                if strict:
-                    raise RuntimeError(f"kernelize(strict=True): backend 'kernel-service' is unavailable: {why}")
                 warnings.warn(f"kernelize: backend 'kernel-service' is unavailable ({why}); using {chosen!r}", RuntimeWarning, stacklevel=2)
     if chosen == "compile":
         model.compile()

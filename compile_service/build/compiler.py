@@ -293,6 +293,23 @@ def call_abi(
         raise CompileFailed(f"the kernel's call ABI is not one the loader can call: {exc}") from None
 
 
+GPU_SCOPES = ("shared", "shared.dyn", "local.fragment")  # T.alloc_shared, T.alloc_fragment: nothing target "c" lowers
+
+
+def _gpu_memory(func) -> str | None:
+    """The first buffer the PrimFunc allocates in GPU memory ("C_local (local.fragment)"), else None."""
+    from tvm import tirx
+
+    found = []
+
+    def visit(node):
+        if isinstance(node, tirx.SBlock):
+            found.extend(f"{b.name} ({b.scope()})" for b in node.alloc_buffers if b.scope() in GPU_SCOPES)
+
+    tirx.stmt_functor.post_order_visit(func.body, visit)
+    return found[0] if found else None
+
+
 OUT_IDX_ATTR = "tilelang_out_idx"  # TileLang's record of a PrimFunc's T.empty outputs
 
 
@@ -346,6 +363,11 @@ def build(spec_json: str, staging: str) -> dict:
             kernel = programs.compile_program(program)
         else:
             func = kind.build(dict(spec["params"]), target)
+            if target.is_cpu and (gpu := _gpu_memory(func)):
+                raise CompileFailed(
+                    f"{kind.name}: target 'c' builds CPU-style TIR only (serial loops, T.alloc_local, float32), and this kernel "
+                    f"allocates {gpu}, GPU memory: serve it on a CUDA target, or give it a CPU form (docs/kernels.md)"
+                )
             params = dict(spec["params"])
             func, outputs, options = _build_options(func, kind, params)
             abi = call_abi(func, outputs, target, kind.inplace(params), kind.scratch(params), kind.writes(params))

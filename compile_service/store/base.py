@@ -76,6 +76,7 @@ class Claim:
     failure: str | None = None  # failed elsewhere: answer with it, remembered `failure_ttl` more seconds
     failure_ttl: float = 0.0
     waiting: bool = False  # another host is building it: `wake` is called once that is over
+    tier_error: str | None = None  # fetch only: why the builders could not be asked (naming where they are)
 
 
 BUILD = Claim()
@@ -93,7 +94,8 @@ class Claims(abc.ABC):
         """Asked on a miss that may not be built here (a serve-only host, a strict request):
         the entry another builder published (read through and published here, as `claim`
         does), its failure, or `waiting` when one is building it now; never takes a lease,
-        never waits. An empty Claim: no builder has it. None: there are no other builders to ask."""
+        never waits. An empty Claim: no builder has it; `tier_error` set: they could not be
+        asked. None: there are no other builders to ask."""
         return None
 
     def abandon(self, key: str, failure: str | None = None, failure_ttl: float = 0.0) -> None:

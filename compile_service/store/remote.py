@@ -81,6 +81,10 @@ class TierUnavailable(Exception):
     """Redis is down, slow, or refused the command: the caller goes on locally."""
 
 
+class TierRefused(TierUnavailable):
+    """Redis answered, and refused the command (NOPERM, OOM)."""
+
+
 class TooLarge(TierUnavailable):
     """A reply held more bytes than the call allows (a blob larger than its index declares, a
     server streaming without end): the read stopped there and the connection was closed."""
@@ -137,7 +141,7 @@ class RedisTier:
             if self.state == DOWN:
                 now = time.monotonic()
                 if now < self._retry_at:
-                    raise TierUnavailable(f"the fleet tier {self.url} is down; retrying in {self._retry_at - now:.1f}s")
+                    raise TierUnavailable(f"down since a call failed; the next try in {self._retry_at - now:.1f}s")
                 self._retry_at = now + RETRY_AFTER  # this call is the one probe; the others go on locally
         try:
             with budget(limit, CALL_TIMEOUTS * self.timeout + limit / CALL_RATE):
@@ -160,7 +164,7 @@ class RedisTier:
                 self._refusals.add(str(exc))
             if first:  # once per distinct refusal: a reader's every upload would say the same
                 log.warning("fleet tier %s refused a command: %s (read-only credentials? then pass --remote-read-only)", self.url, exc)
-            raise TierUnavailable(str(exc)) from exc
+            raise TierRefused(str(exc)) from exc
         with self._lock:
             if self.state == DOWN:
                 log.info("fleet tier %s is reachable again", self.url)

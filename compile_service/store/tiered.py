@@ -43,7 +43,7 @@ from proto.trust import read_owned
 
 from .base import BUILD, Claim, Claims
 from .local import LocalStore
-from .remote import Lease, RedisTier, TierUnavailable, TooLarge
+from .remote import Lease, RedisTier, TierRefused, TierUnavailable, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +150,9 @@ class FleetClaims(Claims):
                     self.metrics.add(remote_hits=1)
                     return Claim(entry=entry)
                 return Claim()  # refused or evicted (counted): no builder has it
-        except TierUnavailable:  # down or refusing: as if no builder had it
-            return Claim()
+        except TierUnavailable as exc:  # down or refusing: nothing to serve, and the answer says why
+            how = "refused the read" if isinstance(exc, TierRefused) else "is unreachable"
+            return Claim(tier_error=f"the fleet tier {self.tier.url} {how} ({exc})")
         if failure is not None:
             return _failed(failure, failure_left)
         self.metrics.add(remote_misses=1)
