@@ -12,6 +12,8 @@ import signal
 import stat
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -106,6 +108,29 @@ def lead_process_group() -> None:
 
 
 _group_guard: dict = {}
+
+
+def at_idle_priority(work: Callable[[], object]) -> object:
+    """Runs `work` on a thread of its own that Linux schedules only when no other thread wants a
+    CPU (SCHED_IDLE: a policy is per thread, and an unprivileged thread may not leave it, so the
+    caller's thread keeps its own). Returns what `work` returned, raises what it raised."""
+    outcome: list = []
+
+    def run() -> None:
+        with contextlib.suppress(AttributeError, OSError):  # not Linux: normal priority
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        try:
+            outcome.append((True, work()))
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name="idle-priority")
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def kill_process_group(pid: int) -> None:

@@ -200,11 +200,26 @@ def test_asking_for_nvrtc_where_it_cannot_run_stops_the_daemon(make_daemon, tmp_
         assert "no CUDA headers" in d.log()
 
 
-def _wait_ready(d, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
+def _wait_ready(d, timeout: float = 300) -> set[int]:
+    """Waits until every worker has warmed up; returns the scheduling policies its processes'
+    threads were seen with meanwhile."""
+    deadline, seen = time.monotonic() + timeout, set()
     while (stats := d.client().stats())["workers_ready"] < stats["workers"]:
         assert time.monotonic() < deadline, "workers never finished warming up"
-        time.sleep(0.2)
+        seen |= _thread_policies(d)
+        time.sleep(0.1)
+    return seen
+
+
+def _thread_policies(d) -> set[int]:
+    policies = set()
+    for pid in descendants(d.proc.pid):
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                policies.add(os.sched_getscheduler(int(task.name)))
+            except OSError:  # gone meanwhile
+                pass
+    return policies
 
 
 @needs_nvrtc
@@ -214,7 +229,10 @@ def test_nvrtc_workers_parse_the_zoo_headers_in_the_background(make_daemon, tmp_
     # Serving at once: a request goes to a worker that is not warming up, and is not held behind the warm-up.
     k = first.client().get_kernel("rmsnorm", M=None, N=64, dtype="float32", target="c")
     assert k.outcome == "compiled" and first.client().stats()["workers_ready"] < 2
-    _wait_ready(first)
+    # The warm-up runs at idle CPU priority (an agent starting beside the daemon goes first), and
+    # leaves no thread of a worker at that priority for its builds.
+    assert os.SCHED_IDLE in _wait_ready(first)
+    assert os.SCHED_IDLE not in _thread_policies(first)
     preludes = list(cache.glob("device-binaries/nvrtc-*/nvrtc-preludes-v2-sm_90a-*.json"))
     assert len(preludes) == 1 and len(entries := json.loads(preludes[0].read_text())) >= 6  # GEMM (two), attention, kv_attention (two), elementwise, ...
     assert ["--use_fast_math"] in [flags for _, flags in entries]  # attention's: its PCH is made with them

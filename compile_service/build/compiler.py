@@ -28,6 +28,7 @@ from filelock import FileLock, Timeout
 from proto import abi as call_abi_schema
 from proto.entry import LIBRARY, SOURCES
 
+from ..fsutil import at_idle_priority
 from ..keys import toolchain
 from . import devices, nvrtc, programs, rewrites
 
@@ -145,6 +146,7 @@ def _preludes_file(binaries: Path, target) -> Path:
 
 def warm_step() -> tuple[int, bool]:
     """One short unit of this worker's warm-up; returns (this worker's pid, whether it is warm).
+    It runs at idle CPU priority: an agent starting beside the daemon is never slowed by it.
 
     With NVRTC and a CUDA warm target, NVRTC parses each header prelude TileLang
     generates for the registered kinds' warm-up examples once per worker (a PCH lives
@@ -154,6 +156,10 @@ def warm_step() -> tuple[int, bool]:
     leave the preludes in the device-binary directory, keyed by everything that shapes
     them, for the others and later daemons.
     """
+    return at_idle_priority(_warm_step)
+
+
+def _warm_step() -> tuple[int, bool]:
     from tilelang.env import env
 
     pid = os.getpid()
