@@ -51,6 +51,12 @@ imports), one after another, in this order:
                                 directory (client.use_shared_inductor_cache(): the
                                 sidecar daemon's); the first process, untimed, fills it
   eager                         the torch model, eager
+  eager_beside_warm_up          eager again, started as a daemon on a fresh cache
+                                beside it says SERVING: the daemon's zygote imports
+                                TileLang and its workers warm up (on a CUDA host: lower
+                                the kinds' examples, parse their headers) while the
+                                agent starts; against eager, what a daemon's start costs
+                                an agent on the same host
 
 Every variant but TileLang's saves its output; each is compared with eager's (relative
 error), and a mismatch fails the run. Besides ready and first output, each variant
@@ -93,6 +99,7 @@ VARIANTS = (
     "compile_reduce_overhead_cold",
     "compile_reduce_overhead_warm",
     "eager",
+    "eager_beside_warm_up",
 )
 COMPILE_MODES = {"default": None, "reduce_overhead": "reduce-overhead"}  # variant name part -> torch.compile mode
 
@@ -447,6 +454,14 @@ def compile_warm(b: Bench, mode: str) -> dict:
 
 def variant_eager(b: Bench) -> dict:
     return b.child("eager", "eager")
+
+
+def variant_eager_beside_warm_up(b: Bench) -> dict:
+    daemon = b.start_daemon("beside")
+    try:
+        return b.child("eager_beside_warm_up", "eager")
+    finally:
+        daemon.stop()
 
 
 def run_variant(b: Bench, name: str) -> dict:
