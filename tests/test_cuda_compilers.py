@@ -206,20 +206,21 @@ def _wait_ready(d, timeout: float = 300) -> set[int]:
     deadline, seen = time.monotonic() + timeout, set()
     while (stats := d.client().stats())["workers_ready"] < stats["workers"]:
         assert time.monotonic() < deadline, "workers never finished warming up"
-        seen |= _thread_policies(d)
+        seen |= {policy for _, policy in _threads(d)}
         time.sleep(0.1)
     return seen
 
 
-def _thread_policies(d) -> set[int]:
-    policies = set()
+def _threads(d) -> list[tuple[str, int]]:
+    """(name, scheduling policy) of every thread of the daemon's descendants."""
+    threads = []
     for pid in descendants(d.proc.pid):
         for task in Path(f"/proc/{pid}/task").glob("*"):
             try:
-                policies.add(os.sched_getscheduler(int(task.name)))
+                threads.append(((task / "comm").read_text().strip(), os.sched_getscheduler(int(task.name))))
             except OSError:  # gone meanwhile
                 pass
-    return policies
+    return threads
 
 
 @needs_nvrtc
@@ -232,7 +233,7 @@ def test_nvrtc_workers_parse_the_zoo_headers_in_the_background(make_daemon, tmp_
     # The warm-up runs at idle CPU priority (an agent starting beside the daemon goes first), and
     # leaves no thread of a worker at that priority for its builds.
     assert os.SCHED_IDLE in _wait_ready(first)
-    assert os.SCHED_IDLE not in _thread_policies(first)
+    assert not (idle := [name for name, policy in _threads(first) if policy == os.SCHED_IDLE]), idle
     preludes = list(cache.glob("device-binaries/nvrtc-*/nvrtc-preludes-v2-sm_90a-*.json"))
     assert len(preludes) == 1 and len(entries := json.loads(preludes[0].read_text())) >= 6  # GEMM (two), attention, kv_attention (two), elementwise, ...
     assert ["--use_fast_math"] in [flags for _, flags in entries]  # attention's: its PCH is made with them

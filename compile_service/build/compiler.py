@@ -92,6 +92,7 @@ def worker_init(
     _warm["target"] = warm_target if cuda_compiler == devices.NVRTC else None
 
     import tilelang  # noqa: F401
+    import tvm
     import tvm_ffi
     from tilelang.env import env
 
@@ -104,6 +105,11 @@ def worker_init(
     rewrites.install()
 
     compile_device = device.callback()
+    if _cuda_warm_target() is not None:
+        # CUDA's runtime starts its threads in the thread that first calls it, and they keep that
+        # thread's priority: start it here, not in a warm-up step (idle priority; TileLang's lowering
+        # asks for the device's compute version).
+        tvm.cuda(0).exist  # noqa: B018
 
     locks = Path(env.TILELANG_CACHE_DIR) / "locks"
     locks.mkdir(parents=True, exist_ok=True)
