@@ -30,7 +30,9 @@ just before it spawns the child), so the interpreter's start and the imports cou
                 run on them short of rewriting that loader; they stop at ready.
 
 Each variant runs in a fresh child process of this script (so each pays its own
-imports), one after another, in this order:
+imports), one after another, on a quiet machine (a variant's own daemon is stopped, its
+workers gone, before the next starts; the sidecar's workers have warmed up before its
+first agent), in this order:
 
   served_cold                   a daemon already up on a fresh cache, its workers
                                 warmed up; the agent prefetches the 9 kernels

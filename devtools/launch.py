@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from devtools.processes import alive, descendants
 from proto import wire
 from proto.paths import socket_address
 
@@ -118,9 +119,12 @@ class DaemonProcess:
         self.proc.send_signal(sig)
 
     def stop(self, timeout: float = 60) -> int | None:
-        """SIGTERM, then SIGKILL after `timeout`; returns the exit status."""
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit status once the daemon and every
+        process below it (its zygote and workers die with it, a moment later) are gone, so that
+        what runs next, a benchmark's next variant, has the machine to itself."""
         if self.proc is None:
             return None
+        below = descendants(self.proc.pid) if self.proc.poll() is None else []
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -128,6 +132,9 @@ class DaemonProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        deadline = time.monotonic() + timeout
+        while any(map(alive, below)) and time.monotonic() < deadline:
+            time.sleep(0.02)
         return self.proc.returncode
 
     def log(self) -> str:

@@ -1,30 +1,14 @@
-"""The processes below a test's daemon, read from /proc: which there are, what they run, and
-whether they still live."""
+"""The processes below a test's daemon, read from /proc: which there are (devtools.processes),
+what they run, and which carry a test's mark."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from devtools.processes import alive, children, descendants
 
-def children(pid: int) -> list[int]:
-    """The processes `pid` started, from any of its threads (the daemon forks off its main thread)."""
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`: its children, theirs, ..."""
-    below = children(pid)
-    return below + [d for c in below for d in descendants(c)]
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie: a zombie is dead, only its reaper's wait is missing (PID 1 in a
-    container may never reap)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+__all__ = ["alive", "carrying", "children", "cmdline", "descendants"]
 
 
 def cmdline(pid: int) -> str:
