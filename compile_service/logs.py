@@ -42,7 +42,7 @@ def level(text: str) -> str:
     return text.upper()
 
 
-def configure(level: str, form: str = "text", worker: bool = False) -> None:
+def configure(level: str | int, form: str = "text", worker: bool = False) -> None:
     """Sets up this process's logging: to stderr, at `level`, as `form` ("text" or "json")."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if form == "json" else logging.Formatter(WORKER_TEXT if worker else TEXT))
@@ -50,6 +50,7 @@ def configure(level: str, form: str = "text", worker: bool = False) -> None:
     _chosen.update(level=level, format=form)
 
 
-def chosen() -> tuple[str, str]:
-    """(level, format) this process logs with: what its compile workers are started with."""
-    return _chosen.get("level") or logging.getLevelName(logging.getLogger().getEffectiveLevel()), _chosen.get("format", "text")
+def chosen() -> tuple[str | int, str]:
+    """(level, format) this process logs with: what its compile workers are started with (in a
+    process that never called configure, an agent's fallback: its root logger's level, as text)."""
+    return _chosen.get("level") or logging.getLogger().getEffectiveLevel(), _chosen.get("format", "text")

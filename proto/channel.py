@@ -187,8 +187,13 @@ class KernelNotReady(KernelServiceError, LookupError):
 
 def _unavailable(code, details: str, what: str, address: str, waited: float | None) -> Exception:
     tried = f" (retried for {waited:.1f} s)" if waited else ""
-    # How a TLS listener answers a plaintext client: it closes the connection.
-    tls = f"; if the daemon serves TLS (--tls-cert), give its CA: client.connect(tls_ca=...), or set {TLS_CA_ENV}" if "Socket closed" in details else ""
+    tls = ""
+    if "Socket closed" in details:  # how a TLS listener answers a plaintext client: it closes the connection
+        tls = f"; if the daemon serves TLS (--tls-cert), give its CA: client.connect(tls_ca=...), or set {TLS_CA_ENV}"
+    elif "handshake failed" in details.lower():
+        tls = (
+            f"; TLS failed: the daemon serves plaintext (no --tls-cert), or the CA given (tls_ca=, {TLS_CA_ENV}) did not sign its certificate for this address"
+        )
     return ServiceUnavailable(f"no kernel service answers at {address}{tried}: {details}{tls}; start one with `kernel-service serve`")
 
 

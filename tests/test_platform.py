@@ -158,12 +158,11 @@ def test_metrics_include_the_process_and_name_their_units_keeping_the_old_names(
 # ----- TLS on the TCP listener
 
 
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory):
+def self_signed(where: Path) -> tuple[Path, Path]:
     """A self-signed certificate for localhost and 127.0.0.1, made by the openssl CLI: (cert, key)."""
     if shutil.which("openssl") is None:
         pytest.skip("no openssl CLI to make a certificate")
-    where = tmp_path_factory.mktemp("tls")
+    where.mkdir(parents=True, exist_ok=True)
     cert, key = where / "cert.pem", where / "key.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
@@ -173,7 +172,12 @@ def certificate(tmp_path_factory):
     return cert, key
 
 
-def test_tcp_over_tls_serves_a_client_that_verifies_it_and_tells_a_plaintext_one(make_daemon, certificate):
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    return self_signed(tmp_path_factory.mktemp("tls"))
+
+
+def test_tcp_over_tls_serves_a_client_that_verifies_it_and_tells_the_others_why_not(make_daemon, certificate, tmp_path):
     cert, key = certificate
     address = f"127.0.0.1:{free_port()}"
     d = make_daemon("--tcp", address, "--tls-cert", str(cert), "--tls-key", str(key), workers=1)
@@ -184,6 +188,10 @@ def test_tcp_over_tls_serves_a_client_that_verifies_it_and_tells_a_plaintext_one
     with client.connect(address, token_file=token) as plaintext, pytest.raises(client.ServiceUnavailable) as refused:
         plaintext.stats()
     assert "if the daemon serves TLS (--tls-cert), give its CA" in str(refused.value) and "KERNEL_SERVICE_TLS_CA" in str(refused.value)
+    other_ca, _ = self_signed(tmp_path / "other")
+    with client.connect(address, token_file=token, tls_ca=other_ca) as fooled, pytest.raises(client.ServiceUnavailable) as refused:
+        fooled.stats()  # a server whose certificate this CA did not sign: no call reaches it
+    assert "TLS failed" in str(refused.value) and "did not sign its certificate" in str(refused.value)
     # The CLI over TCP takes the CA from the variable.
     stats = cli("stats", "--socket", address, "--json", env={"KERNEL_SERVICE_TLS_CA": str(cert), "KERNEL_SERVICE_TOKEN_FILE": str(token)})
     assert stats.returncode == 0 and json.loads(stats.stdout)["compiles"] == 1, stats.stderr

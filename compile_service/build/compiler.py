@@ -61,7 +61,7 @@ def worker_init(
     cache_root: str | None = None,
     cuda_compiler: str = devices.NVCC,
     warm_target: str | None = None,
-    log: tuple[str, str] | None = None,
+    log: tuple[str | int, str] | None = None,
 ) -> None:
     """Per worker process: pay TileLang's import once, point its device-binary cache at
     ours, and put the chosen CUDA compiler behind TileLang's device-compile callback.
