@@ -1,7 +1,7 @@
 """The daemon's settings, resolved once from flags and environment; nothing reads them later.
 
 Each setting is declared once, as a field of ServiceConfig whose metadata holds its flag, its
-environment variable (if any) and its help: the command line (`cli.add_setting_flags`), the
+environment variable (named from the flag by one rule, env_name) and its help: the command line (`cli.add_setting_flags`), the
 environment lookup (`ServiceConfig.resolve`), `kernel-service info` and docs/cli.md are made
 from those fields.
 """
