@@ -15,13 +15,17 @@ Workloads (random weights, no download):
   in [256, 512] (an attention_mask).
 
 Variants, each on its own copy of the same weights: `eager` (transformers' sdpa), `compile`
-(torch.compile of that model: `model.compile()`; generate compiles the forward it calls) and
-`kernel-service` (`client.integrations.hf.kernelize(model, backend="kernel-service")`).
-`ready_s` is the time from the untouched model to its first output (kernelize's prefetch, or
-compile's first call, included); `ms` is the median of --reps timed runs after that. Outputs are
-compared with eager (`max_diff`: logits / hidden states at non-padded positions; generate: the
-fraction of generated tokens equal to eager's). kernel-service runs last: transformers shares
-`apply_rotary_pos_emb` between models of a family, so kernelizing swaps it process-wide.
+(torch.compile of that model: `model.compile()`; generate compiles the forward it calls),
+`compile-ro` (the same in mode "reduce-overhead", CUDA graphs; generate with a static cache, as
+transformers advises for it) and `kernel-service`
+(`client.integrations.hf.kernelize(model, backend="kernel-service")`). `ready_s` is the time from
+the untouched model to its first output (kernelize's prefetch, or compile's first call,
+included). Then --rounds rounds each time every variant in turn, --reps runs each: `ms` is the
+median over the rounds of each round's median, `spread_ms` the lowest and highest round. Outputs
+are compared with eager (`max_diff`: logits / hidden states at non-padded positions; generate:
+the fraction of generated tokens equal to eager's). kernel-service is made last: transformers
+shares `apply_rotary_pos_emb` between models of a family, so kernelizing swaps it process-wide;
+the other variants run with the modeling module's own put back.
 
 A padded batch is one varlen `attention` call per layer in eager mode (sliding layers with their
 window); under torch.compile a padded mask keeps sdpa (reading it is data-dependent), so
@@ -31,6 +35,7 @@ window); under torch.compile a padded mask keeps sdpa (reading it is data-depend
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import functools
@@ -48,7 +53,8 @@ import client  # noqa: E402
 import client.integrations.hf as hf  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, ModernBertConfig, ModernBertModel  # noqa: E402
 
-VARIANTS = ("eager", "compile", "kernel-service")
+VARIANTS = ("eager", "compile", "compile-ro", "kernel-service")  # kernel-service last (see above)
+COMPILE_MODES = {"compile": None, "compile-ro": "reduce-overhead"}
 
 
 def llama_config(small: bool) -> LlamaConfig:
@@ -118,8 +124,10 @@ def prepare(base, variant, c):
     """(model, seconds to make it): the variant's copy of `base`."""
     t = time.perf_counter()
     model = copy.deepcopy(base)
-    if variant == "compile":
-        model.compile()
+    if variant in COMPILE_MODES:
+        if variant == "compile-ro" and getattr(model, "generation_config", None) is not None:
+            model.generation_config.cache_implementation = "static"  # graphs need fixed shapes
+        model.compile(mode=COMPILE_MODES[variant])
     elif variant == "kernel-service":
         hf.kernelize(model, client=c, backend="kernel-service", strict=False)
         if model.kernel_service.backend != "kernel-service":
@@ -127,42 +135,80 @@ def prepare(base, variant, c):
     return model, time.perf_counter() - t
 
 
-def run_workload(name, base, inputs, call, compare, device, reps, c, rows, extra=None):
-    reference = None
+@contextlib.contextmanager
+def own_rope(variant):
+    """Runs a variant other than kernel-service with the modeling modules' own
+    `apply_rotary_pos_emb`, which kernelize replaced process-wide."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.modernbert import modeling_modernbert
+
+    swapped = [(m, m.apply_rotary_pos_emb) for m in (modeling_llama, modeling_modernbert) if getattr(m.apply_rotary_pos_emb, "kernel_service", False)]
+    if variant != "kernel-service":
+        for module, wrapper in swapped:
+            module.apply_rotary_pos_emb = wrapper.__wrapped__
+    try:
+        yield
+    finally:
+        for module, wrapper in swapped:
+            module.apply_rotary_pos_emb = wrapper
+
+
+def run_workload(name, base, inputs, call, compare, device, reps, rounds, c, rows, extra=None):
+    models, ready = {}, {}
     for variant in VARIANTS:
         model, made = prepare(base, variant, c)
         sync(device)
         t = time.perf_counter()
-        with torch.inference_mode():
-            first = call(model, inputs)
+        with torch.inference_mode(), own_rope(variant):
+            call(model, inputs)
         sync(device)
-        ready = made + time.perf_counter() - t
-        with torch.inference_mode():
-            out, sec = timed(functools.partial(call, model, inputs), device, reps)
-        if variant == "eager":
-            reference = out
-        row = {"workload": name, "variant": variant, "ready_s": round(ready, 3), "ms": round(sec * 1e3, 3), **(extra or {})}
-        row.update(compare(out, reference))
+        models[variant], ready[variant] = model, made + time.perf_counter() - t
+        print(f"  {name:<26} {variant:<15} ready {ready[variant]:8.2f} s", flush=True)
+    rounds_s, outs = {v: [] for v in VARIANTS}, {}
+    for r in range(rounds):  # alternating: a drift of the host's speed reaches every variant alike
+        for variant in VARIANTS:
+            with torch.inference_mode(), own_rope(variant):
+                outs[variant], sec = timed(functools.partial(call, models[variant], inputs), device, reps)
+            rounds_s[variant].append(sec)
+        print(f"  {name:<26} round {r + 1}: " + ", ".join(f"{v} {rounds_s[v][-1] * 1e3:.3f} ms" for v in VARIANTS), flush=True)
+    for variant in VARIANTS:
+        ms = [round(sec * 1e3, 3) for sec in rounds_s[variant]]
+        row = {
+            "workload": name,
+            "variant": variant,
+            "ready_s": round(ready[variant], 3),
+            "ms": statistics.median(ms),
+            "spread_ms": [min(ms), max(ms)],
+            "rounds_ms": ms,
+            **(extra or {}),
+        }
+        row.update(compare(outs[variant], outs["eager"]))
         if variant == "kernel-service":
-            r = model.kernel_service
+            r = models[variant].kernel_service
             row["swapped"] = len(r.swapped)
             row["kept"] = dict(r.kept)
             row["fallbacks"] = dict(r.fallbacks)
         rows.append(row)
-        print(f"  {name:<26} {variant:<15} ready {ready:8.2f} s  {sec * 1e3:10.3f} ms", flush=True)
-        del model, first
+    models.clear()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny models, float32, on the CPU (target 'c'), with a daemon of its own")
     parser.add_argument("--socket", help="the daemon's socket (default: $KERNEL_SERVICE_SOCKET or the default socket; --small starts one)")
-    parser.add_argument("--reps", type=int, default=None, help="timed runs per variant (default 10, --small 2)")
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per variant and round (default 10, --small 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every variant in turn (default 3)")
     parser.add_argument("--only", choices=("prefill", "generate", "modernbert"), action="append", help="run only these workloads")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     small = args.small
     reps = args.reps or (2 if small else 10)
+    if reps < 1 or args.rounds < 1:
+        parser.error("--reps and --rounds take a whole number of at least 1")
+    # The compiled copies of a model share its code objects, and every workload's and variant's
+    # graphs count against one per-code limit: past it dynamo runs that code eagerly, unsaid.
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     device = torch.device("cpu" if small else "cuda")
     dtype = torch.float32 if small else torch.bfloat16
     if not small and not torch.cuda.is_available():
@@ -192,7 +238,17 @@ def main() -> None:
                 n = 16 if small else 2048
                 ids = torch.randint(3, cfg.vocab_size, (1, n), generator=g).to(device)
                 run_workload(
-                    "llama prefill", base, ids, lambda m, x: m(x, use_cache=False).logits, logits_diff, device, reps, c, rows, {"batch": 1, "tokens": n}
+                    "llama prefill",
+                    base,
+                    ids,
+                    lambda m, x: m(x, use_cache=False).logits,
+                    logits_diff,
+                    device,
+                    reps,
+                    args.rounds,
+                    c,
+                    rows,
+                    {"batch": 1, "tokens": n},
                 )
             if "generate" in only:
                 prompt, new = (8, 8) if small else (128, 128)
@@ -210,7 +266,7 @@ def main() -> None:
                         return {"same_tokens": float((out[:, prompt:] == ref[:, prompt:]).float().mean())}
 
                     name = f"llama generate b{batch}" + (" padded" if padded else "")
-                    run_workload(name, base, ids, gen, same, device, reps, c, rows, {"batch": batch, "new_tokens": new, "padded": padded})
+                    run_workload(name, base, ids, gen, same, device, reps, args.rounds, c, rows, {"batch": batch, "new_tokens": new, "padded": padded})
             del base
         if "modernbert" in only:
             cfg = bert_config(small)
@@ -233,6 +289,7 @@ def main() -> None:
                 hidden_diff,
                 device,
                 reps,
+                args.rounds,
                 c,
                 rows,
                 {"batch": batch, "tokens": n, "padded": True},
@@ -242,12 +299,15 @@ def main() -> None:
             daemon.stop()
     eager = {r["workload"]: r["ms"] for r in rows if r["variant"] == "eager"}
     compiled = {r["workload"]: r["ms"] for r in rows if r["variant"] == "compile"}
-    print(f"\n{'workload':<26} {'variant':<15} {'ready s':>9} {'ms':>10} {'x eager':>8} {'x compile':>10}  check")
+    print(f"\n{'workload':<26} {'variant':<15} {'ready s':>9} {'ms':>10} {'spread ms':>17} {'x eager':>8} {'x compile':>10}  check")
     for r in rows:
         r["x_eager"] = round(eager[r["workload"]] / r["ms"], 3)
         r["x_compile"] = round(compiled[r["workload"]] / r["ms"], 3) if r["workload"] in compiled else None
         check = f"max_diff {r['max_diff']:.3g}" if "max_diff" in r else f"same tokens {r['same_tokens']:.0%}"
-        print(f"{r['workload']:<26} {r['variant']:<15} {r['ready_s']:>9.2f} {r['ms']:>10.3f} {r['x_eager']:>8.2f} {r['x_compile'] or 0:>10.2f}  {check}")
+        spread = f"{r['spread_ms'][0]:.3f}-{r['spread_ms'][1]:.3f}"
+        print(
+            f"{r['workload']:<26} {r['variant']:<15} {r['ready_s']:>9.2f} {r['ms']:>10.3f} {spread:>17} {r['x_eager']:>8.2f} {r['x_compile'] or 0:>10.2f}  {check}"
+        )
     if args.json:
         Path(args.json).write_text(
             json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype), "rows": rows}, indent=1)

@@ -72,7 +72,9 @@ class Client:
     socket's directory must be a real directory of that uid that others cannot write,
     and the listening process's uid (SO_PEERCRED) must be it; else UntrustedService.
     Over TCP every call carries the daemon's token, read from `token_file` (default
-    $KERNEL_SERVICE_TOKEN_FILE, else tcp-token under the default cache root). Either
+    $KERNEL_SERVICE_TOKEN_FILE, else tcp-token under the default cache root), over TLS
+    when `tls_ca` (default $KERNEL_SERVICE_TLS_CA) names the CA (PEM) that signed the
+    daemon's --tls-cert. Either
     way kernels are loaded only from files of that uid under the cache root the daemon
     reports (see loader).
     """
@@ -90,6 +92,7 @@ class Client:
         strict: bool | None = None,
         daemon_uid: int | None = None,
         token_file: str | os.PathLike | None = None,
+        tls_ca: str | os.PathLike | None = None,
     ):
         app = app or os.environ.get(APP_ENV)
         self.app = manifest.check_app(app) if app else ""
@@ -107,7 +110,7 @@ class Client:
         self.token_file = Path(token_file) if token_file else None
         self._metadata: tuple | None = None  # TCP: the authorization header, read once
         self._trusted = False  # Unix socket: directory and peer uid checked
-        self._channel = grpc.insecure_channel(self.address, options=wire.channel_options())
+        self._channel = channel.open_channel(self.address, tls_ca)
         self._stub = pb_grpc.KernelServiceStub(self._channel)
         self._memo: dict[str, loader.Kernel] = {}
         self._memo_lock = threading.Lock()
@@ -703,12 +706,13 @@ def connect(
     strict: bool | None = None,
     daemon_uid: int | None = None,
     token_file: str | os.PathLike | None = None,
+    tls_ca: str | os.PathLike | None = None,
 ) -> Client:
     """A new client for the daemon at `socket` (default: $KERNEL_SERVICE_SOCKET or the XDG path);
     the options are Client's, with its defaults (see Client)."""
     return Client(
         socket, fallback=fallback, cache_dir=cache_dir, timeout=timeout, reconnect_window=reconnect_window, direct_hits=direct_hits,
-        app=app, strict=strict, daemon_uid=daemon_uid, token_file=token_file,
+        app=app, strict=strict, daemon_uid=daemon_uid, token_file=token_file, tls_ca=tls_ca,
     )  # fmt: skip
 
 

@@ -13,14 +13,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import logging
 import os
 import re
 import sys
 import time
 from pathlib import Path
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def _fail(message: str, status: int = 1) -> int:
@@ -123,7 +120,7 @@ def _ask(socket: str | None, rpc: str, request, timeout: float = 10, metadata: t
         except grpc.RpcError as err:
             exc = channel.error_for(err, f"the daemon at {where}", where)
     if isinstance(exc, channel.ServiceUnavailable):
-        raise NoDaemon(gone if path is not None else f"no kernel-service daemon answers at {where}; start one with `kernel-service serve`")
+        raise NoDaemon(gone if path is not None else str(exc))  # over TCP, what gRPC says (a TLS daemon closes plaintext connections)
     if isinstance(exc, ValueError):
         raise exc
     raise ConnectionError(str(exc))  # one line for the caller to print, whatever the status
@@ -900,20 +897,23 @@ def _flag_type(parse):
 
 def _setting_help(name: str, setting) -> str:
     if setting.form == "switch":
-        return setting.help
+        return f"{setting.help} (or ${setting.env}=1)"
     default = _shown_default(name, setting)
-    more = "repeatable; " if setting.form == "repeat" else ""
-    return f"{setting.help} ({more}default: ${setting.env}, else {default})" if setting.env else f"{setting.help} ({more}default {default})"
+    more = f"repeatable, ${setting.env} holds several, '{setting.split}'-separated; " if setting.form == "repeat" else ""
+    return f"{setting.help} ({more}default: ${setting.env}, else {default})"
 
 
-def add_setting_flags(p: argparse.ArgumentParser) -> None:
+def add_setting_flags(p: argparse.ArgumentParser, before_command: bool = False) -> None:
     """The flags that configure a daemon, one per setting of ServiceConfig (config.py): `serve`
-    takes them, `info` shows what they resolve to. A flag not given is None: the setting's
-    variable or default applies (ServiceConfig.resolve)."""
+    takes them, `info` shows what they resolve to; the logging settings' flags come before any
+    command (`before_command`). A flag not given is None: the setting's variable or default
+    applies (ServiceConfig.resolve)."""
     from .config import _DEFAULTS, SETTINGS
 
     groups = {}
     for name, s in SETTINGS.items():
+        if s.before_command != before_command:
+            continue
         into = p if s.group is None else groups.setdefault(s.group, p.add_argument_group(s.group))
         how = {"dest": name, "default": None, "help": _setting_help(name, s).replace("%", "%%")}
         if s.form == "switch":
@@ -936,8 +936,9 @@ def settings_markdown() -> str:
     for name, s in SETTINGS.items():
         flag = f"{s.flag} {s.metavar}" if s.metavar else s.flag
         flag += " (repeatable)" if s.form == "repeat" else ""
+        flag += " (before the command)" if s.before_command else ""
         default = "off" if s.form == "switch" else _shown_default(name, s)
-        env = f"`{s.env}`" if s.env else ""
+        env = f"`{s.env}=1`" if s.form == "switch" else f"`{s.env}` (`{s.split}`-separated)" if s.form == "repeat" else f"`{s.env}`"
         rows.append(f"| `{name}` | `{_cell(flag)}` | {env} | {_cell(default)} | {_cell(s.help)} |")
     return "\n".join(rows) + "\n"
 
@@ -982,7 +983,9 @@ def cli_markdown(parser: argparse.ArgumentParser | None = None) -> str:
         "## Daemon settings",
         "",
         "`serve` takes these flags; `info` takes them too and shows what they resolve to and where each value came from.",
-        "Each setting takes its flag, else its environment variable, else its default.",
+        "Each setting takes its flag, else its environment variable, else its default. The variable is the flag's name in capitals after",
+        "`KERNEL_SERVICE_` (plural for a repeatable flag); a switch's is set by `1`, `true`, `yes` or `on`. The logging settings'",
+        "flags come before the command, for every command: `kernel-service --log-format json serve`.",
         "",
         settings_markdown().rstrip("\n"),
         "",
@@ -1009,19 +1012,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"kernel-service: {message} (see `{self.prog} --help`)\n")
 
 
-def _log_level(text: str) -> str:
-    if text.upper() not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(f"unknown level {text!r}; use one of {', '.join(LOG_LEVELS)}")
-    return text.upper()
-
-
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .config import POSITIVE_SECONDS, SETTINGS, SIZE_FORMS, WORKER_STARTS
 
     parser = _Parser(prog="kernel-service", description="TileLang kernel-compilation daemon")
     parser.add_argument("--version", action="version", version=f"kernel-service {__version__}")
-    parser.add_argument("--log-level", default="INFO", type=_log_level, help=f"logging level: {', '.join(LOG_LEVELS)} (default INFO)")
+    add_setting_flags(parser, before_command=True)  # --log-level, --log-format
     sub = parser.add_subparsers(dest="command", required=True)
     cache_help = "cache root (default $KERNEL_SERVICE_CACHE_DIR, then $XDG_CACHE_HOME/kernel-service)"
     socket_help = "Unix socket path of the daemon (default $KERNEL_SERVICE_SOCKET, then the XDG path)"
@@ -1209,8 +1206,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import logs
+    from .config import resolve_setting
+
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        logs.configure(resolve_setting("log_level", args.log_level)[0], resolve_setting("log_format", args.log_format)[0])
+    except ValueError as exc:  # a bad variable (argparse checked the flags)
+        return _fail(str(exc), 2)
     try:
         return args.run(args)
     except BrokenPipeError:  # `kernel-service stats | head -1`: the reader left, as with any Unix tool

@@ -1,7 +1,7 @@
 """The daemon's settings, resolved once from flags and environment; nothing reads them later.
 
 Each setting is declared once, as a field of ServiceConfig whose metadata holds its flag, its
-environment variable (if any) and its help: the command line (`cli.add_setting_flags`), the
+environment variable (named from the flag by one rule, env_name) and its help: the command line (`cli.add_setting_flags`), the
 environment lookup (`ServiceConfig.resolve`), `kernel-service info` and docs/cli.md are made
 from those fields.
 """
@@ -18,18 +18,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from proto.paths import CACHE_DIR_ENV, SOCKET_ENV, default_cache_dir, default_socket
+from proto.paths import default_cache_dir, default_socket
 
-from . import memory
+from . import logs, memory
 from .build import devices
 from .cpus import usable_cpus
 
-REMOTE_ENV = "KERNEL_SERVICE_REMOTE"
-CACHE_LAYERS_ENV = "KERNEL_SERVICE_CACHE_LAYERS"
-COMPILE_TIMEOUT_ENV = "KERNEL_SERVICE_COMPILE_TIMEOUT"
-MEMORY_LIMIT_ENV = "KERNEL_SERVICE_MEMORY_LIMIT"
-WORKER_START_ENV = "KERNEL_SERVICE_WORKER_START"
-WORKERS_ENV = "KERNEL_SERVICE_WORKERS"
 WORKER_STARTS = ("zygote", "spawn")  # how compile workers start (workers.process_pool)
 
 
@@ -107,7 +101,7 @@ def tcp_address(text: str, allow_remote: bool = False, flag: str = "--tcp") -> s
         loopback = False
     if not loopback and not allow_remote:
         raise ValueError(
-            f"{flag} {text!r}: {host} is not a loopback address; nothing on it is encrypted, pass --allow-remote to expose it on a trusted network anyway"
+            f"{flag} {text!r}: {host} is not a loopback address; pass --allow-remote to expose it on a trusted network (--tcp: with --tls-cert and --tls-key to encrypt it)"
         )
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -179,11 +173,6 @@ BYTES = Range(0, whole=True, unit="bytes")
 POSITIVE_BYTES = Range(0, whole=True, above_low=True, unit="bytes")
 
 
-def _worker_start(value, name: str) -> None:
-    if value not in WORKER_STARTS:
-        raise ValueError(f"{name} must be {' or '.join(WORKER_STARTS)}, got {value!r}")
-
-
 def _mode(value: int, flag: str) -> None:
     if value not in (0o700, 0o750):
         raise ValueError(f"{flag} must be 0700 (owner only) or 0750 (group may read, never write), got {value:04o}")
@@ -198,22 +187,58 @@ def _remote(value: str, flag: str) -> None:
     remote_url(value)
 
 
+def _pem_file(value: Path, flag: str) -> None:
+    """A certificate or key the daemon can read now: a refusal at start, not at the first TLS call."""
+    try:
+        text = value.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag} {value}: cannot read it ({exc.strerror or exc}); give a PEM file the daemon's user can read") from None
+    if b"-----BEGIN " not in text:
+        raise ValueError(f"{flag} {value}: not a PEM file (no -----BEGIN line); give a PEM certificate or key")
+
+
+ENV_PREFIX = "KERNEL_SERVICE_"
+SWITCH_ON = ("1", "true", "yes", "on")  # what a switch's variable sets it with
+SWITCH_OFF = ("0", "false", "no", "off")
+
+
+def env_name(flag: str, form: str = "value") -> str:
+    """A setting's variable: KERNEL_SERVICE_ and its flag in capitals (--max-size:
+    KERNEL_SERVICE_MAX_SIZE); a repeatable flag's variable holds several, so its name is
+    plural (--cache-layer: KERNEL_SERVICE_CACHE_LAYERS)."""
+    return ENV_PREFIX + flag.removeprefix("--").upper().replace("-", "_") + ("S" if form == "repeat" else "")
+
+
+def switch_on(text: str) -> bool:
+    """Whether a switch's variable sets it: 1, true, yes, on; 0, false, no, off leave it off."""
+    if text.strip().lower() in SWITCH_ON:
+        return True
+    if text.strip().lower() in SWITCH_OFF:
+        return False
+    raise ValueError(f"expected 1 (or true, yes, on) to set it or 0 (or false, no, off), got {text!r}")
+
+
 @dataclass(frozen=True)
 class Setting:
     """How one ServiceConfig field is set: a flag, else an environment variable, else its default."""
 
     flag: str  # "--max-size"
     help: str  # what it does; the default and the variable are added where it is shown
-    env: str | None = None  # "KERNEL_SERVICE_REMOTE": read when the flag is not given
+    env: str = ""  # read when the flag is not given; "": env_name(flag), the one rule
     metavar: str | None = None
     parse: Callable[[str], Any] = str  # the flag's (or the variable's) text -> the value
     check: Callable[[Any, str], None] | None = None  # (value, flag): raises ValueError naming the flag
     choices: tuple[str, ...] | None = None
     form: str = "value"  # "value"; "switch": no argument, sets the opposite of the default; "repeat": one item per flag
-    split: str | None = None  # a "repeat" setting's variable: its items, joined by this (":" for paths)
+    split: str = ","  # a "repeat" setting's variable: its items, joined by this (":" for paths)
     computed: Callable[[Any], Any] | None = None  # env -> the default, when it depends on the host (socket, workers)
     default_text: str | None = None  # how a computed default is named (in `info`, --help and docs/cli.md)
     group: str | None = None  # a heading in --help ("fleet tier")
+    before_command: bool = False  # a flag of every command, given before it (`kernel-service --log-level DEBUG serve`)
+
+    def __post_init__(self):
+        if not self.env:
+            object.__setattr__(self, "env", env_name(self.flag, self.form))
 
 
 def setting(default: Any = MISSING, accepts: Range | None = None, **how) -> Any:
@@ -230,25 +255,25 @@ FLEET = "fleet tier"
 @dataclass(frozen=True)
 class ServiceConfig:
     socket: Path = setting(  # noqa: RUF009 - setting() returns a dataclasses.field
-        flag="--socket", env=SOCKET_ENV, metavar="PATH", parse=Path, computed=default_socket,
+        flag="--socket", metavar="PATH", parse=Path, computed=default_socket,
         default_text="$XDG_RUNTIME_DIR/kernel-service/kernel-service.sock, else /tmp/kernel-service-<uid>/kernel-service.sock",
         help="Unix socket path the daemon listens on",
     )  # fmt: skip
     cache_dir: Path = setting(  # noqa: RUF009
-        flag="--cache-dir", env=CACHE_DIR_ENV, metavar="DIR", parse=Path, computed=default_cache_dir,
+        flag="--cache-dir", metavar="DIR", parse=Path, computed=default_cache_dir,
         default_text="$XDG_CACHE_HOME/kernel-service, else ~/.cache/kernel-service", help="root of the kernel cache",
     )  # fmt: skip
     workers: int = setting(
-        flag="--workers", env=WORKERS_ENV, metavar="N", accepts=WORKERS, computed=lambda env: usable_cpus(),
+        flag="--workers", metavar="N", accepts=WORKERS, computed=lambda env: usable_cpus(),
         default_text=f"CPUs usable here (affinity and cgroup quota), at most one per {memory.DEFAULT_PEAK >> 30} GiB of --memory-limit", help="compile processes",
     )  # fmt: skip
     compile_timeout: float = setting(
-        600.0, flag="--compile-timeout", env=COMPILE_TIMEOUT_ENV, metavar="SECONDS", accepts=SECONDS,
+        600.0, flag="--compile-timeout", metavar="SECONDS", accepts=SECONDS,
         help="seconds one build may run in its worker; past it the worker is killed and replaced, and the request fails "
         "with a compile timeout, remembered for --failure-ttl (0: no limit)",
     )  # fmt: skip
     memory_limit: int | None = setting(
-        None, flag="--memory-limit", env=MEMORY_LIMIT_ENV, metavar="BYTES", parse=parse_size, accepts=POSITIVE_BYTES,
+        None, flag="--memory-limit", metavar="BYTES", parse=parse_size, accepts=POSITIVE_BYTES,
         computed=lambda env: memory.memory_limit(), default_text="the cgroup memory limit or MemAvailable, whichever is smaller",
         help=f"memory the compile workers may use ({SIZE_FORMS}): a build starts only while the measured peaks of the builds "
         "running and its own fit it, else it waits",
@@ -292,29 +317,43 @@ class ServiceConfig:
         False,
         flag="--allow-remote",
         form="switch",
-        help="allow --tcp and --metrics-address on a non-loopback address (nothing is encrypted: trusted networks only)",
+        help="allow --tcp and --metrics-address on a non-loopback address (trusted networks only: /metrics is plaintext, and so is --tcp without --tls-cert)",
     )
     tcp: str | None = setting(
         None, flag="--tcp", metavar="HOST:PORT", default_text="off",
         help="also listen on TCP (host defaults to 127.0.0.1; loopback only unless --allow-remote); clients must present the token the daemon writes to <cache dir>/tcp-token",
     )  # fmt: skip
     cache_layers: tuple[Path, ...] = setting(
-        (), flag="--cache-layer", env=CACHE_LAYERS_ENV, metavar="PATH", parse=absolute_path, form="repeat", split=":",
+        (), flag="--cache-layer", metavar="PATH", parse=absolute_path, form="repeat", split=":",
         help="a read-only cache (one baked into an image: `bundle import --layer`), searched after --cache-dir, in order, and served from as it is, "
-        f"never written; owned by root or the daemon's uid, writable by no one else; ${CACHE_LAYERS_ENV} holds them ':'-separated, and --cache-layer flags replace it",
+        "never written; owned by root or the daemon's uid, writable by no one else; --cache-layer flags replace the variable's",
     )  # fmt: skip
     cuda_compiler: str = setting(
-        "auto", flag="--cuda-compiler", env=devices.ENV, choices=("auto", devices.NVRTC, devices.NVCC),
+        "auto", flag="--cuda-compiler", choices=("auto", devices.NVRTC, devices.NVCC),
         help="how CUDA device code is compiled: nvrtc in process (fast), nvcc as a subprocess; auto takes NVRTC where it can run",
     )  # fmt: skip
     worker_start: str = setting(
-        "zygote", flag="--worker-start", env=WORKER_START_ENV, choices=WORKER_STARTS, check=_worker_start,
+        "zygote", flag="--worker-start", choices=WORKER_STARTS,
         help="how compile workers start: zygote forks each from one process that imported TileLang once (ready at once), "
         "spawn starts each as a fresh interpreter that imports TileLang itself (seconds each; a way out should forking ever fail)",
     )  # fmt: skip
     metrics_address: str | None = setting(
         None, flag="--metrics-address", metavar="HOST:PORT", default_text="off",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (host defaults to 127.0.0.1; loopback only unless --allow-remote)",
+    )  # fmt: skip
+    tls_cert: Path | None = setting(
+        None, flag="--tls-cert", metavar="PEM", parse=absolute_path, check=_pem_file, default_text="none: --tcp is plaintext",
+        help="serve --tcp over TLS with this certificate (chain), PEM, with --tls-key; clients verify it against KERNEL_SERVICE_TLS_CA (client.connect(tls_ca=...))",
+    )  # fmt: skip
+    tls_key: Path | None = setting(
+        None, flag="--tls-key", metavar="PEM", parse=absolute_path, check=_pem_file, default_text="none", help="the private key of --tls-cert, PEM"
+    )
+    log_level: str = setting(
+        "INFO", flag="--log-level", metavar="LEVEL", parse=logs.level, before_command=True, help=f"logging level: {', '.join(logs.LEVELS)}"
+    )
+    log_format: str = setting(
+        "text", flag="--log-format", metavar="text|json", choices=logs.FORMATS, before_command=True,
+        help="text lines, or json: one JSON object per line (time, level, logger, message, pid, exception)",
     )  # fmt: skip
     no_compile: bool = setting(
         False,
@@ -323,11 +362,11 @@ class ServiceConfig:
         help="serve only what the cache holds (fed by `bundle import` or another daemon): a miss answers NOT_FOUND with why; no compile workers start",
     )
     cuda_compiler_id: str | None = setting(
-        None, flag="--cuda-compiler-id", env=devices.ID_ENV, metavar="ID", default_text="none",
+        None, flag="--cuda-compiler-id", metavar="ID", default_text="none",
         help="with --no-compile: key CUDA kernels as if built by this compiler, e.g. nvrtc-13.0 (the builder's, as its bundle records it); no compiler is looked for",
     )  # fmt: skip
     remote: str | None = setting(
-        None, flag="--remote", env=REMOTE_ENV, metavar="URL", check=_remote, group=FLEET, default_text="none: this host alone",
+        None, flag="--remote", metavar="URL", check=_remote, group=FLEET, default_text="none: this host alone",
         help="the fleet tier, a Redis shared by every host (each kernel compiled once per fleet): redis://[user:password@]host:port/db, rediss:// for TLS, or unix:///path",
     )  # fmt: skip
     remote_read_only: bool = setting(
@@ -411,8 +450,12 @@ class ServiceConfig:
             values["tcp"] = tcp_address(values["tcp"], values["allow_remote"])
         if values["metrics_address"] is not None:
             values["metrics_address"] = tcp_address(values["metrics_address"], values["allow_remote"], flag="--metrics-address")
+        if (values["tls_cert"] is None) != (values["tls_key"] is None):
+            raise ValueError("--tls-cert and --tls-key go together: pass both (the certificate and its private key), or neither")
+        if values["tls_cert"] is not None and values["tcp"] is None:
+            raise ValueError("--tls-cert: TLS is for the TCP listener; pass --tcp HOST:PORT too")
         if values["remote_read_only"] and not values["remote"]:
-            raise ValueError(f"--remote-read-only needs a tier to read: pass --remote URL (or set {REMOTE_ENV})")
+            raise ValueError(f"--remote-read-only needs a tier to read: pass --remote URL (or set {SETTINGS['remote'].env})")
         if values["cuda_compiler_id"]:
             if not values["no_compile"]:
                 raise ValueError("--cuda-compiler-id needs --no-compile: a daemon that compiles keys its entries by the compiler it runs")
@@ -448,16 +491,21 @@ def resolve_setting(name: str, given: Any, env=os.environ) -> tuple[Any, str]:
             value = s.parse(value)
         except ValueError as exc:
             raise ValueError(f"{s.flag}: {exc}") from None
-    if value is None and s.env and env.get(s.env):
+    if value is None and env.get(s.env):
         value, source = env[s.env], f"${s.env}"
         try:
-            value = [s.parse(item) for item in value.split(s.split) if item] if s.form == "repeat" else s.parse(value)
+            if s.form == "switch":
+                value = not _DEFAULTS[name] if switch_on(value) else _DEFAULTS[name]
+            else:
+                value = [s.parse(item) for item in value.split(s.split) if item] if s.form == "repeat" else s.parse(value)
         except ValueError as exc:
             raise ValueError(f"${s.env}: {exc}") from None
     if value is None:
         value, source = (s.computed(env), s.default_text) if s.computed else (_DEFAULTS[name], "default")
     elif s.form == "repeat":
         value = tuple(s.parse(v) if isinstance(v, str) else v for v in value) or _DEFAULTS[name]  # no item given: the default (all plugins)
+    if value is not None and s.choices and value not in s.choices:  # a flag's were checked by argparse, a variable's are here
+        raise ValueError(f"{source} must be {', '.join(s.choices[:-1])} or {s.choices[-1]}, got {value!r}")
     if value is not None and s.check and source != "default":
         s.check(value, source)  # names the flag or the variable the value came from
     return value, source

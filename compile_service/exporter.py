@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, ProcessCollector, generate_latest
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .metrics import COUNTERS, HISTOGRAMS, SECONDS, Metrics
@@ -41,6 +41,9 @@ GAUGES = {
     "build_peak_bytes": "The largest peak resident memory of one build",
     "remote_read_only": "1 when the host reads the fleet tier but never writes it",
 }
+# Gauges exported under a name that says their unit; the Stats field's own name stays one more
+# release as a deprecated alias of the same value (docs/operations.md#observability).
+NAMED_WITH_UNITS = {"bytes": "cache_bytes", "memory_limit": "memory_limit_bytes"}
 REMOTE_STATES = ("off", "up", "down")  # Stats.remote_state: one series per state, 1 for the current one
 HISTOGRAM_HELP = {
     "compile_duration_seconds": "Wall seconds of each compile, by kernel kind",
@@ -60,6 +63,10 @@ class _Collector:
             family.add_metric([], values[name])
             yield family
         for name, help_text in GAUGES.items():
+            if name in NAMED_WITH_UNITS:
+                new_name = PREFIX + NAMED_WITH_UNITS[name]
+                yield GaugeMetricFamily(new_name, help_text, value=values[name])
+                help_text = f"Deprecated: {new_name}, whose value it repeats; removed in the next release"
             yield GaugeMetricFamily(PREFIX + name, help_text, value=values[name])
         state = GaugeMetricFamily(PREFIX + "remote_state", "The fleet tier's state (off: no tier; down: unreachable, the host goes on alone)", labels=["state"])
         for name in REMOTE_STATES:
@@ -140,6 +147,7 @@ async def serve_metrics(metrics: Metrics, address: str) -> MetricsEndpoint:
     host, _, port = address.rpartition(":")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(metrics))
+    ProcessCollector(registry=registry)  # the daemon process's process_* metrics (memory, CPU, open files), on Linux
     endpoint = MetricsEndpoint(registry)
     endpoint.server = await asyncio.start_server(endpoint._serve, host.strip("[]"), int(port), limit=MAX_REQUEST, reuse_address=True)
     return endpoint

@@ -77,6 +77,7 @@ from proto import abi
 from proto.entry import SOURCES
 from proto.wire import Outcome, not_ready_details
 
+from . import logs
 from . import memory as memory_
 from . import metrics as metrics_
 from .build import compiler, devices
@@ -357,7 +358,7 @@ class Scheduler:
         self._queue.put(_Job(_WARM, next(self._seq)))
 
     def _new_pool(self) -> Workers:
-        initargs = (self.plugins, str(self.store.root), self.device.name, self.warm_target, logging.getLogger().getEffectiveLevel())
+        initargs = (self.plugins, str(self.store.root), self.device.name, self.warm_target, logs.chosen())
         return self._pool_factory(self.workers, initargs)
 
     # ----- requests

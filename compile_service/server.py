@@ -12,8 +12,10 @@ daemon starts; the workers fork from it once SERVING, warm up in the background,
 and die with the daemon), then listen: on the Unix socket (0600,
 or 0660 with --mode 0750), and on TCP only when asked (loopback unless
 --allow-remote, every call authenticated with the token written to
-<cache root>/tcp-token), always with so_reuseport=0 so a second process can
-never bind the same port and steal requests; health says SERVING.
+<cache root>/tcp-token, over TLS with --tls-cert and --tls-key), always
+with so_reuseport=0 so a second process can never bind the same port and
+steal requests; health says SERVING, and a supervisor that set NOTIFY_SOCKET
+is told READY=1 (STOPPING=1 when it drains).
 Housekeeping follows in the background: dead writers' staging directories
 swept, the cache budget enforced, the counters saved every SAVE_EVERY seconds.
 Shutdown (SIGTERM/SIGINT, `kernel-service stop`, or with --exit-with-parent its
@@ -65,6 +67,7 @@ from .keys import describe_toolchain
 from .layout import counted_dirs
 from .memory import BuildMemory, describe_limit
 from .metrics import SAVE_EVERY, STATS_FILE, Metrics
+from .notify import notify
 from .scheduler import Scheduler
 from .servicer import KernelServicer
 from .store import Budget, LocalStore
@@ -103,6 +106,14 @@ def _check_can_listen(address: str) -> None:
             probe.bind((host, int(port)))
     except OSError as exc:
         raise StartError(f"cannot listen on tcp {address} ({exc.strerror or exc}); choose another --tcp address") from None
+
+
+def _tls_credentials(cfg: ServiceConfig) -> grpc.ServerCredentials:
+    """gRPC's own TLS for the TCP listener, from --tls-cert and --tls-key (config checked both)."""
+    try:
+        return grpc.ssl_server_credentials([(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())])
+    except OSError as exc:
+        raise StartError(f"cannot read {exc.filename} ({exc.strerror}); give --tls-cert and --tls-key files the daemon's user can read") from None
 
 
 class AlreadyRunning(StartError):
@@ -356,7 +367,7 @@ class Daemon:
         _yield_to_compiles()
 
         address = socket_address(cfg.socket)
-        listening = f"{address} tcp:{cfg.tcp}" if cfg.tcp else address
+        listening = f"{address} tcp:{cfg.tcp}{' (TLS)' if cfg.tls_cert else ''}" if cfg.tcp else address
         started = time.time()
         self.metrics.probes(
             in_flight=lambda: self.scheduler.in_flight,
@@ -410,6 +421,7 @@ class Daemon:
         )
         log.info("kernel-service listening on %s, cache %s, %s", listening, cfg.cache_dir, pool)
         self._serving.set()
+        notify("READY=1")  # systemd's Type=notify: the socket answers from now on
         threading.Thread(target=self._housekeeping, name="housekeeping", daemon=True).start()
 
     def _on_loop(self, coroutine, timeout: float | None = 60):
@@ -432,8 +444,9 @@ class Daemon:
 
         server(RequestGuard(None, admin)).add_insecure_port(socket_address(cfg.socket))
         if cfg.tcp:
+            tcp = server(RequestGuard(token, admin), UNAUTHENTICATED_BYTES)
             try:
-                bound = server(RequestGuard(token, admin), UNAUTHENTICATED_BYTES).add_insecure_port(cfg.tcp)
+                bound = tcp.add_secure_port(cfg.tcp, _tls_credentials(cfg)) if cfg.tls_cert else tcp.add_insecure_port(cfg.tcp)
             except RuntimeError:
                 bound = 0
             if not bound:
@@ -517,6 +530,7 @@ class Daemon:
         if self._stopped.is_set():
             return
         grace = self.config.grace if grace is None else grace
+        notify("STOPPING=1")
         log.info("draining: refusing new requests, up to %.0fs for running ones", grace)
         drained = asyncio.run_coroutine_threadsafe(self._drain(grace), self.loop)  # while the scheduler drains too
         self.scheduler.shutdown(grace)

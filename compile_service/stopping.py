@@ -22,10 +22,12 @@ from proto.errors import EntryRefused
 from proto.paths import SOCKET_ENV, default_socket
 from proto.trust import problem, read_owned
 
+from .config import SETTINGS
 from .server import socket_lock  # the daemon's instance lock for a socket, its pid file next to it
 
 CLI_MODULE = "compile_service.cli"
 CONSOLE_SCRIPT = "kernel-service"
+BEFORE_COMMAND = {s.flag for s in SETTINGS.values() if s.before_command}  # flags that may come before `serve`
 
 
 class NotTheDaemon(Exception):
@@ -78,7 +80,7 @@ def _proc_uids(pid: int) -> tuple[int, int]:
 
 def _serve_args(argv: list[str]) -> list[str] | None:
     """The arguments after `serve` when `argv` starts the daemon (`kernel-service [--log-level L]
-    serve ...`, or an interpreter running the console script or `-m compile_service.cli`), else None."""
+    [--log-format F] serve ...`, or an interpreter running the console script or `-m compile_service.cli`), else None."""
     rest = None
     for i, token in enumerate(argv):
         if os.path.basename(token) == CONSOLE_SCRIPT:
@@ -92,10 +94,8 @@ def _serve_args(argv: list[str]) -> list[str] | None:
         break
     if rest is None:
         return None
-    if rest[:1] == ["--log-level"]:
-        rest = rest[2:]
-    elif rest[:1] and rest[0].startswith("--log-level="):
-        rest = rest[1:]
+    while rest[:1] and rest[0].split("=", 1)[0] in BEFORE_COMMAND:  # --log-level L, --log-format=json
+        rest = rest[1:] if "=" in rest[0] else rest[2:]
     return rest[1:] if rest[:1] == ["serve"] else None
 
 

@@ -1,5 +1,5 @@
 """How a caller talks to the daemon, defined once for the client, the CLI and the dev tools:
-the gRPC target of an address, the call metadata (the TCP token), replies as dicts, and the
+the gRPC target of an address, TLS over TCP, the call metadata (the TCP token), replies as dicts, and the
 exception each failure status is raised as.
 
 Part of the contract: imports nothing from kernels/, compile_service/ or client/. The client
@@ -20,6 +20,7 @@ from .trust import NotRegularFile, open_regular, peer_uid, problem
 from .wire import Status
 
 DAEMON_UID_ENV = "KERNEL_SERVICE_DAEMON_UID"  # the uid the daemon must run as, when the caller names none
+TLS_CA_ENV = "KERNEL_SERVICE_TLS_CA"  # over TCP: the CA (PEM) the daemon's --tls-cert is verified against
 MAX_TOKEN = 4096  # bytes read of a TCP token file: the daemon's token is far shorter
 
 # ----- where and how
@@ -35,8 +36,30 @@ def socket_path(address: str) -> Path | None:
     return Path(address.removeprefix("unix:")) if address.startswith("unix:") else None
 
 
-def open_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=wire.channel_options())
+def open_channel(address: str, tls_ca: str | Path | None = None) -> grpc.Channel:
+    """A channel to `address`: over TLS when tls_credentials gives credentials, else plaintext."""
+    credentials = tls_credentials(address, tls_ca)
+    if credentials is None:
+        return grpc.insecure_channel(address, options=wire.channel_options())
+    return grpc.secure_channel(address, credentials, options=wire.channel_options())
+
+
+def tls_credentials(address: str, tls_ca: str | Path | None = None, env=os.environ) -> grpc.ChannelCredentials | None:
+    """Over TCP, given a CA to verify the daemon's certificate against (`tls_ca`, else
+    $KERNEL_SERVICE_TLS_CA; a PEM file, such as the system's bundle for a certificate a public
+    CA signed): TLS credentials. Else None: plaintext (a Unix socket never uses TLS). Raises
+    ServiceUnavailable when the CA cannot be read."""
+    path = tls_ca or env.get(TLS_CA_ENV)
+    if socket_path(address) is not None or not path:
+        return None
+    try:
+        roots = Path(path).read_bytes()
+    except OSError as exc:
+        raise ServiceUnavailable(
+            f"kernel service at {address}: cannot read the TLS CA {path} ({exc.strerror}); pass a PEM file you can read "
+            f"(client.connect(tls_ca=...), or set {TLS_CA_ENV})"
+        ) from None
+    return grpc.ssl_channel_credentials(root_certificates=roots)
 
 
 def daemon_uid(given: int | None = None) -> int:
@@ -164,7 +187,14 @@ class KernelNotReady(KernelServiceError, LookupError):
 
 def _unavailable(code, details: str, what: str, address: str, waited: float | None) -> Exception:
     tried = f" (retried for {waited:.1f} s)" if waited else ""
-    return ServiceUnavailable(f"no kernel service answers at {address}{tried}: {details}; start one with `kernel-service serve`")
+    tls = ""
+    if "Socket closed" in details:  # how a TLS listener answers a plaintext client: it closes the connection
+        tls = f"; if the daemon serves TLS (--tls-cert), give its CA: client.connect(tls_ca=...), or set {TLS_CA_ENV}"
+    elif "handshake failed" in details.lower():
+        tls = (
+            f"; TLS failed: the daemon serves plaintext (no --tls-cert), or the CA given (tls_ca=, {TLS_CA_ENV}) did not sign its certificate for this address"
+        )
+    return ServiceUnavailable(f"no kernel service answers at {address}{tried}: {details}{tls}; start one with `kernel-service serve`")
 
 
 def _deadline(code, details: str, what: str, *_) -> Exception:

@@ -32,7 +32,10 @@ FLAGS = {
     "--remote-ttl": "remote_ttl",
     "--cache-layer": "cache_layers",
     "--compile-timeout": "compile_timeout", "--memory-limit": "memory_limit",
+    "--tls-cert": "tls_cert", "--tls-key": "tls_key", "--log-level": "log_level", "--log-format": "log_format",
 }  # fmt: skip
+BEFORE_COMMAND = {"--log-level", "--log-format"}  # flags of every command, given before it
+# The variables scripts and clients already use: the one naming rule (KERNEL_SERVICE_<FLAG>) keeps them.
 VARIABLES = {
     "KERNEL_SERVICE_SOCKET": "socket", "KERNEL_SERVICE_CACHE_DIR": "cache_dir", "KERNEL_SERVICE_REMOTE": "remote",
     "KERNEL_SERVICE_CUDA_COMPILER": "cuda_compiler", "KERNEL_SERVICE_CUDA_COMPILER_ID": "cuda_compiler_id",
@@ -71,10 +74,51 @@ def test_docs_cli_md_is_the_generated_text():
 
 
 def test_every_flag_and_variable_keeps_its_name_and_setting():
+    from compile_service.build import devices
+    from proto.paths import CACHE_DIR_ENV, SOCKET_ENV
+
     assert {s.flag: name for name, s in SETTINGS.items()} == FLAGS
-    assert {s.env: name for name, s in SETTINGS.items() if s.env} == VARIABLES
-    serve = {a.dest: a for a in next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]._actions}
-    assert all(FLAGS[flag] in serve and flag in serve[FLAGS[flag]].option_strings for flag in FLAGS)
+    variables = {s.env: name for name, s in SETTINGS.items()}
+    assert variables.items() >= VARIABLES.items() and len(variables) == len(SETTINGS)  # every setting has one
+    assert {SOCKET_ENV, CACHE_DIR_ENV, devices.ENV, devices.ID_ENV} <= set(variables)  # as clients and the compilers read them
+    parser = build_parser()
+    serve = {a.dest: a for a in next(a for a in parser._actions if a.dest == "command").choices["serve"]._actions}
+    top = {a.dest: a for a in parser._actions}
+    assert all(flag in (top if flag in BEFORE_COMMAND else serve)[FLAGS[flag]].option_strings for flag in FLAGS)
+
+
+def test_every_setting_has_a_variable_named_by_one_rule(tmp_path):
+    """A container set up by environment alone sets what the flags set (issue 49, item 11)."""
+    for name, s in SETTINGS.items():
+        plural = "S" if s.form == "repeat" else ""
+        assert s.env == "KERNEL_SERVICE_" + s.flag.removeprefix("--").upper().replace("-", "_") + plural, name
+    env = {
+        "KERNEL_SERVICE_TARGET": "c", "KERNEL_SERVICE_WORKERS": "3", "KERNEL_SERVICE_MAX_SIZE": "2G", "KERNEL_SERVICE_GRACE": "7",
+        "KERNEL_SERVICE_METRICS_ADDRESS": "127.0.0.1:9464", "KERNEL_SERVICE_LOG_LEVEL": "debug", "KERNEL_SERVICE_LOG_FORMAT": "json",
+        "KERNEL_SERVICE_NO_ENTRY_POINTS": "1", "KERNEL_SERVICE_ALLOW_REMOTE": "yes", "KERNEL_SERVICE_NO_COMPILE": "0",
+        "KERNEL_SERVICE_KERNEL_MODULES": "tests.routed_kind,tests.shared_kind", "KERNEL_SERVICE_MODE": "0750",
+    }  # fmt: skip
+    proc = cli("info", "--socket", str(tmp_path / "none.sock"), "--json", env=env)
+    s = json.loads(proc.stdout)["settings"]
+    shown = {name: s[name]["value"] for name in ("target", "workers", "max_bytes", "grace", "metrics_address", "log_level", "log_format")}
+    assert shown == {
+        "target": "c",
+        "workers": 3,
+        "max_bytes": 2 << 30,
+        "grace": 7.0,
+        "metrics_address": "127.0.0.1:9464",
+        "log_level": "DEBUG",
+        "log_format": "json",
+    }
+    assert s["grace"]["source"] == "$KERNEL_SERVICE_GRACE" and s["log_format"]["source"] == "$KERNEL_SERVICE_LOG_FORMAT"
+    assert (s["entry_points"]["value"], s["allow_remote"]["value"], s["no_compile"]["value"]) == (False, True, False)
+    assert s["kernel_modules"]["value"] == ["tests.routed_kind", "tests.shared_kind"] and s["mode"]["value"] == "0750"
+    for variable, value, said in [
+        ("KERNEL_SERVICE_LOG_FORMAT", "xml", "$KERNEL_SERVICE_LOG_FORMAT must be text or json, got 'xml'"),
+        ("KERNEL_SERVICE_NO_COMPILE", "maybe", "$KERNEL_SERVICE_NO_COMPILE: expected 1 (or true, yes, on)"),
+        ("KERNEL_SERVICE_LOG_LEVEL", "loud", "$KERNEL_SERVICE_LOG_LEVEL: unknown level 'loud'"),
+    ]:
+        assert said in one_line_error(cli("info", "--socket", str(tmp_path / "none.sock"), env={variable: value}), 2)
 
 
 def test_a_flag_wins_over_its_variable_which_wins_over_the_default(tmp_path):
@@ -363,7 +407,7 @@ def test_clear_and_eviction_follow_no_link_planted_in_the_cache_root(tmp_path):
 def test_stop_recognises_every_way_a_daemon_is_started():
     """The command lines `kernel-service stop` takes for a daemon (stopping._serve_args): the
     console script (run directly or by its interpreter), the module (devtools/launch.py and the
-    tests start it so), with or without --log-level; anything else is not a daemon."""
+    tests start it so), with or without the logging flags; anything else is not a daemon."""
     from compile_service.stopping import _serve_args
 
     daemons = (
@@ -371,6 +415,7 @@ def test_stop_recognises_every_way_a_daemon_is_started():
         ["/venv/bin/python3.11", "/venv/bin/kernel-service", "--log-level", "DEBUG", "serve", "--socket", "s"],
         ["python", "-u", "-m", "compile_service.cli", "serve", "--socket", "s"],
         ["python", "-mcompile_service.cli", "--log-level=INFO", "serve", "--socket", "s"],
+        ["/venv/bin/kernel-service", "--log-format", "json", "--log-level=INFO", "serve", "--socket", "s"],
     )
     for argv in daemons:
         assert _serve_args(argv) == ["--socket", "s"], argv

@@ -185,8 +185,8 @@ def test_every_kernel_service_command_line_in_the_docs_is_accepted_by_the_cli():
 
 
 def test_every_kernel_service_command_named_in_prose_exists_with_its_flags():
-    """`kernel-service SUB [--flag ...]` in running text: SUB is a subcommand (bundle's too), and
-    each --flag one of its options."""
+    """`kernel-service [--log-format F] SUB [--flag ...]` in running text: SUB is a subcommand
+    (bundle's too), each --flag one of its options, and each flag before it one of every command's."""
     parser = _parser()
     checked = 0
     for page in PAGES:
@@ -195,6 +195,12 @@ def test_every_kernel_service_command_named_in_prose_exists_with_its_flags():
         for span in re.findall(r"`kernel-service ([^`]+)`", _prose(page)):
             words = span.replace("[", " ").replace("]", " ").replace("|", " ").split()
             current, path = parser, []
+            while words and words[0].startswith("--") and words[0] not in ("--help", "--version"):  # flags of every command, before it
+                word = words.pop(0)
+                flag = word.split("=", 1)[0]
+                assert flag in parser._option_string_actions, f"{page.relative_to(ROOT)}: `kernel-service {span}`: no {flag} before a command"
+                if "=" not in word and parser._option_string_actions[flag].nargs != 0 and words:
+                    words.pop(0)  # its value
             while words and words[0] in _subcommands(current):
                 path.append(words[0])
                 current = _subcommands(current)[words.pop(0)]

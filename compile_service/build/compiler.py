@@ -28,6 +28,7 @@ from filelock import FileLock, Timeout
 from proto import abi as call_abi_schema
 from proto.entry import LIBRARY, SOURCES
 
+from .. import logs
 from ..fsutil import at_idle_priority
 from ..keys import toolchain
 from . import devices, nvrtc, programs, rewrites
@@ -61,7 +62,7 @@ def worker_init(
     cache_root: str | None = None,
     cuda_compiler: str = devices.NVCC,
     warm_target: str | None = None,
-    log_level: int | None = None,
+    log: tuple[str | int, str] | None = None,
 ) -> None:
     """Per worker process: pay TileLang's import once, point its device-binary cache at
     ours, and put the chosen CUDA compiler behind TileLang's device-compile callback.
@@ -78,10 +79,10 @@ def worker_init(
     warm_step builds here, one prelude at a time, when the scheduler has nothing else to
     do. (TileLang is already imported in a worker forked from the zygote: nothing here
     takes long, so a worker is ready at once.)
-    `log_level`: log like the daemon (a spawned process starts with no logging set up).
+    `log`: (level, format) to log like the daemon (a spawned process starts with no logging set up).
     """
-    if log_level is not None:
-        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[worker %(process)d]: %(message)s")
+    if log is not None:
+        logs.configure(*log, worker=True)
     from kernels import plugins as kernel_plugins
     from kernels import registry
 
