@@ -1209,6 +1209,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # first (the parser's defaults import proto): a foreign `proto` or `kernels` is said in one line, for every command
+        from proto.clashes import check
+
+        check()
+    except ImportError as exc:
+        return _fail(str(exc))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
