@@ -151,7 +151,20 @@ def _stats(args) -> int:
     print(
         f"counters since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(stats['stats_since']))} ({_ago(stats['stats_since'])}; `kernel-service zero-stats` resets them):"
     )
-    for name in ("compiles", "derived", "hits", "misses", "joined", "failures", "failures_cached", "invalid", "corrupt", "evictions", "not_ready"):
+    for name in (
+        "compiles",
+        "derived",
+        "hits",
+        "direct_hits",
+        "misses",
+        "joined",
+        "failures",
+        "failures_cached",
+        "invalid",
+        "corrupt",
+        "evictions",
+        "not_ready",
+    ):
         print(f"{name:>16}: {stats[name]}")
     print(f"{'compile_seconds':>16}: {stats['compile_seconds']:.2f} (device code: {stats['device_compile_seconds']:.2f})")
     print("now:")
