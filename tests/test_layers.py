@@ -197,7 +197,8 @@ def test_a_root_layer_serves_a_daemon_of_another_uid_and_its_agents(world, built
     out = world.json_of(OWNER, SERVE_TWO, d.socket)
     for key, path, *_ in (out["direct"], out["asked"]):
         assert Path(path).parent == entry_dir(layer, key)
-    assert out["asked"][2] == "hit" and out["stats"]["hits"] == 1 and out["stats"]["compiles"] == 0
+    asked = out["stats"]["hits"] - out["stats"]["direct_hits"]  # the direct hit is reported within 10 s, or at exit
+    assert out["asked"][2] == "hit" and asked == 1 and out["stats"]["compiles"] == 0
     d.stop()
     assert snapshot(layer) == before
 
