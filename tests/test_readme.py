@@ -180,10 +180,13 @@ def _prerequisites(target: str, targets: dict[str, list[str]]) -> set[str]:
 
 
 def test_make_demo_installs_no_system_package_and_make_test_installs_redis():
-    """Issue 49 item 6: redis-server (an apt-get as root) is for the fleet tests only."""
+    """Issue 49 item 6: redis-server (an apt-get as root) is for the fleet tests only, and the
+    set-up says in one line what its time goes on before it starts."""
     targets = _make_targets()
     assert "redis-server" not in _prerequisites("demo", targets) | {"demo"}, "`make demo` must not install redis-server"
     assert "redis-server" in _prerequisites("test", targets), "`make test` installs redis-server for the fleet tests"
+    recipe = (ROOT / "Makefile").read_text().split("$(VENV)/.installed: pyproject.toml\n", 1)[1]
+    assert recipe.startswith("\t@echo ") and "pip installs torch" in recipe.splitlines()[0], "set-up says first what its minute goes on"
 
 
 @pytest.mark.slow
