@@ -10,6 +10,8 @@ See README for the full API.
 
 import os
 
+import proto.clashes  # noqa: F401  (checks for a foreign `proto` or `kernels`: where proto-plus's __init__.py replaced ours, ours did not)
+
 from .api import Client, connect, default_client, explain, get_kernel, kinds, prefetch, stats
 from .api import use_shared_inductor_cache_default as use_shared_inductor_cache
 from .inductor import InductorCache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import inspect
 import itertools
 import json
@@ -25,7 +26,7 @@ from proto.paths import default_cache_dir, default_socket, entry_dir, service_in
 from proto.trust import layer_owner, read_owned
 from proto.wire import Outcome, Status
 
-from . import loader, resolver
+from . import hit_reports, loader, resolver
 from .errors import CompileError, CompileTimeout, CorruptArtifact, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable
 from .inductor import InductorCache, use_shared_inductor_cache
 
@@ -115,9 +116,33 @@ class Client:
         self._memo: dict[str, loader.Kernel] = {}
         self._memo_lock = threading.Lock()
         self._answered = False  # has a daemon ever answered this client?
+        self._unreported_hits: collections.deque = collections.deque()  # one item per direct hit not yet reported (hit_reports)
+        self._report_lock = threading.Lock()  # between the reporter thread, close() and exit; never on the hit path
+        hit_reports.watch(self)
 
     def close(self) -> None:
+        self.report_hits()
         self._channel.close()
+
+    def report_hits(self) -> None:
+        """Sends the direct hits not yet reported to the daemon in one ReportUsage (Stats.hits and
+        direct_hits); best effort: those a daemon did not take wait for the next report."""
+        with self._report_lock:
+            count = 0
+            while self._unreported_hits:  # only reporters pop, under the lock; hits append meanwhile
+                self._unreported_hits.popleft()
+                count += 1
+            if not count or (self.socket_path is not None and not self.socket_path.exists()):
+                self._unreported_hits.extend([None] * count)
+                return
+            try:
+                self._stub.ReportUsage(pb.UsageReport(direct_hits=count), timeout=hit_reports.REPORT_TIMEOUT, metadata=self._auth())
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:  # not taken (no daemon, or it is stopping): the next report
+                    self._unreported_hits.extend([None] * count)
+                log.debug("direct hits not reported: %s", exc)
+            except (OSError, ServiceError, ValueError) as exc:  # a TCP token that cannot be read; a closed client
+                log.debug("direct hits not reported: %s", exc)
 
     def __enter__(self):
         return self
@@ -394,6 +419,7 @@ class Client:
                 return None
             except FileNotFoundError:  # evicted since: ask the daemon
                 return None
+        hit_reports.count(self)  # a hit the daemon never sees: counted here, reported off this path
         return found, owner
 
     def _from_cache(self, key: str, spec: kernels.CanonicalSpec) -> loader.Kernel | None:

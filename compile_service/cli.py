@@ -148,7 +148,20 @@ def _stats(args) -> int:
     print(
         f"counters since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(stats['stats_since']))} ({_ago(stats['stats_since'])}; `kernel-service zero-stats` resets them):"
     )
-    for name in ("compiles", "derived", "hits", "misses", "joined", "failures", "failures_cached", "invalid", "corrupt", "evictions", "not_ready"):
+    for name in (
+        "compiles",
+        "derived",
+        "hits",
+        "direct_hits",
+        "misses",
+        "joined",
+        "failures",
+        "failures_cached",
+        "invalid",
+        "corrupt",
+        "evictions",
+        "not_ready",
+    ):
         print(f"{name:>16}: {stats[name]}")
     print(f"{'compile_seconds':>16}: {stats['compile_seconds']:.2f} (device code: {stats['device_compile_seconds']:.2f})")
     print("now:")
@@ -1206,6 +1219,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # first (the parser's defaults import proto): a foreign `proto` or `kernels` is said in one line, for every command
+        from proto.clashes import check
+
+        check()
+    except ImportError as exc:
+        return _fail(str(exc))
     from . import logs
     from .config import resolve_setting
 

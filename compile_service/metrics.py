@@ -37,7 +37,8 @@ REMOTE_COUNTERS = (
 )
 COUNTERS = (
     "compiles",
-    "hits",
+    "hits",  # GetKernel's, and clients' direct hits as they report them
+    "direct_hits",  # of hits, those clients found in the cache themselves (ReportUsage)
     "misses",
     "failures",
     "failures_cached",
@@ -157,7 +158,8 @@ class Metrics:
         """Goes on from the counters a previous daemon saved at `path` (a missing or damaged file: from zero)."""
         try:
             saved = json.loads(Path(path).read_text())
-            values = {name: type(default)(saved[name]) for name, default in self.counters().items()}
+            # A counter the previous daemon did not keep (an older release) starts at zero; the rest go on.
+            values = {name: type(default)(saved.get(name, default)) for name, default in self.counters().items()}
         except FileNotFoundError:
             return
         except (OSError, ValueError, KeyError, TypeError) as exc:

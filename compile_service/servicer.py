@@ -364,10 +364,12 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         return pb.ReportCorruptResponse(removed=reason is not None, reason=wire.clip(reason or ""))
 
     async def ReportUsage(self, request, context):
-        if not 0 <= request.local_compiles <= MAX_REPORTED:
-            self.metrics.add(invalid=1)
-            await context.abort(Status.INVALID_SPEC, f"local_compiles: expected 0 to {MAX_REPORTED}, got {request.local_compiles}")
-        self.metrics.add(local_compiles=request.local_compiles)
+        for name in ("local_compiles", "direct_hits"):
+            if not 0 <= getattr(request, name) <= MAX_REPORTED:
+                self.metrics.add(invalid=1)
+                await context.abort(Status.INVALID_SPEC, f"{name}: expected 0 to {MAX_REPORTED}, got {getattr(request, name)}")
+        # A client's direct hits are hits: the hit ratio (hits / (hits + misses)) counts them.
+        self.metrics.add(local_compiles=request.local_compiles, hits=request.direct_hits, direct_hits=request.direct_hits)
         return pb.UsageReportResponse()
 
     def _stats(self) -> pb.Stats:

@@ -13,7 +13,11 @@
                         SO_PEERCRED), and the safe reads of a cache file
     channel.py          how callers reach the daemon: target, TCP token, replies as dicts, status -> exception
     generate.py         regenerates the stubs (`python -m proto.generate`)
+    clashes.py          whether another distribution (proto-plus, Hugging Face's kernels) installs
+                        a top-level `proto` or `kernels` too: checked here, at every import
 
 The ground floor: imports nothing from kernels/, compile_service/ or client/
 (tests/test_architecture.py holds it). Light to import: no TileLang, no torch.
 """
+
+from . import clashes  # noqa: F401  (its import fails, in one line, where a foreign `proto` or `kernels` is installed)

@@ -32,4 +32,4 @@ def require_redis_server() -> None:
         return
     if os.environ.get("CI"):
         pytest.fail("redis-server is not installed, and CI must run the fleet tests: .ci/run installs it (apt-get install redis-server)")
-    pytest.skip("redis-server is not installed (Debian: apt-get install redis-server; `make setup` installs it when run as root)")
+    pytest.skip("redis-server is not installed (Debian: apt-get install redis-server; `make test` installs it when run as root)")

@@ -93,7 +93,8 @@ def test_a_read_only_layer_serves_hits_where_they_lie_and_is_never_written(make_
     torch.testing.assert_close(doubled(x), 2 * x)
     direct = d.client()  # finds the entry in the layer itself, and asks nothing
     assert in_dir(norm(direct, 16), layer)
-    assert direct.stats()["hits"] == 2  # the two asked for
+    asked = direct.stats()
+    assert asked["hits"] - asked["direct_hits"] == 2  # the two asked for (direct hits are reported later)
     copy = asking.get_kernel("row_double", target="c", M=5, N=8)  # a copy of the layer's build, made in the cache
     assert in_dir(copy, d.cache_dir)
     torch.testing.assert_close(copy(x), 2 * x)
@@ -196,7 +197,8 @@ def test_a_root_layer_serves_a_daemon_of_another_uid_and_its_agents(world, built
     out = world.json_of(OWNER, SERVE_TWO, d.socket)
     for key, path, *_ in (out["direct"], out["asked"]):
         assert Path(path).parent == entry_dir(layer, key)
-    assert out["asked"][2] == "hit" and out["stats"]["hits"] == 1 and out["stats"]["compiles"] == 0
+    asked = out["stats"]["hits"] - out["stats"]["direct_hits"]  # the direct hit is reported within 10 s, or at exit
+    assert out["asked"][2] == "hit" and asked == 1 and out["stats"]["compiles"] == 0
     d.stop()
     assert snapshot(layer) == before
 

@@ -349,6 +349,77 @@ def test_counters_survive_a_restart_until_zero_stats(make_daemon):
     assert json.loads((d.cache_dir / "stats.json").read_text())["hits"] == 0
 
 
+def test_counters_saved_by_an_older_release_go_on(make_daemon, tmp_path):
+    """A counter a release adds (direct_hits) starts at zero; the saved totals are kept."""
+    cache = tmp_path / "cache"
+    make_daemon(cache_dir=cache).stop()
+    saved = json.loads((cache / "stats.json").read_text())
+    del saved["direct_hits"]
+    (cache / "stats.json").write_text(json.dumps({**saved, "compiles": 7}))
+    stats = make_daemon(cache_dir=cache).client().stats()
+    assert (stats["compiles"], stats["direct_hits"], stats["stats_since"]) == (7, 0, saved["stats_since"])
+
+
+_HIT_AGENT = """
+import sys, client
+c = client.connect(sys.argv[1])
+print(c.get_kernel("rmsnorm", M=None, N=64, dtype="float32", target="c").outcome, flush=True)
+sys.stdin.read()  # held open until the test closes it: the reporter's own report, then the exit
+"""
+
+
+def _free_port() -> int:
+    import socket as sockets
+
+    with sockets.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(port: int) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in body.splitlines() if line and not line.startswith("#"))}
+
+
+def test_direct_hits_of_other_processes_are_counted_in_stats_and_metrics_without_a_getkernel(make_daemon):
+    """Issue 49 item 2: a fresh process finds the kernel on disk (no GetKernel: the request
+    histogram does not move), and the daemon's hits include it: while the process runs, within
+    the reporter's period, and not twice at its exit; a process that exits at once reports at exit."""
+    from client import hit_reports
+
+    port = _free_port()
+    d = make_daemon("--metrics-address", f"127.0.0.1:{port}")
+    d.client(direct_hits=False).get_kernel("rmsnorm", **RMSNORM)  # compiled: a miss
+    before = d.client().stats()
+    agent = subprocess.Popen([sys.executable, "-c", _HIT_AGENT, str(d.socket)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert agent.stdout.readline().strip() == "hit"
+        deadline = time.monotonic() + hit_reports.FLUSH_SECONDS + 10
+        while (running := d.client().stats())["hits"] == before["hits"]:
+            assert time.monotonic() < deadline, f"no report within {hit_reports.FLUSH_SECONDS} s of the hit"
+            time.sleep(0.5)
+    finally:
+        agent.communicate("", timeout=60)
+    assert agent.returncode == 0
+    quick = subprocess.run([sys.executable, "-c", _HIT_AGENT, str(d.socket)], cwd=ROOT, input="", capture_output=True, text=True, timeout=120)
+    assert quick.stdout.strip() == "hit", quick.stderr
+    after = d.client().stats()
+    assert (running["hits"], running["direct_hits"]) == (before["hits"] + 1, before["direct_hits"] + 1)
+    assert (after["hits"], after["direct_hits"], after["misses"]) == (before["hits"] + 2, before["direct_hits"] + 2, before["misses"]), after
+    metrics = _metrics(port)
+    assert metrics["kernel_service_hits_total"] == after["hits"] and metrics["kernel_service_direct_hits_total"] == after["direct_hits"] == 2
+    assert 'kernel_service_request_duration_seconds_count{outcome="hit"}' not in metrics  # neither hit was a GetKernel
+
+
+def test_reported_hits_are_bounded_like_local_compiles(make_daemon):
+    from proto.kernelservice.v1 import kernel_service_pb2 as pb
+
+    c = make_daemon().client()
+    with pytest.raises(Exception, match="direct_hits: expected 0 to 1000000, got -1"):
+        c._stub.ReportUsage(pb.UsageReport(direct_hits=-1), timeout=10)
+    assert c.stats()["hits"] == 0
+
+
 # ----- observability
 
 
@@ -414,7 +485,8 @@ def test_hits_are_served_from_the_cache_without_asking_and_eviction_sees_them(ma
     before = d.client().stats()
     k = d.client().get_kernel("rmsnorm", **RMSNORM)
     assert k.outcome == "hit" and k.kind == "rmsnorm" and k.spec["params"]["N"] == 64
-    assert d.client().stats()["hits"] == before["hits"]  # no GetKernel reached the daemon
+    after = d.client().stats()
+    assert after["hits"] - after["direct_hits"] == before["hits"] - before["direct_hits"]  # no GetKernel reached the daemon
     assert time.time() - k.path.parent.stat().st_mtime < 2  # the use is on disk, where eviction looks
 
     d.client().get_kernel("rmsnorm", **{**RMSNORM, "N": 72})  # over budget: the other entry was just used

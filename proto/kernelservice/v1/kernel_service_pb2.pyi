@@ -137,10 +137,12 @@ class ReportCorruptRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
 class UsageReport(_message.Message):
-    __slots__ = ("local_compiles",)
+    __slots__ = ("local_compiles", "direct_hits")
     LOCAL_COMPILES_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_HITS_FIELD_NUMBER: _ClassVar[int]
     local_compiles: int
-    def __init__(self, local_compiles: _Optional[int] = ...) -> None: ...
+    direct_hits: int
+    def __init__(self, local_compiles: _Optional[int] = ..., direct_hits: _Optional[int] = ...) -> None: ...
 
 class UsageReportResponse(_message.Message):
     __slots__ = ()
@@ -159,7 +161,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes", "joined", "corrupt", "invalid", "compile_seconds", "cpu_quota", "cache_dir", "address", "uptime_seconds", "version", "toolchain", "inductor_dir", "inductor_entries", "inductor_bytes", "evictions", "failures_cached", "cuda_compiler", "device_compile_seconds", "derived", "stats_since", "workers_ready", "running", "queued", "not_ready", "remote", "remote_state", "remote_read_only", "remote_hits", "remote_misses", "remote_bytes_in", "remote_bytes_out", "remote_lease_waits", "remote_takeovers", "remote_errors", "remote_corrupt", "compile_timeouts", "memory_limit", "memory_builds", "most_builds_running", "build_peak_bytes", "local_compiles")
+    __slots__ = ("compiles", "hits", "misses", "failures", "in_flight", "workers", "entries", "bytes", "joined", "corrupt", "invalid", "compile_seconds", "cpu_quota", "cache_dir", "address", "uptime_seconds", "version", "toolchain", "inductor_dir", "inductor_entries", "inductor_bytes", "evictions", "failures_cached", "cuda_compiler", "device_compile_seconds", "derived", "stats_since", "workers_ready", "running", "queued", "not_ready", "remote", "remote_state", "remote_read_only", "remote_hits", "remote_misses", "remote_bytes_in", "remote_bytes_out", "remote_lease_waits", "remote_takeovers", "remote_errors", "remote_corrupt", "compile_timeouts", "memory_limit", "memory_builds", "most_builds_running", "build_peak_bytes", "local_compiles", "direct_hits")
     COMPILES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +210,7 @@ class Stats(_message.Message):
     MOST_BUILDS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     BUILD_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_COMPILES_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_HITS_FIELD_NUMBER: _ClassVar[int]
     compiles: int
     hits: int
     misses: int
@@ -256,7 +259,8 @@ class Stats(_message.Message):
     most_builds_running: int
     build_peak_bytes: int
     local_compiles: int
-    def __init__(self, compiles: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., failures: _Optional[int] = ..., in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., joined: _Optional[int] = ..., corrupt: _Optional[int] = ..., invalid: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., cpu_quota: _Optional[int] = ..., cache_dir: _Optional[str] = ..., address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., inductor_entries: _Optional[int] = ..., inductor_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., failures_cached: _Optional[int] = ..., cuda_compiler: _Optional[str] = ..., device_compile_seconds: _Optional[float] = ..., derived: _Optional[int] = ..., stats_since: _Optional[float] = ..., workers_ready: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., not_ready: _Optional[int] = ..., remote: _Optional[str] = ..., remote_state: _Optional[str] = ..., remote_read_only: _Optional[bool] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_bytes_in: _Optional[int] = ..., remote_bytes_out: _Optional[int] = ..., remote_lease_waits: _Optional[int] = ..., remote_takeovers: _Optional[int] = ..., remote_errors: _Optional[int] = ..., remote_corrupt: _Optional[int] = ..., compile_timeouts: _Optional[int] = ..., memory_limit: _Optional[int] = ..., memory_builds: _Optional[int] = ..., most_builds_running: _Optional[int] = ..., build_peak_bytes: _Optional[int] = ..., local_compiles: _Optional[int] = ...) -> None: ...
+    direct_hits: int
+    def __init__(self, compiles: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., failures: _Optional[int] = ..., in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., joined: _Optional[int] = ..., corrupt: _Optional[int] = ..., invalid: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., cpu_quota: _Optional[int] = ..., cache_dir: _Optional[str] = ..., address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., toolchain: _Optional[str] = ..., inductor_dir: _Optional[str] = ..., inductor_entries: _Optional[int] = ..., inductor_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., failures_cached: _Optional[int] = ..., cuda_compiler: _Optional[str] = ..., device_compile_seconds: _Optional[float] = ..., derived: _Optional[int] = ..., stats_since: _Optional[float] = ..., workers_ready: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., not_ready: _Optional[int] = ..., remote: _Optional[str] = ..., remote_state: _Optional[str] = ..., remote_read_only: _Optional[bool] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_bytes_in: _Optional[int] = ..., remote_bytes_out: _Optional[int] = ..., remote_lease_waits: _Optional[int] = ..., remote_takeovers: _Optional[int] = ..., remote_errors: _Optional[int] = ..., remote_corrupt: _Optional[int] = ..., compile_timeouts: _Optional[int] = ..., memory_limit: _Optional[int] = ..., memory_builds: _Optional[int] = ..., most_builds_running: _Optional[int] = ..., build_peak_bytes: _Optional[int] = ..., local_compiles: _Optional[int] = ..., direct_hits: _Optional[int] = ...) -> None: ...
 
 class ZeroStatsRequest(_message.Message):
     __slots__ = ()

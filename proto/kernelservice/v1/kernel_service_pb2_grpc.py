@@ -191,8 +191,9 @@ class KernelServiceServicer:
         """What a client did without the daemon, added to the counters: TileLang
         kernels it compiled in its own process because they could not be sent
         (client.install_tilelang_cache: a C prelude, a backend or flag that does
-        not travel, a program the daemon refused). Sent once per such compile,
-        never on a hit.
+        not travel, a program the daemon refused), sent once per such compile;
+        and hits it found in the cache itself, sent in batches off the hit path
+        (every 10 s while there are any, and at the client's close and exit).
 
         Errors:
         INVALID_ARGUMENT: a count below 0 or above 1000000.
