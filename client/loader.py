@@ -178,7 +178,7 @@ def _tvm_runtime():
     import torch  # noqa: F401  (TileLang loads torch first too: shared CUDA libraries resolve against it)
 
     # tvm_ffi imports ml_dtypes, when it can, only to name numpy's 8- and 16-bit float dtypes, and
-    # that import can cost more than the rest of a first kernel's load (docs/measured.md, "Warm start: where").
+    # that import can cost more than the rest of a first kernel's load (docs/measured.md#warm-start).
     # Without it tvm_ffi names those dtypes by their numpy names, which are the same. The refusal
     # is this thread's only: another thread's import of ml_dtypes meanwhile goes through.
     refusal = _Refused("ml_dtypes")

@@ -94,7 +94,7 @@ class Attention(KernelKind):
                 raise InvalidSpec("num_stages", f"must be 1 on {target} when causal, varlen, windowed or seq_len is a runtime size")
             p["num_stages"] = 1
         # Defaults: the largest tiles that fit, among those the caller left open (128x128 keys
-        # in 2 stages for d=128 on Hopper; docs/measured.md, section "Kernel speed on the H200").
+        # in 2 stages for d=128 on Hopper; docs/measured.md#kernel-speed).
         for bm, bn, st in DEFAULT_TILES:
             if 0 < p["window"] < 128 and bn > 64:  # a narrow window reads a fraction of a 128-key block
                 continue
@@ -301,9 +301,8 @@ class Attention(KernelKind):
             with T.Kernel(T.ceildiv(seq, bm), p["heads"], batch, threads=p["threads"]) as (bid, h, b):
                 dependent_launch(target)
                 # Causal blocks differ in work (query block i reads i + 1 key blocks): the longest
-                # start first, so the last wave is short ones (docs/measured.md, section "Decode-shaped
-                # kernels (issue 18)", *Causal block order*). The block count is read on the
-                # device (gridDim.x), so seq_len stays out of the device code (host_side_dims).
+                # start first, so the last wave is short ones (docs/measured.md#kernel-speed).
+                # The block count is read on the device (gridDim.x), so seq_len stays out of the device code (host_side_dims).
                 bx = grid_x() - 1 - bid if causal else bid
                 Q_s = T.alloc_shared((bm, d), dtype)
                 K_s = T.alloc_shared((bn, d), dtype)

@@ -317,7 +317,7 @@ class Gemm(KernelKind):
         rn = 256  # columns per block of the split-K reduction
         # On Hopper each warpgroup takes whole rows of the tile, so one wgmma spans its width
         # (m64n256 for 128x256, CUTLASS's cooperative layout) where the default policy splits
-        # it into narrower ones (docs/measured.md, section "Decode-shaped kernels (issue 18)", *Warpgroup rows*).
+        # it into narrower ones (docs/measured.md#decode-gemm).
         wide = target.compute_capability >= 90 and bm >= 64
         policy = T.GemmWarpPolicy.FullRow if wide else T.GemmWarpPolicy.Square
 
@@ -325,8 +325,8 @@ class Gemm(KernelKind):
         def body(A, B, Bias, R, W, C):
             with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), split, threads=p["threads"]) as (bx, by, bz):
                 # The next kernel may launch once this block's K loop is done, not before: a decode
-                # GEMM's one wave ran slower with the trigger at its start (docs/measured.md, section
-                # "Decode-shaped kernels (issue 18)", *Where a GEMM triggers*).
+                # GEMM's one wave ran slower with the trigger at its start
+                # (docs/measured.md#programmatic-dependent-launch).
                 dependent_launch(target, trigger=False)
                 A_s = T.alloc_shared((bm, bk), dtype)
                 B_s = T.alloc_shared(b_tile, dtype)

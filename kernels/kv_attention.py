@@ -93,7 +93,7 @@ class KVAttention(KernelKind):
         if p["dtype"] == "float32":
             raise InvalidSpec("dtype", "float32 kv_attention is not supported on CUDA; use float16 or bfloat16")
         # Defaults: 128-key tiles in 2 stages for a contiguous cache, 64-key cp.async gathers for a
-        # paged one, the best of the tiles tried at decode (docs/measured.md, section "Decode-shaped kernels (issue 18)").
+        # paged one, the best of the tiles tried at decode (docs/measured.md#decode-attention).
         p["block_H"] = p["block_H"] or 16
         p["block_N"] = p["block_N"] or (64 if p["paged"] else 128)
         p["threads"] = p["threads"] or 128
@@ -135,8 +135,7 @@ class KVAttention(KernelKind):
     def _gather(p):
         """K/V tiles come by cp.async into two buffers, a page (or the part of one a tile holds) per
         copy. Every paged cache takes it: pages of block_N keys or more could go through the TMA
-        pipeline a page per copy, but that form hung on the H200 (docs/measured.md, section
-        "Decode-shaped kernels (issue 18)", *A page per TMA copy*)."""
+        pipeline a page per copy, but that form hung on the H200 (docs/measured.md#decode-attention)."""
         return p["load"] == "cp_async"
 
     def scratch(self, p):
@@ -499,14 +498,14 @@ class KVAttention(KernelKind):
         def combine_body(O_part, LSE, O):
             if max_splits > 1:
                 # One idle block when the split kernel wrote O itself: a full grid of idle blocks was
-                # slower (docs/measured.md, section "Decode-shaped kernels (issue 18)", *Splits past one wave*).
+                # slower (docs/measured.md#decode-attention).
                 combines = T.if_then_else(nsplit > 1, heads, 1)
                 with T.Kernel(combines, q_len, T.if_then_else(nsplit > 1, batch, 1), threads=d) as (hh, i, b):
                     dependent_launch(target)
                     # The splits' log-sum-exps are loaded once, a thread each, and read from shared
                     # memory; the partial outputs are summed over the splits this call made, not the
-                    # build's most: loops over num_splits cost in proportion (docs/measured.md, section
-                    # "Decode-shaped kernels (issue 18)").
+                    # build's most: loops over num_splits cost in proportion
+                    # (docs/measured.md#decode-attention).
                     lse_s = T.alloc_shared((max_splits,), acc_t)
                     splits = T.alloc_local((1,), "int32")  # the rule evaluated once, not at each use
                     mx = T.alloc_local((1,), acc_t)

@@ -36,7 +36,7 @@ def cuda_only(p, target, *names):
 
 def default_row_threads(n, dtype):
     """Fewest threads (128..1024) holding at most 64 elements each, preferring a
-    count that gives every thread whole 16-byte vectors (docs/measured.md, section "Kernel speed on the H200")."""
+    count that gives every thread whole 16-byte vectors (docs/measured.md#kernel-speed)."""
     vec = 4 if dtype == "float32" else 8
     fits = [t for t in (128, 256, 512, 1024) if -(-n // t) <= MAX_PER_THREAD]
     return next((t for t in fits if n % (t * vec) == 0), fits[0])
