@@ -44,6 +44,7 @@ from pathlib import Path
 
 from proto import abi as abi_schema
 from proto.entry import ENTRY_META, MANIFEST, Entry, EntryRefused, check_location, is_file_name, read_manifest, read_meta, signature
+from proto.memo import Memo
 from proto.paths import entry_dir, xdg_cache_home
 from proto.trust import read_owned, read_verified  # noqa: F401  (importable from here, as before)
 
@@ -569,7 +570,7 @@ def _open(path: Path, sha256: str, size: int, abi: dict, spec: dict, key: str, o
 
 Published = Entry  # a published entry found on disk, its record checked: what a GetKernel reply would say
 
-_found: dict[Path, tuple[Entry, tuple]] = {}  # entry directory -> (entry, its records' stat signature when checked)
+_found: Memo = Memo()  # entry directory -> (entry, its records' stat signature when checked)
 
 
 def find_published(cache_root: Path, key: str, spec: dict, owner: int) -> Entry | None:
@@ -603,9 +604,7 @@ def _check_published(cache_root: Path, entry: Path, key: str, spec: dict, owner:
     except (OSError, ValueError, KeyError, TypeError):  # missing, refused (EntryRefused), garbage
         _found.pop(entry, None)
         return None
-    if len(_found) >= 4096:
-        _found.clear()
-    _found[entry] = (found, sig)
+    _found.remember(entry, (found, sig))
     return found
 
 
