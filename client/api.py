@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import random
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -27,7 +26,7 @@ from proto.trust import layer_owner, read_owned
 from proto.wire import Outcome, Status
 
 from . import hit_reports, loader, resolver
-from .errors import CompileError, CompileTimeout, CorruptArtifact, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable
+from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable
 from .inductor import InductorCache, use_shared_inductor_cache
 
 log = logging.getLogger(__name__)
@@ -591,7 +590,7 @@ class Client:
                 answered += 1
                 slot, memo_key, proto, spec = wanted[event.index]
                 if event.error_code:
-                    results[slot] = _event_error(event)
+                    results[slot] = channel.event_error(event, f"kernel {proto.kind}")
                 elif load and json.loads(event.kernel.artifact.abi_json).get("loader") != abi.PROGRAM:  # TileLang loads its programs (client.tilelang)
                     results[slot] = self._load_prefetched(event.kernel, memo_key, proto, spec, timeout)
                 else:
@@ -599,7 +598,7 @@ class Client:
                 event.index, event.done, event.total = slot, done + event.done, len(results)
                 report(event)
         except grpc.RpcError as err:
-            refused = _refused_spec(err, len(wanted)) if not answered else None
+            refused = channel.refused_spec(err, len(wanted)) if not answered else None
             if refused is None:
                 _raise_for(err, "prefetch", self.address)
             position, exc = refused
@@ -693,26 +692,6 @@ def _progress_reporter(progress: Callable[..., object] | None) -> Callable[[pb.P
             progress(event.done, event.total, as_dict)
 
     return report
-
-
-def _refused_spec(err: grpc.RpcError, sent: int) -> tuple[int, InvalidSpec] | None:
-    """(position in the request, its error) when a Prefetch was refused for one invalid spec
-    ("specs[3].N: ..."), as the daemon refuses a kind only it knows; None for any other failure."""
-    match = re.fullmatch(r"specs\[(\d+)\]\.(.+)", err.details() or "", re.DOTALL) if err.code() == Status.INVALID_SPEC else None
-    if match is None or int(match[1]) >= sent:
-        return None
-    return int(match[1]), wire.invalid_spec_from_details(match[2])
-
-
-def _event_error(event: pb.PrefetchEvent) -> Exception:
-    """The exception a failed Prefetch event stands for, as GetKernel would raise it."""
-    if event.error_code == Status.COMPILE_FAILED.name:
-        return CompileError(event.error_message)
-    if event.error_code == Status.COMPILE_TIMEOUT.name and event.error_message.startswith(wire.COMPILE_TIMEOUT_DETAILS):
-        return CompileTimeout(event.error_message.removeprefix(wire.COMPILE_TIMEOUT_DETAILS))
-    if event.error_code == Status.NOT_READY.name:
-        return KernelNotReady(event.error_message, wire.not_ready_key(event.error_message))
-    return ServiceError(event.error_message, event.error_code)
 
 
 # ----- module-level API on a default connection

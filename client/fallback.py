@@ -12,10 +12,11 @@ import os
 from pathlib import Path
 
 import kernels
+from proto import channel
 from proto.paths import default_cache_dir
+from proto.wire import Status
 
 from . import loader
-from .errors import CompileError, KernelNotReady, ServiceError
 
 
 def build_locally(spec: kernels.CanonicalSpec, cache_dir: str | os.PathLike | None = None, compile: bool = True) -> loader.Kernel:
@@ -23,14 +24,15 @@ def build_locally(spec: kernels.CanonicalSpec, cache_dir: str | os.PathLike | No
     from compile_service.embedded import CompileFailed, NotReady, StoreError, embedded
 
     service = embedded(str(Path(cache_dir) if cache_dir else default_cache_dir()))
+    what = f"kernel {spec.kind}"  # raised as the daemon's answer for it would be (proto.channel)
     try:
         entry, outcome = service.get(spec, compile)
     except NotReady as exc:
-        raise KernelNotReady(str(exc), exc.key) from None
+        raise channel.error_from(Status.NOT_READY, str(exc), what) from None
     except CompileFailed as exc:
-        raise CompileError(f"kernel {spec.kind} failed to compile:\n{exc}") from None
+        raise channel.error_from(Status.COMPILE_FAILED, str(exc), what) from None
     except StoreError as exc:
-        raise ServiceError(f"kernel cache write failed: {exc.strerror or exc}", "INTERNAL") from None
+        raise channel.error_from(Status.CACHE_FAILED, f"kernel cache write failed: {exc.strerror or exc}", what) from None
     # Checked like a daemon's answer: only this process's own files, under its cache root.
     kernel = loader.load(
         entry.path,

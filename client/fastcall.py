@@ -12,7 +12,7 @@ the library.
 
 Each kernel's call is generated once, on its first call, as straight-line code for its own
 inputs and outputs: no loop, dict or list per call (a per-call loop over two tensors costs
-more than the checks it makes; docs/measured.md). It answers CHECKED for any call it does not take; then
+more than the checks it makes; docs/measured.md#host-time-per-call). It answers CHECKED for any call it does not take; then
 `Kernel.__call__` takes the checked path, which names the problem as on every other path, and
 so does a call the library refused.
 """

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from proto import abi as abi_schema
 from proto.entry import ENTRY_META, MANIFEST, Entry, EntryRefused, check_location, is_file_name, read_manifest, read_meta, signature
+from proto.memo import Memo
 from proto.paths import entry_dir, xdg_cache_home
 from proto.trust import read_owned, read_verified  # noqa: F401  (importable from here, as before)
 
@@ -178,7 +179,7 @@ def _tvm_runtime():
     import torch  # noqa: F401  (TileLang loads torch first too: shared CUDA libraries resolve against it)
 
     # tvm_ffi imports ml_dtypes, when it can, only to name numpy's 8- and 16-bit float dtypes, and
-    # that import can cost more than the rest of a first kernel's load (docs/measured.md, "Warm start: where").
+    # that import can cost more than the rest of a first kernel's load (docs/measured.md#warm-start).
     # Without it tvm_ffi names those dtypes by their numpy names, which are the same. The refusal
     # is this thread's only: another thread's import of ml_dtypes meanwhile goes through.
     refusal = _Refused("ml_dtypes")
@@ -569,7 +570,7 @@ def _open(path: Path, sha256: str, size: int, abi: dict, spec: dict, key: str, o
 
 Published = Entry  # a published entry found on disk, its record checked: what a GetKernel reply would say
 
-_found: dict[Path, tuple[Entry, tuple]] = {}  # entry directory -> (entry, its records' stat signature when checked)
+_found: Memo = Memo()  # entry directory -> (entry, its records' stat signature when checked)
 
 
 def find_published(cache_root: Path, key: str, spec: dict, owner: int) -> Entry | None:
@@ -603,9 +604,7 @@ def _check_published(cache_root: Path, entry: Path, key: str, spec: dict, owner:
     except (OSError, ValueError, KeyError, TypeError):  # missing, refused (EntryRefused), garbage
         _found.pop(entry, None)
         return None
-    if len(_found) >= 4096:
-        _found.clear()
-    _found[entry] = (found, sig)
+    _found.remember(entry, (found, sig))
     return found
 
 

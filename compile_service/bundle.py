@@ -63,7 +63,7 @@ from .store import LocalStore, StoreError
 FORMAT = "kernel-service-bundle"
 VERSION = 2  # 2: may hold bundle.sig, may be xz-compressed
 READS = (1, 2)  # versions import reads: 1 is what kernel-service wrote before signatures
-XZ_PRESET = 6  # docs/measured.md: xz 6 against gzip and zstd on the zoo's sm_90a entries
+XZ_PRESET = 6  # docs/measured.md#bundle-size-and-codec: xz 6 against gzip and zstd on the zoo's sm_90a entries
 INDEX = "bundle.json"
 MAX_MEMBER = 256 << 20  # bytes of one file: a kernel library is a few MB
 MAX_TOTAL = 8 << 30  # bytes of all files

@@ -14,7 +14,6 @@ import argparse
 import functools
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -505,13 +504,12 @@ def _prewarm(args) -> int:
                         word = "built"
                     bar(f"{word:<13} {_label(spec)}")
             except grpc.RpcError as err:
-                # One invalid spec fails a whole batch before any work ("specs[i].field: ..."):
-                # report it, and prewarm the rest.
-                bad = re.match(r"specs\[(\d+)\]", err.details() or "") if err.code() == grpc.StatusCode.INVALID_ARGUMENT else None
-                if bad is None or int(bad.group(1)) >= len(batch):
+                # One invalid spec fails a whole batch before any work: report it, and prewarm the rest.
+                refused = channel.refused_spec(err, len(batch))
+                if refused is None:
                     return _fail(f"prewarm stopped: the daemon at {address} answered {err.code().name}: {err.details()}")
-                i = batch[int(bad.group(1))]
-                failed.append((specs[i], f"INVALID_ARGUMENT: {(err.details() or '').split(': ', 1)[-1]}"))
+                i = batch[refused[0]]
+                failed.append((specs[i], f"INVALID_ARGUMENT: {str(refused[1]).split(': ', 1)[-1]}"))
                 bar(f"{'FAILED':<13} {_label(specs[i])}")
                 todo.remove(i)
                 continue

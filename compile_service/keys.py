@@ -26,19 +26,19 @@ def tilelang_version() -> str:
         return "none"
 
 
-def _base(cuda_compiler: str | None) -> dict:
-    return {"schema": SCHEMA, "tilelang": tilelang_version(), "cuda_compiler": cuda_compiler, "machine": platform.machine()}
+def _fingerprint(cuda_compiler: str | None, kinds: list[str]) -> dict:
+    return keys.fingerprint(tilelang_version(), cuda_compiler, platform.machine(), {kind: kernels.source_digest(kind) for kind in kinds})
 
 
 def fingerprint(cuda_compiler: str) -> dict:
     """Everything besides the spec that goes into this daemon's keys, for every registered kind."""
-    return {**_base(cuda_compiler), "kind_sources": {kind: kernels.source_digest(kind)[:16] for kind in sorted(kernels.kinds())}}
+    return _fingerprint(cuda_compiler, sorted(kernels.kinds()))
 
 
 def toolchain(kind: str, target_kind: str, cuda_compiler: str | None) -> dict:
     """What besides the spec decides the compiled bytes of one kind on one target kind.
     `cuda_compiler`: the device compiler's id ("nvrtc-13.0"), recorded for CUDA only."""
-    return keys.toolchain({**_base(cuda_compiler), "kind_sources": {kind: kernels.source_digest(kind)[:16]}}, kind, target_kind)
+    return keys.toolchain(_fingerprint(cuda_compiler, [kind]), kind, target_kind)
 
 
 def describe_toolchain(cuda_compiler: str) -> str:

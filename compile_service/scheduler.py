@@ -75,6 +75,7 @@ from kernels import get_kind, label
 from kernels.spec import CanonicalSpec
 from proto import abi
 from proto.entry import SOURCES
+from proto.memo import Memo
 from proto.wire import Outcome, not_ready_details
 
 from . import logs
@@ -319,7 +320,7 @@ class Scheduler:
         self._failures = _Failures()
         self.background_limit = max(1, queue_limit // 2)
         self.call_share = max(1, queue_limit // 4)  # compiles one Prefetch call may queue (the servicer enforces it)
-        self._keys: dict[str, tuple[str, dict]] = {}  # canonical spec JSON -> (key, spec)
+        self._keys: Memo = Memo()  # canonical spec JSON -> (key, spec)
         self._fetching: dict[str, cf.Future] = {}  # key -> the fetch from other builders under way (requests that may not compile)
         self._queue: queue.PriorityQueue[_Job] = queue.PriorityQueue()
         self._seq = itertools.count()
@@ -609,9 +610,7 @@ class Scheduler:
         if known is None:
             known = (cache_key(spec, self.device.id), json.loads(text))
             if len(text) <= MEMO_SPEC:  # a TileLang program's spec is tens of kilobytes: not kept
-                if len(self._keys) >= 4096:
-                    self._keys.clear()
-                self._keys[text] = known
+                self._keys.remember(text, known)
         return known
 
     def release(self, futures) -> int:

@@ -21,6 +21,7 @@ from proto.entry import is_key
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 from proto.manifest import check_app
+from proto.memo import Memo
 from proto.wire import Outcome, Status
 
 from . import __version__, explain, keys
@@ -33,7 +34,6 @@ from .store import Entry, StoreError
 
 log = logging.getLogger(__name__)
 
-VALID_MEMO = 4096  # validated specs remembered (a plain dict, cleared when full)
 # Calls waiting on compiles or fetches from the fleet tier at once (GetKernel misses, Prefetch
 # streams); more get BUSY at once. It bounds what idle and unread callers can hold; hits and
 # health are never counted.
@@ -201,7 +201,7 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         self._info_fields = info
         self._info: pb.ServiceInfo | None = None
         self._info_lock = threading.Lock()
-        self._valid: dict[bytes, kernels.CanonicalSpec] = {}
+        self._valid: Memo = Memo()  # wire bytes -> canonical spec
 
     def close(self) -> None:
         self._slow.shutdown(wait=False, cancel_futures=True)
@@ -240,9 +240,7 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
             self.metrics.add(invalid=1)
             raise
         if len(wire_bytes) <= MEMO_SPEC:  # a TileLang program (tens of kilobytes) is validated each time
-            if len(self._valid) >= VALID_MEMO:
-                self._valid.clear()
-            self._valid[wire_bytes] = canonical
+            self._valid.remember(wire_bytes, canonical)
         return canonical
 
     async def _validated(self, spec: pb.KernelSpec) -> kernels.CanonicalSpec:

@@ -9,10 +9,9 @@ from .barriers import sync_shared, without_thread_sync
 from .launch import dependent_launch, grid_x
 from .registry import register
 from .spec import MAX_DIM, InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import cuda_only, pow2, smem_limit
+from .tiling import cpu_attention_tiles, cuda_attention_dims, cuda_only, pow2, smem_limit
 
 LOG2E = 1.4426950408889634
-CPU_SCRATCH = 256 * 1024
 # CUDA (block_M, block_N, num_stages) defaults, largest first; the first that fits shared memory wins.
 DEFAULT_TILES = ((128, 128, 2), (128, 64, 2), (128, 64, 1), (64, 64, 2), (64, 64, 1), (64, 32, 1))
 
@@ -64,23 +63,9 @@ class Attention(KernelKind):
             raise InvalidSpec("kv_heads", f"heads ({p['heads']}) must be a multiple of kv_heads ({p['kv_heads']})")
         cuda_only(p, target, "num_stages", "threads")
         if target.is_cpu:
-            p["block_M"] = p["block_M"] or 16
-            p["block_N"] = p["block_N"] or 16
-            pow2("block_M", p["block_M"], 1, 128)
-            pow2("block_N", p["block_N"], 1, 128)
-            # The scores and output tiles are C stack arrays; keep them well under a thread's stack.
-            scratch = 4 * p["block_M"] * (p["block_N"] + p["head_dim"])
-            if scratch > CPU_SCRATCH:
-                raise InvalidSpec(
-                    "head_dim",
-                    f"block_M*(block_N+head_dim) fp32 scratch is {scratch // 1024} KiB, over {CPU_SCRATCH // 1024} KiB on target {target.describe()}; use a smaller block_M",
-                )
+            cpu_attention_tiles(p, "block_M", target)
             return p
-        d = p["head_dim"]
-        if d % 16 or d > 256:
-            raise InvalidSpec("head_dim", f"must be a multiple of 16 up to 256 on CUDA, got {d}")
-        if p["dtype"] == "float32":
-            raise InvalidSpec("dtype", "float32 attention is not supported on CUDA; use float16 or bfloat16")
+        d = cuda_attention_dims(p, "attention")
         # Each warpgroup (128 threads) owns one 64-row tile of queries (one wgmma M),
         # so block_M and threads go together: 64 with 128 threads, 128 with 256.
         if p["threads"] not in (None, 128, 256):
@@ -94,7 +79,7 @@ class Attention(KernelKind):
                 raise InvalidSpec("num_stages", f"must be 1 on {target} when causal, varlen, windowed or seq_len is a runtime size")
             p["num_stages"] = 1
         # Defaults: the largest tiles that fit, among those the caller left open (128x128 keys
-        # in 2 stages for d=128 on Hopper; docs/measured.md, section "Kernel speed on the H200").
+        # in 2 stages for d=128 on Hopper; docs/measured.md#kernel-speed).
         for bm, bn, st in DEFAULT_TILES:
             if 0 < p["window"] < 128 and bn > 64:  # a narrow window reads a fraction of a 128-key block
                 continue
@@ -301,9 +286,8 @@ class Attention(KernelKind):
             with T.Kernel(T.ceildiv(seq, bm), p["heads"], batch, threads=p["threads"]) as (bid, h, b):
                 dependent_launch(target)
                 # Causal blocks differ in work (query block i reads i + 1 key blocks): the longest
-                # start first, so the last wave is short ones (docs/measured.md, section "Decode-shaped
-                # kernels (issue 18)", *Causal block order*). The block count is read on the
-                # device (gridDim.x), so seq_len stays out of the device code (host_side_dims).
+                # start first, so the last wave is short ones (docs/measured.md#kernel-speed).
+                # The block count is read on the device (gridDim.x), so seq_len stays out of the device code (host_side_dims).
                 bx = grid_x() - 1 - bid if causal else bid
                 Q_s = T.alloc_shared((bm, d), dtype)
                 K_s = T.alloc_shared((bn, d), dtype)

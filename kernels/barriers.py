@@ -3,7 +3,7 @@ TileLang's ThreadSync pass turned off for their builds. Build-time helpers, call
 T.Kernel as launch.py's are.
 
 ThreadSync is the costliest pass of lowering such a kernel: it proves each pair of shared-memory
-accesses apart with Z3 (docs/measured.md, section "ThreadSync"). In these kernels the TMA
+accesses apart with Z3 (docs/measured.md#barriers-placed-by-hand). In these kernels the TMA
 pipeline synchronises through mbarriers, so the pass places few barriers: among the epilogue's
 threads before and after each write of the shared tile they stage the output (and a residual)
 through, and attention's one after its Q load. Each kernel places those itself, with

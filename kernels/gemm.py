@@ -108,6 +108,22 @@ def activation(T, x, act):
     return x
 
 
+def runtime_sizes(T, p):
+    """M and N as the PrimFunc takes them: a size the spec leaves None is a runtime one."""
+    return tuple(p[name] if p[name] is not None else T.dynamic(name) for name in ("M", "N"))
+
+
+def epilogue(T, x, act, Bias, R, row, col):
+    """What a GEMM stores at (row, col) for its fp32 sum `x`: plus the bias, through the activation,
+    plus the residual; Bias and R are None where the kernel has none (traced, as `activation`)."""
+    if Bias is not None:
+        x += T.cast(Bias[col], "float32")
+    x = activation(T, x, act)
+    if R is not None:
+        x += T.cast(R[row, col], "float32")
+    return x
+
+
 def prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res, w_shape=None):
     """The PrimFunc of the ABI (A, B[, Bias][, R][, W], C) around `body(A, B, Bias, R, W, C)`;
     W (fp32, `w_shape`) is per-call scratch (Gemm.scratch), there only when a schedule needs one."""
@@ -255,8 +271,7 @@ class Gemm(KernelKind):
     def build_cpu(self, p):
         import tilelang.language as T
 
-        M = p["M"] if p["M"] is not None else T.dynamic("M")
-        N = p["N"] if p["N"] is not None else T.dynamic("N")
+        M, N = runtime_sizes(T, p)
         K, dtype = p["K"], p["dtype"]
         bm, bn, bk = p["block_M"], p["block_N"], p["block_K"]
         trans_b, act, has_bias, has_res = p["trans_b"], p["act"], p["bias"], p["residual"]
@@ -301,8 +316,7 @@ class Gemm(KernelKind):
         scratch W[split_k, M, N]; a second kernel sums the slices and applies the epilogue."""
         import tilelang.language as T
 
-        M = p["M"] if p["M"] is not None else T.dynamic("M")
-        N = p["N"] if p["N"] is not None else T.dynamic("N")
+        M, N = runtime_sizes(T, p)
         K, dtype = p["K"], p["dtype"]
         bm, bn, bk = p["block_M"], p["block_N"], p["block_K"]
         trans_b, act, has_bias, has_res = p["trans_b"], p["act"], p["bias"], p["residual"]
@@ -317,7 +331,7 @@ class Gemm(KernelKind):
         rn = 256  # columns per block of the split-K reduction
         # On Hopper each warpgroup takes whole rows of the tile, so one wgmma spans its width
         # (m64n256 for 128x256, CUTLASS's cooperative layout) where the default policy splits
-        # it into narrower ones (docs/measured.md, section "Decode-shaped kernels (issue 18)", *Warpgroup rows*).
+        # it into narrower ones (docs/measured.md#decode-gemm).
         wide = target.compute_capability >= 90 and bm >= 64
         policy = T.GemmWarpPolicy.FullRow if wide else T.GemmWarpPolicy.Square
 
@@ -325,8 +339,8 @@ class Gemm(KernelKind):
         def body(A, B, Bias, R, W, C):
             with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), split, threads=p["threads"]) as (bx, by, bz):
                 # The next kernel may launch once this block's K loop is done, not before: a decode
-                # GEMM's one wave ran slower with the trigger at its start (docs/measured.md, section
-                # "Decode-shaped kernels (issue 18)", *Where a GEMM triggers*).
+                # GEMM's one wave ran slower with the trigger at its start
+                # (docs/measured.md#programmatic-dependent-launch).
                 dependent_launch(target, trigger=False)
                 A_s = T.alloc_shared((bm, bk), dtype)
                 B_s = T.alloc_shared(b_tile, dtype)
@@ -379,13 +393,7 @@ class Gemm(KernelKind):
                     for j in T.Parallel(rn):
                         col = bx * rn + j
                         if col < N:
-                            x = acc[j]
-                            if has_bias:
-                                x += T.cast(Bias[col], "float32")
-                            x = activation(T, x, act)
-                            if has_res:
-                                x += T.cast(R[row, col], "float32")
-                            C[row, col] = T.cast(x, dtype)
+                            C[row, col] = T.cast(epilogue(T, acc[j], act, Bias, R, row, col), dtype)
 
         w_shape = (split, M, N) if split > 1 else None
         return without_thread_sync(prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res, w_shape), target)
@@ -397,8 +405,7 @@ class Gemm(KernelKind):
         After TileLang's examples/gemv (splitk_gemv_vectorized), written for this ABI."""
         import tilelang.language as T
 
-        M = p["M"] if p["M"] is not None else T.dynamic("M")
-        N = p["N"] if p["N"] is not None else T.dynamic("N")
+        M, N = runtime_sizes(T, p)
         K, dtype = p["K"], p["dtype"]
         bm, bn, bk = p["block_M"], p["block_N"], p["block_K"]
         act, has_bias, has_res = p["act"], p["bias"], p["residual"]
@@ -439,13 +446,7 @@ class Gemm(KernelKind):
                 for i in T.unroll(bm):
                     row = by * bm + i
                     if lane == 0 and n < N and row < M:
-                        x = acc[i]
-                        if has_bias:
-                            x += T.cast(Bias[n], "float32")
-                        x = activation(T, x, act)
-                        if has_res:
-                            x += T.cast(R[row, n], "float32")
-                        C[row, n] = T.cast(x, dtype)
+                        C[row, n] = T.cast(epilogue(T, acc[i], act, Bias, R, row, n), dtype)
 
         b_shape = (N, K)
         return prim_func(T, body, M, N, K, b_shape, dtype, has_bias, has_res)

@@ -3,8 +3,8 @@ K and M. The TIR the tiles feed is kernels/gemm.py.
 
 Pure Python (no TileLang): `Gemm.check` and `Gemm.dispatch` read it before any build. The tiles
 and thresholds are the fastest of sweeps on an H200 under CUDA graphs, for weights N x K in
-{14336, 4096, 6144} x 4096 and 4096 x 14336 (benchmark/kernel_speed.py, DECODE): docs/measured.md,
-section "Decode-shaped kernels (issue 18)"; the prefill tile, section "Kernel speed on the H200".
+{14336, 4096, 6144} x 4096 and 4096 x 14336 (benchmark/kernel_speed.py, DECODE): docs/measured.md#decode-gemm;
+the prefill tile, docs/measured.md#kernel-speed.
 """
 
 from .tiling import SMS, smem_limit
@@ -25,7 +25,7 @@ def prefill_tiles(p, target):
     if p["dtype"] == "float32" or smem_limit(target) < 200 * 1024:
         # tf32 (4-byte elements) or a pre-Hopper part: a tile that fits ~100 KiB
         return {"block_M": 128, "block_N": 128, "block_K": 32, "num_stages": 3 if smem_limit(target) >= 80 * 1024 else 2, "threads": 256}
-    # 128x256x64 in 3 stages: the wgmma-friendly Hopper tile (docs/measured.md, section "Kernel speed on the H200")
+    # 128x256x64 in 3 stages: the wgmma-friendly Hopper tile (docs/measured.md#kernel-speed)
     return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256}
 
 
@@ -40,7 +40,7 @@ def ranges(p, target):
 
     Small M is a weight-streaming problem (decode): each weight is read once, so what counts is
     a grid that fills the SMs and enough loads in flight on each; the prefill tile leaves most
-    SMs idle there (docs/measured.md, section "Decode-shaped kernels (issue 18)").
+    SMs idle there (docs/measured.md#decode-gemm).
     """
     big = schedule("tma", **prefill_tiles(p, target))
     if p["dtype"] == "float32" or smem_limit(target) < 200 * 1024:
@@ -52,8 +52,7 @@ def ranges(p, target):
 
     def whole_waves(m_tiles):
         """The widest of the 32-column multiples from 64 to 256 whose grid of m_tiles rows best fills whole waves:
-        a last, part-filled wave leaves SMs idle for a whole tile's time (docs/measured.md, section
-        "Decode-shaped kernels (issue 18)", *Tiles that fill whole waves*)."""
+        a last, part-filled wave leaves SMs idle for a whole tile's time (docs/measured.md#decode-gemm)."""
 
         def filled(bn):
             blocks = -(-n // bn) * m_tiles

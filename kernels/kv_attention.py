@@ -11,10 +11,9 @@ from .kv_splits import cdiv, default_max_splits, num_splits
 from .launch import dependent_launch, grid_x
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import cuda_only, pow2, smem_limit
+from .tiling import cpu_attention_tiles, cuda_attention_dims, cuda_only, pow2, smem_limit
 
 LOG2E = 1.4426950408889634
-CPU_SCRATCH = 256 * 1024
 # Page ids a block stages in shared memory before its loop (its split's first pages): the
 # gather then never waits on a block_table load. Paged splits are sized to fit when num_splits allows.
 PAGE_WINDOW = 512
@@ -74,26 +73,11 @@ class KVAttention(KernelKind):
         if p["num_splits"] > 128:
             raise InvalidSpec("num_splits", f"must be at most 128, got {p['num_splits']}")
         if target.is_cpu:
-            p["block_H"] = p["block_H"] or 16
-            p["block_N"] = p["block_N"] or 16
-            pow2("block_H", p["block_H"], 1, 128)
-            pow2("block_N", p["block_N"], 1, 128)
-            # The scores and output tiles are C stack arrays; keep them well under a thread's stack.
-            scratch = 4 * p["block_H"] * (p["block_N"] + p["head_dim"])
-            if scratch > CPU_SCRATCH:
-                raise InvalidSpec(
-                    "head_dim",
-                    f"block_H*(block_N+head_dim) fp32 scratch is {scratch // 1024} KiB, over {CPU_SCRATCH // 1024} KiB on target {target.describe()}; "
-                    "use a smaller block_H",
-                )
+            cpu_attention_tiles(p, "block_H", target)
             return p
-        d = p["head_dim"]
-        if d % 16 or d > 256:
-            raise InvalidSpec("head_dim", f"must be a multiple of 16 up to 256 on CUDA, got {d}")
-        if p["dtype"] == "float32":
-            raise InvalidSpec("dtype", "float32 kv_attention is not supported on CUDA; use float16 or bfloat16")
+        d = cuda_attention_dims(p, "kv_attention")
         # Defaults: 128-key tiles in 2 stages for a contiguous cache, 64-key cp.async gathers for a
-        # paged one, the best of the tiles tried at decode (docs/measured.md, section "Decode-shaped kernels (issue 18)").
+        # paged one, the best of the tiles tried at decode (docs/measured.md#decode-attention).
         p["block_H"] = p["block_H"] or 16
         p["block_N"] = p["block_N"] or (64 if p["paged"] else 128)
         p["threads"] = p["threads"] or 128
@@ -135,8 +119,7 @@ class KVAttention(KernelKind):
     def _gather(p):
         """K/V tiles come by cp.async into two buffers, a page (or the part of one a tile holds) per
         copy. Every paged cache takes it: pages of block_N keys or more could go through the TMA
-        pipeline a page per copy, but that form hung on the H200 (docs/measured.md, section
-        "Decode-shaped kernels (issue 18)", *A page per TMA copy*)."""
+        pipeline a page per copy, but that form hung on the H200 (docs/measured.md#decode-attention)."""
         return p["load"] == "cp_async"
 
     def scratch(self, p):
@@ -499,14 +482,14 @@ class KVAttention(KernelKind):
         def combine_body(O_part, LSE, O):
             if max_splits > 1:
                 # One idle block when the split kernel wrote O itself: a full grid of idle blocks was
-                # slower (docs/measured.md, section "Decode-shaped kernels (issue 18)", *Splits past one wave*).
+                # slower (docs/measured.md#decode-attention).
                 combines = T.if_then_else(nsplit > 1, heads, 1)
                 with T.Kernel(combines, q_len, T.if_then_else(nsplit > 1, batch, 1), threads=d) as (hh, i, b):
                     dependent_launch(target)
                     # The splits' log-sum-exps are loaded once, a thread each, and read from shared
                     # memory; the partial outputs are summed over the splits this call made, not the
-                    # build's most: loops over num_splits cost in proportion (docs/measured.md, section
-                    # "Decode-shaped kernels (issue 18)").
+                    # build's most: loops over num_splits cost in proportion
+                    # (docs/measured.md#decode-attention).
                     lse_s = T.alloc_shared((max_splits,), acc_t)
                     splits = T.alloc_local((1,), "int32")  # the rule evaluated once, not at each use
                     mx = T.alloc_local((1,), acc_t)

@@ -29,9 +29,8 @@ combine kernel reads it once. The rule:
 The expression is kept small: TileLang's lowering pays for its size at every use of the grid it
 sizes (tests/test_kv_attention.py holds it under 100 nodes).
 
-The measurements behind every threshold are in docs/measured.md, section "Decode-shaped kernels
-(issue 18)": *Splits past one wave, and short splits*, *Small paged calls*, *One full wave of
-splits* and *One wave for the page gather too*.
+The measurements behind every threshold: docs/measured.md#decode-attention, and the runs before
+them in docs/measured-log.md.
 """
 
 from .tiling import SM_SMEM, SMS

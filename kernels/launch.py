@@ -5,8 +5,7 @@ imported when they run, not when this module is)."""
 
 def dependent_launch(target, trigger=True):
     """The first statement of every CUDA kernel, inside its T.Kernel: programmatic dependent launch
-    on sm_90 and newer (PTX griddepcontrol; docs/measured.md, section "Decode-shaped kernels
-    (issue 18)", *Programmatic dependent launch*).
+    on sm_90 and newer (PTX griddepcontrol; docs/measured.md#programmatic-dependent-launch).
 
     The kernel first waits until the kernels launched before it on the stream have finished and
     their writes are visible (griddepcontrol.wait), so every global read comes after it; then it

@@ -34,9 +34,39 @@ def cuda_only(p, target, *names):
                 raise InvalidSpec(name, f"applies only to CUDA targets, not {target.describe()}")
 
 
+# An attention kernel on the CPU keeps its scores and output tiles as C stack arrays: well under a thread's stack.
+CPU_SCRATCH = 256 * 1024
+
+
+def cpu_attention_tiles(p, rows, target):
+    """An attention kind's tiles on the CPU: `rows` (its query-rows parameter) and block_N, 16 by
+    default, powers of two, whose fp32 scratch, rows x (block_N + head_dim), fits CPU_SCRATCH."""
+    p[rows] = p[rows] or 16
+    p["block_N"] = p["block_N"] or 16
+    pow2(rows, p[rows], 1, 128)
+    pow2("block_N", p["block_N"], 1, 128)
+    scratch = 4 * p[rows] * (p["block_N"] + p["head_dim"])
+    if scratch > CPU_SCRATCH:
+        raise InvalidSpec(
+            "head_dim",
+            f"{rows}*(block_N+head_dim) fp32 scratch is {scratch // 1024} KiB, over {CPU_SCRATCH // 1024} KiB on target {target.describe()}; "
+            f"use a smaller {rows}",
+        )
+
+
+def cuda_attention_dims(p, kind):
+    """An attention kind's head_dim and dtype on CUDA (wgmma widths, 16-bit inputs); returns head_dim."""
+    d = p["head_dim"]
+    if d % 16 or d > 256:
+        raise InvalidSpec("head_dim", f"must be a multiple of 16 up to 256 on CUDA, got {d}")
+    if p["dtype"] == "float32":
+        raise InvalidSpec("dtype", f"float32 {kind} is not supported on CUDA; use float16 or bfloat16")
+    return d
+
+
 def default_row_threads(n, dtype):
     """Fewest threads (128..1024) holding at most 64 elements each, preferring a
-    count that gives every thread whole 16-byte vectors (docs/measured.md, section "Kernel speed on the H200")."""
+    count that gives every thread whole 16-byte vectors (docs/measured.md#kernel-speed)."""
     vec = 4 if dtype == "float32" else 8
     fits = [t for t in (128, 256, 512, 1024) if -(-n // t) <= MAX_PER_THREAD]
     return next((t for t in fits if n % (t * vec) == 0), fits[0])

@@ -6,6 +6,7 @@
                         index's and bundle.json's records, their checks, Entry, the stat signature
     abi.py              the call ABI a published kernel carries
     keys.py             cache keys: the canonical spec and a toolchain fingerprint, hashed
+    memo.py             a bounded memo, for answers that repeat (both sides keep some)
     manifest.py         manifests: the kernels an application needs, and application names
     wire.py             specs <-> proto, request limits, outcomes, status codes
     paths.py            where the daemon listens and keeps its cache by default, where an entry lies

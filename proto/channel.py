@@ -9,12 +9,14 @@ re-exports the exceptions (client.CompileError is CompileError here).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
 
 from . import wire
+from .errors import InvalidSpec
 from .paths import TOKEN_FILE_ENV, default_socket, default_token_file, socket_address
 from .trust import NotRegularFile, open_regular, peer_uid, problem
 from .wire import Status
@@ -204,6 +206,10 @@ def _deadline(code, details: str, what: str, *_) -> Exception:
     return _other(code, details, what)
 
 
+def _other(code, details: str, what: str, *_) -> Exception:
+    return ServiceError(f"{what}: {code.name}: {details}", code.name)
+
+
 # status -> (code, details, what, address, waited) -> the exception; any other status: ServiceError
 STATUS_ERRORS = {
     Status.INVALID_SPEC: lambda code, details, *_: wire.invalid_spec_from_details(details),
@@ -215,12 +221,32 @@ STATUS_ERRORS = {
 }
 
 
-def _other(code, details: str, what: str, *_) -> Exception:
-    return ServiceError(f"{what}: {code.name}: {details}", code.name)
+def error_from(code: grpc.StatusCode, details: str, what: str, address: str = "", waited: float | None = None) -> Exception:
+    """The exception a failure with status `code` raises: `what` names the call (a spec, "prefetch"),
+    `address` the daemon, `waited` how long retries took."""
+    return STATUS_ERRORS.get(code, _other)(code, details, what, address, waited)
 
 
 def error_for(err: grpc.RpcError, what: str, address: str = "", waited: float | None = None) -> Exception:
-    """The exception a failed call raises: `what` names the call (a spec, "prefetch"), `address`
-    the daemon, `waited` how long retries took."""
-    code, details = err.code(), err.details() or ""
-    return STATUS_ERRORS.get(code, _other)(code, details, what, address, waited)
+    """The exception a failed call raises (error_from of its status and details)."""
+    return error_from(err.code(), err.details() or "", what, address, waited)
+
+
+def event_error(event, what: str) -> Exception:
+    """The exception a failed Prefetch event (error_code: a status name) stands for, as a call for
+    that one kernel would raise it. The daemon answered: a retryable status there (a compile
+    dropped, a daemon stopping) is that kernel's ServiceError, not "no daemon"."""
+    code = getattr(grpc.StatusCode, event.error_code, grpc.StatusCode.UNKNOWN)
+    if code in Status.RETRYABLE:
+        return _other(code, event.error_message, what)
+    return error_from(code, event.error_message, what)
+
+
+def refused_spec(err: grpc.RpcError, sent: int) -> tuple[int, InvalidSpec] | None:
+    """(its place in the request, its error) when a Prefetch of `sent` specs was refused for one
+    invalid spec ("specs[3].N: ...", which the daemon sends for a kind only it knows); None for any
+    other failure."""
+    match = re.fullmatch(r"specs\[(\d+)\]\.(.+)", err.details() or "", re.DOTALL) if err.code() == Status.INVALID_SPEC else None
+    if match is None or int(match[1]) >= sent:
+        return None
+    return int(match[1]), wire.invalid_spec_from_details(match[2])

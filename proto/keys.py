@@ -13,11 +13,24 @@ import hashlib
 import json
 
 SCHEMA = 3  # 3: each kind's own source digest; entry files stored once as blobs. Bump when an entry's layout or meaning changes.
+KIND_SOURCE_CHARS = 16  # of a kind's hex source digest, in keys: 64 bits tell its versions apart
+
+
+def fingerprint(tilelang: str, cuda_compiler: str | None, machine: str, kind_digests: dict[str, str]) -> dict:
+    """What besides the spec goes into a daemon's keys, for the kinds of `kind_digests` (kind -> its
+    full source digest): the form the daemon reports (ServiceInfo.key_fingerprint_json) and `toolchain` reads."""
+    return {
+        "schema": SCHEMA,
+        "tilelang": tilelang,
+        "cuda_compiler": cuda_compiler,
+        "machine": machine,
+        "kind_sources": {kind: digest[:KIND_SOURCE_CHARS] for kind, digest in kind_digests.items()},
+    }
 
 
 def toolchain(fingerprint: dict, kind: str, target_kind: str) -> dict:
     """What besides the spec decides the compiled bytes of `kind` on a target kind ("c", "cuda"),
-    from a fingerprint {"schema", "tilelang", "cuda_compiler", "machine", "kind_sources": {kind: digest}}.
+    from a `fingerprint`.
     Raises KeyError for a kind the fingerprint does not cover."""
     return {
         "schema": fingerprint["schema"],

@@ -79,7 +79,7 @@ def test_kernels_wait_for_their_inputs_then_release_the_next_launch(arch, depend
 @pytest.mark.parametrize("m", [8, 512])  # an mma.sync decode tile and a wgmma tile
 def test_a_gemm_releases_the_next_launch_after_its_k_loop(m):
     """A GEMM waits first, like every kernel, but lets the next kernel launch only once its K loop
-    is done (gemm.build_mma; faster on the H200, docs/measured.md)."""
+    is done (gemm.build_mma; faster on the H200, docs/measured.md#programmatic-dependent-launch)."""
     src = cuda_source("gemm", dict(M=m, N=6144, K=4096, dtype="float16", trans_b=True))
     wait, trigger = src.index("cudaGridDependencySynchronize();"), src.index("cudaTriggerProgrammaticLaunchCompletion();")
     products = [i for i in (src.rfind("tl::mma_sync<"), src.rfind("tl::wgmma_ss<")) if i >= 0]

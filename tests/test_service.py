@@ -314,6 +314,21 @@ def test_fallback_compiles_once_across_processes(tmp_path):
     assert sorted(outcomes) == ["compiled", "hit", "hit"]
 
 
+def test_a_crashed_build_reaches_a_prefetch_as_it_reaches_get_kernel(make_daemon, tmp_path):
+    """A build whose worker dies on its retry too (CRASHED): its Prefetch slot holds the error
+    get_kernel raises for it, type, status and message alike (proto.channel translates both)."""
+    crashes = tmp_path / "crashes"
+    crashes.mkdir()
+    d = make_daemon("--kernel-module", "tests.failing_kind", workers=1, env={"KS_TEST_CRASH_DIR": str(crashes)})
+    c = d.client()
+    [slot] = c.prefetch([{"kind": "crashing", "N": 16, "times": 2, "target": "c"}])
+    with pytest.raises(client.ServiceError) as raised:
+        c.get_kernel("crashing", N=32, times=2, target="c")
+    for err in (slot, raised.value):
+        assert type(err) is client.ServiceError and err.code == "ABORTED", repr(err)
+        assert str(err).startswith("kernel crashing: the compiler worker crashed: "), str(err)
+
+
 def test_prefetch_streams_progress_and_reports_failures_per_kernel(make_daemon):
     d = make_daemon("--kernel-module", "tests.failing_kind")
     c = d.client()

@@ -58,7 +58,9 @@ class Nvcc(DeviceCompiler):
     def release(self) -> str:
         """nvcc's release (e.g. "13.0.88"), "none" without nvcc. CUDA_HOME or PATH only locate
         it: the key holds the release, never the path."""
-        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+        from .nvrtc import cuda_home
+
+        home = cuda_home()
         nvcc = os.path.join(home, "bin", "nvcc") if home else shutil.which("nvcc")
         if not nvcc or not os.path.exists(nvcc):
             return "none"

@@ -67,6 +67,12 @@ def version() -> str | None:
     return f"{major}.{minor}" if result == nvrtc.nvrtcResult.NVRTC_SUCCESS else None
 
 
+def cuda_home() -> str | None:
+    """The CUDA toolkit the environment names ($CUDA_HOME, else $CUDA_PATH), None when neither is set:
+    where both compilers look first."""
+    return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+
+
 @functools.cache
 def cuda_include_dirs() -> tuple[str, ...]:
     """The CUDA runtime headers TileLang's templates include (vector_types.h, cuda_fp16.h),
@@ -75,7 +81,7 @@ def cuda_include_dirs() -> tuple[str, ...]:
     $CUDA_HOME (or $CUDA_PATH), when set, is the only place looked at; otherwise the
     toolkit of the `nvcc` on PATH, then /usr/local/cuda and /usr/local/cuda-*.
     """
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    home = cuda_home()
     if home:
         roots = [home]
     else:
