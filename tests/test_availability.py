@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+from proto.wire import Outcome
 
 ROOT = Path(__file__).resolve().parent.parent
 HIT = {"M": None, "N": 128, "dtype": "float32"}
@@ -368,3 +369,43 @@ def test_a_fleet_tier_that_never_answers_a_look_delays_no_hit_and_no_health_chec
     assert "this daemon compiles nothing (serve --no-compile)" in str(error) and "N=256 vs 128" in str(error), str(error)  # explained: the nearest entry
     s = d.client().stats()
     assert (s["not_ready"], s["hits"], s["remote_errors"]) == (1, 120, 1), s
+
+
+CANCELLED_GETS = 60  # distinct cold GetKernels whose callers leave: at 3 s each, three minutes of compiles if kept
+BUILD_DELAY = 3  # seconds each slow build sleeps
+
+
+def slow_request(n: int) -> pb.GetKernelRequest:
+    return pb.GetKernelRequest(spec=wire.spec_to_proto("slow_rmsnorm", {"M": None, "N": 64 * n, "dtype": "float32"}, "c"))
+
+
+def test_cancelled_and_expired_gets_leave_the_compile_queue(make_daemon):
+    """Issue 47, item 4: distinct cold GetKernels whose callers cancel them (half) or whose
+    deadlines pass (half) give their queued compiles back: the queue drains to the one build
+    running, and a fresh cold request is answered after that one build, not behind the
+    abandoned ones (once 184 compiles stayed queued, and a later request timed out)."""
+    d = make_daemon("--kernel-module", "tests.slow_kind", workers=1, env={"KS_TEST_BUILD_DELAY": str(BUILD_DELAY)})
+    channel = grpc.insecure_channel(f"unix:{d.socket}", options=wire.channel_options())
+    stub = pb_grpc.KernelServiceStub(channel)
+    try:
+        calls = [stub.GetKernel.future(slow_request(n), timeout=60 if n % 2 else 1) for n in range(1, CANCELLED_GETS + 1)]
+        deadline = time.monotonic() + 30
+        while stub.GetStats(pb.GetStatsRequest(), timeout=10).misses < CANCELLED_GETS:  # every call arrived and queued its compile
+            assert time.monotonic() < deadline, "the cold calls did not all arrive"
+            time.sleep(0.05)
+        for call in calls[::2]:  # the callers with long deadlines leave; the others' deadlines pass
+            call.cancel()
+        assert all(call.cancelled() for call in calls[::2])
+        assert {call.exception(timeout=10).code() for call in calls[1::2]} == {grpc.StatusCode.DEADLINE_EXCEEDED}
+        deadline = time.monotonic() + 5
+        while (stats := stub.GetStats(pb.GetStatsRequest(), timeout=10)).in_flight > 1 or stats.queued:
+            assert time.monotonic() < deadline, f"{stats.queued} compiles still queued, {stats.in_flight} in flight, for callers who left"
+            time.sleep(0.05)
+        start = time.monotonic()
+        reply = stub.GetKernel(slow_request(CANCELLED_GETS + 1), timeout=60)  # a legitimate cold request
+        waited = time.monotonic() - start
+        print(f"after {CANCELLED_GETS} abandoned cold calls: {stats.in_flight} in flight; a fresh cold request answered in {waited:.1f} s")
+        assert reply.outcome == Outcome.COMPILED.value
+        assert waited < 4 * BUILD_DELAY, f"a fresh cold request waited {waited:.1f} s behind abandoned compiles"
+    finally:
+        channel.close()
