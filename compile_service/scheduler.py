@@ -615,9 +615,9 @@ class Scheduler:
 
     def release(self, futures) -> int:
         """The caller of `request` no longer waits for these futures (a GetKernel or Prefetch
-        that was cancelled or ran past its deadline, a Prefetch refused). A compile that then has no waiter left and has not started is
-        dropped: out of the queue and the in-flight table, its future failed with Cancelled.
-        Returns how many were dropped."""
+        that was cancelled or ran past its deadline, a Prefetch refused). A compile that then
+        has no waiter left and has not started is dropped: out of the queue and the in-flight
+        table, its future failed with Cancelled. Returns how many were dropped."""
         dropped: list[_Flight] = []
         with self._lock:
             pending = list(futures)
