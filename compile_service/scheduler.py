@@ -614,10 +614,10 @@ class Scheduler:
         return known
 
     def release(self, futures) -> int:
-        """The caller of `request` no longer waits for these futures (a Prefetch that was
-        cancelled or refused). A compile that then has no waiter left and has not started is
-        dropped: out of the queue and the in-flight table, its future failed with Cancelled.
-        Returns how many were dropped."""
+        """The caller of `request` no longer waits for these futures (a GetKernel or Prefetch
+        that was cancelled or ran past its deadline, a Prefetch refused). A compile that then
+        has no waiter left and has not started is dropped: out of the queue and the in-flight
+        table, its future failed with Cancelled. Returns how many were dropped."""
         dropped: list[_Flight] = []
         with self._lock:
             pending = list(futures)

@@ -69,7 +69,7 @@ from .memory import BuildMemory, describe_limit
 from .metrics import SAVE_EVERY, STATS_FILE, Metrics
 from .notify import notify
 from .scheduler import Scheduler
-from .servicer import KernelServicer
+from .servicer import MAX_WAITING, KernelServicer
 from .store import Budget, LocalStore
 from .store.layers import Layer, Layered, is_layer
 from .workers import process_pool
@@ -80,10 +80,12 @@ SERVICE_NAME = "kernelservice.v1.KernelService"
 # The health of the metrics endpoint, apart from the daemon's own: with --metrics-address,
 # SERVING while /metrics serves, NOT_SERVING when it could not listen (the daemon serves on).
 METRICS_HEALTH = "kernelservice.v1.Metrics"
-# Concurrent calls on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a client queues
-# more until one ends): the per-peer limit, since each TCP connection is a peer of its own and
-# gRPC names every Unix client alike. Waiting calls are bounded in all by servicer.MAX_WAITING.
-MAX_STREAMS_PER_CONNECTION = 100
+# Concurrent calls on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): past it gRPC
+# refuses a stream UNAVAILABLE (before the client has the setting) or holds it at the client,
+# so it must never be what a burst meets first. Room for every call that may wait
+# (MAX_WAITING, then BUSY) and as many again answered at once (BUSY, hits, health): channels
+# of one client process share one connection, and the waiting cap governs.
+MAX_STREAMS_PER_CONNECTION = 2 * MAX_WAITING
 # On TCP, what a caller may send before RequestGuard refuses it is what HTTP/2 flow control
 # lets in: the initial 64 KiB window per call, never grown (BDP probing off; requests are
 # small, replies flow on the client's window). With probing, a 15 MB flood of unauthenticated

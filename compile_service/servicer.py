@@ -87,7 +87,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, StoreError):
         return Status.CACHE_FAILED, f"kernel cache write failed: {exc.strerror or exc}"  # e.g. "No space left on device"
     if isinstance(exc, cf.TimeoutError):
-        return Status.DEADLINE, "deadline passed while the kernel was compiling; it keeps compiling"
+        return Status.DEADLINE, "deadline passed first; a compile already running goes on, a queued one no other caller waits for is dropped"
     log.exception("unexpected error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"unexpected {type(exc).__name__}: {exc}"
 
@@ -277,7 +277,11 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
                     entry = future.result()
                 else:
                     with self.waiting.slot():  # a compile, or a fetch from the fleet tier (a miss that may not compile)
-                        entry = await _result(future, context.time_remaining())
+                        try:
+                            entry = await _result(future, context.time_remaining())
+                        finally:  # cancelled, or past its deadline: a queued compile no one else waits for is dropped
+                            if not future.done():
+                                self.scheduler.release([future])
             except NotReady as exc:  # its reason completed off the loop
                 raise await self._off_loop(self._explained, exc) from None
             reply = response(entry, outcome)

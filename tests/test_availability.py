@@ -8,6 +8,8 @@ worker sleeps in the slow test kind (tests/slow_kind.py), so cold requests surel
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import signal
 import socket as sockets
@@ -25,11 +27,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
+from proto.wire import Outcome
 
 ROOT = Path(__file__).resolve().parent.parent
 HIT = {"M": None, "N": 128, "dtype": "float32"}
 HOSTILE = 200  # of each kind of attack: well past the 64 threads the daemon's pool once had
 HIT_P99 = 0.010  # seconds: the bound the issue states for a legitimate client's hits
+HIT_SAMPLE = 600  # hits a p99 is measured over
 
 # Holds, until killed: HOSTILE GetKernel calls that never send their message, on the Unix
 # socket and over TCP without the token; HOSTILE Prefetch streams of a slow cold kernel,
@@ -52,17 +56,15 @@ async def never():
     yield b""
 
 async def main():
-    def connections(target):  # 4 each, apart (channels share one by default): a connection takes 100 calls at once
-        return [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(4)]
-
-    idle_unix, idle_tcp, prefetching, getting = connections(unix), connections(tcp), connections(unix), connections(unix)
+    # As a raw client makes them: a process's channels to one target share one connection.
+    unix_channel, tcp_channel = grpc.aio.insecure_channel(unix), grpc.aio.insecure_channel(tcp)
+    idle = [ch.stream_unary(GET, request_serializer=bytes, response_deserializer=bytes) for ch in (unix_channel, tcp_channel)]
+    prefetch = unix_channel.unary_stream(PREFETCH, request_serializer=pb.PrefetchRequest.SerializeToString, response_deserializer=pb.PrefetchEvent.FromString)
+    get = unix_channel.unary_unary(GET, request_serializer=pb.GetKernelRequest.SerializeToString, response_deserializer=pb.GetKernelResponse.FromString)
     calls = []
     for i in range(n):
-        for ch in (idle_unix[i % 4], idle_tcp[i % 4]):  # the message never comes
-            calls.append(ch.stream_unary(GET, request_serializer=bytes, response_deserializer=bytes)(never(), timeout=600))
-        prefetch = prefetching[i % 4].unary_stream(PREFETCH, request_serializer=pb.PrefetchRequest.SerializeToString, response_deserializer=pb.PrefetchEvent.FromString)
+        calls += [call(never(), timeout=600) for call in idle]  # the message never comes
         calls.append(prefetch(pb.PrefetchRequest(specs=[slow(0)]), timeout=600))  # never read
-        get = getting[i % 4].unary_unary(GET, request_serializer=pb.GetKernelRequest.SerializeToString, response_deserializer=pb.GetKernelResponse.FromString)
         calls.append(get(pb.GetKernelRequest(spec=slow(i % 4)), timeout=600))
     await asyncio.sleep(3)
     print("ready", flush=True)
@@ -161,13 +163,20 @@ def daemon(make_daemon):
     return d
 
 
-def test_hostile_idle_calls_and_streams_do_not_delay_a_legitimate_client(daemon):
-    """Issue 32, finding 3: idle calls (Unix and unauthenticated TCP), unread Prefetch streams,
-    waiting cold GetKernels and idle scrapers, each HOSTILE of them, all at once: a legitimate
-    client's hits keep a p99 under HIT_P99 and its health checks answer."""
+def test_hostile_idle_calls_and_streams_do_not_delay_a_legitimate_client(daemon, make_daemon, tmp_path):
+    """Issue 32, finding 3, and issue 47, item 5: idle calls (Unix and unauthenticated TCP),
+    unread Prefetch streams, waiting cold GetKernels and idle scrapers, each HOSTILE of them,
+    all at once, each kind from one connection as a raw client makes them (a limit of 100 calls
+    per connection once refused or held the rest): a legitimate client's hits keep a p99 within
+    HIT_P99 of the same hits to a daemon beside it that no one attacks, asked in turn (what the
+    machine alone costs: on a shared 2-core machine other processes take the CPUs from the
+    daemons' RPC loops, nice 10, attack or not), and its health checks answer."""
     channel = grpc.insecure_channel(f"unix:{daemon.socket}", options=wire.channel_options())
     stub, health = pb_grpc.KernelServiceStub(channel), health_pb2_grpc.HealthStub(channel)
-    hit_latencies(stub, 20)  # the channel connected, the daemon's memo warm
+    reference = unattacked_daemon(make_daemon, tmp_path)
+    reference_channel = grpc.insecure_channel(f"unix:{reference.socket}", options=wire.channel_options())
+    stubs = [stub, pb_grpc.KernelServiceStub(reference_channel)]
+    hits_in_turn(stubs, 20)  # the channels connected, the daemons' memos warm
     attack = script(ATTACK, f"unix:{daemon.socket}", daemon.tcp, HOSTILE, stdout=subprocess.PIPE)
     scrapers = []
     try:
@@ -177,12 +186,7 @@ def test_hostile_idle_calls_and_streams_do_not_delay_a_legitimate_client(daemon)
         while stub.GetStats(pb.GetStatsRequest(), timeout=10).misses < 2 * HOSTILE:  # the cold calls and streams all arrived, waiting
             assert time.monotonic() < deadline, "the attack's cold calls did not all arrive"
             time.sleep(0.2)
-        # Up to 3 rounds of 200 hits, the best kept: on a shared 2-core machine another process's
-        # burst can cost one round its tail; a starved daemon (main's 64 threads) fails all three.
-        rounds = []
-        while len(rounds) < 3 and (not rounds or p99(rounds[-1]) >= HIT_P99):
-            rounds.append(hit_latencies(stub, 200))
-        seconds = min(rounds, key=p99)
+        attacked, alone = hits_in_turn(stubs, HIT_SAMPLE)
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING
         token = (daemon.cache_dir / "tcp-token").read_text().strip()
         with grpc.insecure_channel(daemon.tcp) as tcp:  # a legitimate TCP client too
@@ -191,14 +195,38 @@ def test_hostile_idle_calls_and_streams_do_not_delay_a_legitimate_client(daemon)
         import urllib.request  # and a scraper, past the idle ones
 
         assert b"kernel_service_hits_total" in urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read()
-        print(f"hits under attack: p50 {statistics.median(seconds) * 1000:.2f} ms, p99 {p99(seconds) * 1000:.2f} ms")
-        assert p99(seconds) < HIT_P99, f"hit p99 {p99(seconds) * 1000:.1f} ms under attack (p50 {statistics.median(seconds) * 1000:.1f} ms)"
+        print(
+            f"hits under attack: p50 {statistics.median(attacked) * 1000:.2f} ms, p99 {p99(attacked) * 1000:.2f} ms; beside it, unattacked: p99 {p99(alone) * 1000:.2f} ms"
+        )
+        assert p99(attacked) < p99(alone) + HIT_P99, f"hit p99 {p99(attacked) * 1000:.1f} ms under attack, {p99(alone) * 1000:.1f} ms unattacked"
     finally:
         attack.kill()
         attack.wait()
         for s in scrapers:
             s.close()
         channel.close()
+        reference_channel.close()
+
+
+def unattacked_daemon(make_daemon, tmp_path):
+    """A serve-only daemon with the hit planted (no compile, no TileLang): the reference."""
+    from compile_service.store import LocalStore
+    from tests.plant import host_toolchain, plant, spec_of
+    from tests.test_fleet import NVRTC_ID
+
+    cache = tmp_path / "reference"
+    planted = spec_of("rmsnorm", "c", **HIT)
+    plant(LocalStore(cache), planted, host_toolchain(planted, NVRTC_ID))
+    return make_daemon("--no-compile", "--cuda-compiler-id", NVRTC_ID, cache_dir=cache)
+
+
+def hits_in_turn(stubs, n: int) -> list[list[float]]:
+    """`n` hits to each stub's daemon, asked in turn, so that both see the machine's same moments."""
+    seconds = [[] for _ in stubs]
+    for _ in range(n):
+        for stub, taken in zip(stubs, seconds):
+            taken += hit_latencies(stub, 1)
+    return seconds
 
 
 def test_an_unauthenticated_tcp_flood_is_refused_without_buffering_it(daemon):
@@ -242,12 +270,12 @@ def test_idle_scrapers_hold_no_thread_and_the_daemon_stops_on_sigterm(daemon):
             s.close()
 
 
-# Sends sys.argv[2] GetKernels of one slow cold kernel over 12 connections of the Unix socket
-# sys.argv[1], each retried on a retryable status as the client library retries it
-# (wire.Status.RETRYABLE); after 10 s prints how many had been refused BUSY, how many still wait,
-# how many retries were made, and the status of each call that ended otherwise, then holds them.
+# Sends sys.argv[2] GetKernels of one slow cold kernel at once, as a raw gRPC client (no retries)
+# on the one connection a process's channels share, to the Unix socket sys.argv[1]; prints "sent",
+# then after 10 s a JSON line: the status of each call that ended, how many still wait, and
+# the slowest BUSY answer in seconds. Then it holds the waiting calls until killed.
 WAITERS = r"""
-import asyncio, sys
+import asyncio, json, sys, time
 import grpc
 from proto import wire
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
@@ -255,53 +283,103 @@ from proto.kernelservice.v1 import kernel_service_pb2 as pb
 unix, n = sys.argv[1], int(sys.argv[2])
 
 async def main():
-    channels = [grpc.aio.insecure_channel(unix, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(12)]
+    channel = grpc.aio.insecure_channel(unix)
+    get = channel.unary_unary("/kernelservice.v1.KernelService/GetKernel", request_serializer=pb.GetKernelRequest.SerializeToString,
+                              response_deserializer=pb.GetKernelResponse.FromString)
     spec = wire.spec_to_proto("slow_rmsnorm", {"M": None, "N": 64, "dtype": "float32"}, "c")
-    gets = [ch.unary_unary("/kernelservice.v1.KernelService/GetKernel", request_serializer=pb.GetKernelRequest.SerializeToString,
-                           response_deserializer=pb.GetKernelResponse.FromString) for ch in channels]
-    retries = 0
+    busy = []
 
-    async def call(i):
-        nonlocal retries
-        for attempt in range(5):
-            try:
-                return await gets[i % 12](pb.GetKernelRequest(spec=spec), timeout=120)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in wire.Status.RETRYABLE or attempt == 4:
-                    raise
-                retries += 1
+    async def call():
+        start = time.monotonic()
+        try:
+            return await get(pb.GetKernelRequest(spec=spec), timeout=120)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                busy.append(time.monotonic() - start)
+            raise
 
-    tasks = [asyncio.ensure_future(call(i)) for i in range(n)]
+    tasks = [asyncio.ensure_future(call()) for _ in range(n)]
+    print("sent", flush=True)
     await asyncio.wait(tasks, timeout=10)
     ended = [t.exception().code().name if isinstance(t.exception(), grpc.aio.AioRpcError) else repr(t.exception() or t.result()) for t in tasks if t.done()]
-    print(ended.count("RESOURCE_EXHAUSTED"), sum(1 for t in tasks if not t.done()), retries, *sorted(e for e in ended if e != "RESOURCE_EXHAUSTED"), flush=True)
-    await asyncio.Event().wait()  # the rest keep waiting until this process is killed
+    print(json.dumps({"ended": ended, "waiting": sum(1 for t in tasks if not t.done()), "slowest_busy": max(busy, default=0)}), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+BUSY_AT_ONCE = 5.0  # seconds: a BUSY answer comes without waiting for the build (a minute here)
+# gRPC's server core ends a few streams of such a burst CANCELLED about 0.1 s in, before the
+# daemon's code sees them (0 to 4 of 1100 on one connection here; clients retry CANCELLED).
+CORE_CANCELLED = 8
+
+
+def test_waiting_calls_past_the_cap_are_refused_busy_and_hits_go_on(daemon):
+    """Issue 32, finding 3, and issue 47, item 3: 1100 cold GetKernels of one slow kernel at once,
+    from a raw client on one connection, past the 1024 calls that may wait at once
+    (servicer.MAX_WAITING): none is refused UNAVAILABLE by a per-connection stream limit (813
+    were), the 1024 wait (one compile for all), the rest are refused BUSY at once, and another
+    client's hits and health checks answer meanwhile."""
+    from compile_service.servicer import MAX_WAITING
+
+    waiters = script(WAITERS, f"unix:{daemon.socket}", str(MAX_WAITING + 76), stdout=subprocess.PIPE)
+    channel = grpc.insecure_channel(f"unix:{daemon.socket}", options=wire.channel_options())
+    stub, health = pb_grpc.KernelServiceStub(channel), health_pb2_grpc.HealthStub(channel)
+    try:
+        assert waiters.stdout.readline().strip() == "sent"
+        seconds = []
+        for _ in range(20):  # during the burst
+            seconds += hit_latencies(stub, 5)
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING
+            time.sleep(0.1)
+        result = json.loads(waiters.stdout.readline())
+    finally:
+        waiters.kill()
+        waiters.wait()
+        channel.close()
+    codes = collections.Counter(result["ended"])
+    print(f"{MAX_WAITING + 76} waiting calls on one connection: {result['waiting']} wait, ended {dict(codes)}, slowest BUSY {result['slowest_busy']:.2f} s")
+    assert result["waiting"] == MAX_WAITING, result["waiting"]
+    assert set(codes) <= {"RESOURCE_EXHAUSTED", "CANCELLED"}, codes
+    assert codes["CANCELLED"] <= CORE_CANCELLED and codes["RESOURCE_EXHAUSTED"] + codes["CANCELLED"] == 76, codes
+    assert result["slowest_busy"] < BUSY_AT_ONCE, f"a BUSY answer took {result['slowest_busy']:.1f} s"
+    assert statistics.median(seconds) < HIT_P99, f"hit p50 {statistics.median(seconds) * 1000:.1f} ms"
+
+
+# Opens sys.argv[2] channels to sys.argv[1] at once, as a raw gRPC client would (they share one
+# new connection), and makes one hit on each; prints the status of each call.
+CONNECTS = r"""
+import asyncio, sys
+import grpc
+from proto import wire
+from proto.kernelservice.v1 import kernel_service_pb2 as pb
+
+target, n = sys.argv[1], int(sys.argv[2])
+request = pb.GetKernelRequest(spec=wire.spec_to_proto("rmsnorm", {"M": None, "N": 128, "dtype": "float32"}, "c"))
+
+async def one():
+    async with grpc.aio.insecure_channel(target) as channel:
+        get = channel.unary_unary("/kernelservice.v1.KernelService/GetKernel", request_serializer=pb.GetKernelRequest.SerializeToString,
+                                  response_deserializer=pb.GetKernelResponse.FromString)
+        try:
+            await get(request, timeout=30)
+            return "OK"
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name
+
+async def main():
+    print(*await asyncio.gather(*(one() for _ in range(n))), flush=True)
 
 asyncio.run(main())
 """
 
 
-def test_waiting_calls_past_the_cap_are_refused_busy_and_hits_go_on(daemon):
-    """Issue 32, finding 3: 1100 cold GetKernels of one slow kernel, past the 1024 calls that
-    may wait at once (servicer.MAX_WAITING): the rest are refused BUSY at once rather than
-    held, the 1024 wait (one compile for all of them), and a hit meanwhile answers fast."""
-    from compile_service.servicer import MAX_WAITING
-
-    waiters = script(WAITERS, f"unix:{daemon.socket}", str(MAX_WAITING + 76), stdout=subprocess.PIPE)
-    stub = pb_grpc.KernelServiceStub(grpc.insecure_channel(f"unix:{daemon.socket}", options=wire.channel_options()))
-    try:
-        line = waiters.stdout.readline().split()
-        seconds = hit_latencies(stub, 50)
-    finally:
-        waiters.kill()
-        waiters.wait()
-    busy, held, retries, *others = line
-    assert int(held) == MAX_WAITING, line
-    # Every call past the cap was refused BUSY at once. gRPC's client cuts a few calls of such a
-    # burst CANCELLED about 40 ms in, before the daemon has answered any (its first BUSY comes
-    # 200-300 ms in; up to 3 calls in a run); the script retries those as the client library does.
-    assert int(busy) == 76 and not others, line
-    assert statistics.median(seconds) < HIT_P99, f"hit p50 {statistics.median(seconds) * 1000:.1f} ms"
+def test_a_burst_of_new_channels_is_served_without_retries(daemon):
+    """Issue 47, item 7: 120 new raw channels at once, one hit each, with no retries (health
+    probes and other languages' clients do not retry): all succeed. A per-connection limit of
+    100 streams refused 19 to 27 of them UNAVAILABLE, since they share one connection."""
+    connects = script(CONNECTS, f"unix:{daemon.socket}", "120", stdout=subprocess.PIPE)
+    codes = collections.Counter(connects.communicate(timeout=60)[0].split())
+    assert codes == {"OK": 120}, codes
 
 
 FETCH_P99 = 0.100  # seconds: well under the hostile tier's --remote-timeout (2 s) the daemon once stalled for
@@ -368,3 +446,43 @@ def test_a_fleet_tier_that_never_answers_a_look_delays_no_hit_and_no_health_chec
     assert "this daemon compiles nothing (serve --no-compile)" in str(error) and "N=256 vs 128" in str(error), str(error)  # explained: the nearest entry
     s = d.client().stats()
     assert (s["not_ready"], s["hits"] - s["direct_hits"], s["remote_errors"]) == (1, 120, 1), s
+
+
+CANCELLED_GETS = 60  # distinct cold GetKernels whose callers leave: at 3 s each, three minutes of compiles if kept
+BUILD_DELAY = 3  # seconds each slow build sleeps
+
+
+def slow_request(n: int) -> pb.GetKernelRequest:
+    return pb.GetKernelRequest(spec=wire.spec_to_proto("slow_rmsnorm", {"M": None, "N": 64 * n, "dtype": "float32"}, "c"))
+
+
+def test_cancelled_and_expired_gets_leave_the_compile_queue(make_daemon):
+    """Issue 47, item 4: distinct cold GetKernels whose callers cancel them (half) or whose
+    deadlines pass (half) give their queued compiles back: the queue drains to the one build
+    running, and a fresh cold request is answered after that one build, not behind the
+    abandoned ones (once 184 compiles stayed queued, and a later request timed out)."""
+    d = make_daemon("--kernel-module", "tests.slow_kind", workers=1, env={"KS_TEST_BUILD_DELAY": str(BUILD_DELAY)})
+    d.wait_workers_ready(120)  # TileLang imported: the calls below reach a daemon not busy starting
+    channel = grpc.insecure_channel(f"unix:{d.socket}", options=wire.channel_options())
+    stub = pb_grpc.KernelServiceStub(channel)
+    try:
+        # Half the callers cancel, half let a short deadline pass (whether or not their call has
+        # reached the daemon by then: a loaded machine may be slower than the deadline).
+        calls = [stub.GetKernel.future(slow_request(n), timeout=60 if n % 2 else 3) for n in range(1, CANCELLED_GETS + 1)]
+        assert {call.exception(timeout=30).code() for call in calls[1::2]} == {grpc.StatusCode.DEADLINE_EXCEEDED}
+        for call in calls[::2]:
+            call.cancel()
+        deadline = time.monotonic() + 15
+        while (stats := stub.GetStats(pb.GetStatsRequest(), timeout=10)).in_flight > 1 or stats.queued:
+            assert time.monotonic() < deadline, f"{stats.queued} compiles still queued, {stats.in_flight} in flight, for callers who left"
+            time.sleep(0.05)
+        assert stats.misses >= CANCELLED_GETS // 2, f"only {stats.misses} of the abandoned calls reached the daemon"
+        start = time.monotonic()
+        reply = stub.GetKernel(slow_request(CANCELLED_GETS + 1), timeout=60)  # a legitimate cold request
+        waited = time.monotonic() - start
+        print(f"after {stats.misses} abandoned cold calls: {stats.in_flight} in flight; a fresh cold request answered in {waited:.1f} s")
+        assert reply.outcome == Outcome.COMPILED.value
+        # The build running and its own, slower on a loaded machine; behind the abandoned: 180 s.
+        assert waited < 10 * BUILD_DELAY, f"a fresh cold request waited {waited:.1f} s behind abandoned compiles"
+    finally:
+        channel.close()

@@ -132,10 +132,13 @@ class KernelServiceServicer:
         the kernel, on the first try and on one retry with a fresh worker.
         Not remembered: the next request compiles again.
         CANCELLED: the compile this request joined was dropped because every
-        caller that queued it went away first (a cancelled Prefetch); retry.
+        caller that queued it went away first (a cancelled Prefetch or
+        GetKernel); retry.
         UNAVAILABLE: the daemon is shutting down; retry against its successor.
-        DEADLINE_EXCEEDED: the caller's deadline passed first. The compile goes
-        on, and a later request is served from its result. Or, with a message
+        DEADLINE_EXCEEDED: the caller's deadline passed first. A compile already
+        running goes on, and a later request is served from its result; one
+        still queued that no other request waits for is dropped (as when the
+        caller cancels the call). Or, with a message
         that starts "compile timeout: ", the build ran past the daemon's
         --compile-timeout: its worker was killed, and the message names the
         kind and the limit. Remembered like a compile failure (--failure-ttl).
