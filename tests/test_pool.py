@@ -212,3 +212,17 @@ def test_a_daemon_killed_mid_build_leaves_no_compiler_and_no_temporary_directory
     assert left.parent != Path(tempfile.gettempdir())  # not in /tmp, but in the daemon's own directory, next to its socket
     make_daemon(cache_dir=d.cache_dir, socket=d.socket, workers=1)  # the next daemon on the socket removes it
     assert not left.exists()
+
+
+def test_builds_leave_nothing_in_the_temporary_directory(make_daemon, tmp_path):
+    """TileLang leaves each CPU build's generated source and library in the temporary directory
+    for good (2,800 of them had piled up in this machine's /tmp); each build in a compile worker
+    takes a directory of its own, removed with it."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    d = make_daemon(env={"TMPDIR": str(tmp)}, workers=1)
+    with d.client() as c:
+        for n, dtype, target in ((64, "float32", "c"), (80, "float32", "c"), (64, "float16", "sm_90a")):
+            assert c.get_kernel("rmsnorm", M=None, N=n, dtype=dtype, target=target).outcome == "compiled"
+    # What stays is the parent of the workers' PCH directories, each removed as its worker exits.
+    assert (left := sorted(p.name for p in tmp.iterdir())) in ([], [f"kernel-service-nvrtc-pch-{os.getuid()}"]), left

@@ -15,11 +15,14 @@ needs TileLang, a PrimFunc, or a re-trace of the DSL.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -359,6 +362,29 @@ def build(spec_json: str, staging: str) -> dict:
     Raises CompileFailed with TileLang's message on any compile error, and
     OSError when the staging directory cannot be written.
     """
+    # A compile worker's builds run on its main thread; the in-process fallback's on a thread of
+    # the agent, whose other threads use the temporary directory too: those leave it alone.
+    if threading.current_thread() is not threading.main_thread():
+        return _build(spec_json, staging)
+    with _build_temporary_directory():
+        return _build(spec_json, staging)
+
+
+@contextlib.contextmanager
+def _build_temporary_directory():
+    """A temporary directory of the build's own, removed with everything in it when the build
+    ends: TileLang leaves each build's generated source and library (and nvcc's cubin) in the
+    temporary directory, for good. The worker's PCH directory was made at its start, outside."""
+    scratch = tempfile.mkdtemp(prefix="kernel-service-build-")
+    before, tempfile.tempdir = tempfile.tempdir, scratch
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _build(spec_json: str, staging: str) -> dict:
     import tilelang
 
     import kernels
