@@ -269,7 +269,7 @@ def test_modernbert_attention_takes_q_k_and_v_from_one_rope_call(berts, monkeypa
     r = model.kernel_service
     assert all(r.swapped[f"layers.{i}.attn"] == "attention + rope" for i in range(3))
     counts = collections.Counter()
-    (wrapper,) = [e for e in hf._ROPE.values() if e.report is r]
+    (wrapper,) = [e for by_dtype in hf._ROPE.values() for e in by_dtype.values() if e.report is r]
     monkeypatch.setattr(wrapper, "kernel", counting(counts, "copying rope", wrapper.kernel))
     for layer in model.layers:
         entry = vars(layer.attn)[hf._ATTR]
@@ -379,6 +379,18 @@ def test_a_call_with_grad_enabled_warns_once_and_counts_every_fallback(daemon):
     assert sum("inference_mode" in str(w.message) for w in caught) == 1
     r = model.kernel_service
     assert not r.calls and dict(r.fallbacks) == {"rmsnorm": 10, "rope": 4, "attention": 4, "swiglu": 4}, r.fallbacks
+
+
+def test_a_model_called_in_another_dtype_counts_every_fallback_rope_included(daemon):
+    """Every served module of a model kernelized in float32 and called in float64 runs its own
+    forward, and says so in the report; rope, served through the modeling module's process-wide
+    function, counted too (it was left out)."""
+    model = hf.kernelize(llama(), client=daemon[1], backend="kernel-service", warmup=False)
+    model.double()
+    with torch.inference_mode():
+        model(torch.randint(3, VOCAB, (1, 5)))
+    r = model.kernel_service
+    assert not r.calls and dict(r.fallbacks) == {"rmsnorm": 5, "rope": 2, "attention": 2, "swiglu": 2}, r.fallbacks
 
 
 def test_backend_policy(daemon, monkeypatch):

@@ -54,7 +54,7 @@ from torch import nn
 BACKENDS = ("eager", "compile", "kernel-service", "auto")
 ATTN = "kernel_service"  # the attention implementation's name (no "flash" or "sdpa": transformers special-cases those)
 _ATTR = "_kernel_service"  # a served module's entry (not a parameter or buffer: the state dict is unchanged)
-_ROPE: dict[tuple, "_Entry"] = {}  # (heads, kv_heads, head_dim, dtype, device type) -> the served rope
+_ROPE: dict[tuple, dict[tuple, "_Entry"]] = {}  # (heads, kv_heads, head_dim) -> (dtype, device type) -> the served rope
 
 
 # ----- transformers must not take the project's `kernels` for Hugging Face's
@@ -225,9 +225,15 @@ class RotaryLayer(nn.Module):
     has_backward = False
 
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
-        entry = None
-        if unsqueeze_dim == 1 and q.dim() == 4 and _rope_fits(cos, q.shape[0], q.shape[-1]):
-            entry = _served(_ROPE.get((q.shape[1], k.shape[1], q.shape[-1], q.dtype, q.device.type)), None, q, k)
+        # A kernelized model's heads: its entry, or one of another dtype or device, whose fallback
+        # _served counts. Heads no kernelized model has are another model's call: not counted.
+        served = _ROPE.get((q.shape[1], k.shape[1], q.shape[-1]), {}) if q.dim() == 4 else {}
+        entry = served.get((q.dtype, q.device.type)) or next(iter(served.values()), None)
+        if entry is not None and not (unsqueeze_dim == 1 and _rope_fits(cos, q.shape[0], q.shape[-1])):
+            if not torch.compiler.is_compiling():
+                entry.report.fallbacks[entry.kind] += 1
+            entry = None
+        entry = _served(entry, None, q, k)
         if entry is None:
             return self(q, k, cos, sin, unsqueeze_dim)
         b, h, s, d = q.shape
@@ -672,7 +678,7 @@ def _serve(model, report: Report, client, strict: bool, device: torch.device, dt
         layer = _layer(entry)
         if entry.kind == "rope":
             p = entry.more["params"]
-            _ROPE[(p["heads"], p["kv_heads"], p["head_dim"], dtype, device.type)] = entry
+            _ROPE.setdefault((p["heads"], p["kv_heads"], p["head_dim"]), {})[(dtype, device.type)] = entry
             for modeling in m:  # process-wide: transformers' attention calls the module's global
                 if not getattr(modeling.apply_rotary_pos_emb, "kernel_service", False):
                     modeling.apply_rotary_pos_emb = _rotary(modeling.apply_rotary_pos_emb)
