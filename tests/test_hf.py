@@ -392,6 +392,13 @@ def test_a_model_called_in_another_dtype_counts_every_fallback_rope_included(dae
     r = model.kernel_service
     assert not r.calls and dict(r.fallbacks) == {"rmsnorm": 5, "rope": 2, "attention": 2, "swiglu": 2}, r.fallbacks
 
+    # An attention option the kernel does not take (a scaling of its own): sdpa, counted too.
+    model.float()
+    q, kv = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 5, 16)
+    with torch.inference_mode():
+        hf._attention(model.model.layers[0].self_attn, q, kv, kv, None, scaling=0.5)
+    assert r.fallbacks["attention"] == 3 and not r.calls, r
+
 
 def test_backend_policy(daemon, monkeypatch):
     _, c = daemon

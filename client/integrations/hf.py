@@ -341,6 +341,13 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         or kwargs.get("output_attentions")
         or kwargs.get("s_aux") is not None
     ):
+        if entry.report.strict:
+            raise RuntimeError(
+                f"kernelize(strict=True): {entry.more.get('name', 'attention')} keeps sdpa for this call: "
+                "dropout, a scaling other than 1/sqrt(head_dim), softcap, output_attentions or s_aux"
+            )
+        if not torch.compiler.is_compiling():
+            entry.report.fallbacks[entry.kind] += 1
         entry = None
     entry = _served(entry, module, query, key, value)
     out, kind = (None, None) if entry is None else _serve_attention(entry, module, query, key, value, attention_mask, kwargs.get("sliding_window"))
