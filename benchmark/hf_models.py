@@ -17,8 +17,11 @@ Workloads (random weights, no download):
 Variants, each on its own copy of the same weights: `eager` (transformers' sdpa), `compile`
 (torch.compile of that model: `model.compile()`; generate compiles the forward it calls),
 `compile-ro` (the same in mode "reduce-overhead", CUDA graphs; generate with a static cache, as
-transformers advises for it) and `kernel-service`
-(`client.integrations.hf.kernelize(model, backend="kernel-service")`). `ready_s` is the time from
+transformers advises for it), `kernel-service`
+(`client.integrations.hf.kernelize(model, backend="kernel-service")`) and, for the forwards
+`kernel-service-graphs` (the same with `graphs=[(batch, tokens)]`: the forward captured in a
+CUDA graph at kernelize and replayed; for generate `[(batch, 1)]`, its decode steps with a static
+cache, captured at the second step). `ready_s` is the time from
 the untouched model to its first output (kernelize's prefetch, or compile's first call,
 included). Then --rounds rounds each time every variant in turn, --reps runs each: `ms` is the
 median over the rounds of each round's median, `spread_ms` the lowest and highest round. Outputs
@@ -53,7 +56,8 @@ import client  # noqa: E402
 import client.integrations.hf as hf  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, ModernBertConfig, ModernBertModel  # noqa: E402
 
-VARIANTS = ("eager", "compile", "compile-ro", "kernel-service")  # kernel-service last (see above)
+VARIANTS = ("eager", "compile", "compile-ro", "kernel-service", "kernel-service-graphs")  # served last (see above)
+SERVED = ("kernel-service", "kernel-service-graphs")
 COMPILE_MODES = {"compile": None, "compile-ro": "reduce-overhead"}
 
 
@@ -120,7 +124,7 @@ def timed(fn, device, reps):
     return out, statistics.median(times)
 
 
-def prepare(base, variant, c):
+def prepare(base, variant, c, buckets):
     """(model, seconds to make it): the variant's copy of `base`."""
     t = time.perf_counter()
     model = copy.deepcopy(base)
@@ -128,8 +132,9 @@ def prepare(base, variant, c):
         if variant == "compile-ro" and getattr(model, "generation_config", None) is not None:
             model.generation_config.cache_implementation = "static"  # graphs need fixed shapes
         model.compile(mode=COMPILE_MODES[variant])
-    elif variant == "kernel-service":
-        hf.kernelize(model, client=c, backend="kernel-service", strict=False)
+    elif variant in SERVED:
+        graphs = buckets if variant == "kernel-service-graphs" else None
+        hf.kernelize(model, client=c, backend="kernel-service", strict=False, graphs=graphs)
         if model.kernel_service.backend != "kernel-service":
             raise SystemExit(f"kernelize chose {model.kernel_service.backend}: {model.kernel_service.reason}")
     return model, time.perf_counter() - t
@@ -143,7 +148,7 @@ def own_rope(variant):
     from transformers.models.modernbert import modeling_modernbert
 
     swapped = [(m, m.apply_rotary_pos_emb) for m in (modeling_llama, modeling_modernbert) if getattr(m.apply_rotary_pos_emb, "kernel_service", False)]
-    if variant != "kernel-service":
+    if variant not in SERVED:
         for module, wrapper in swapped:
             module.apply_rotary_pos_emb = wrapper.__wrapped__
     try:
@@ -153,25 +158,28 @@ def own_rope(variant):
             module.apply_rotary_pos_emb = wrapper
 
 
-def run_workload(name, base, inputs, call, compare, device, reps, rounds, c, rows, extra=None):
+def run_workload(name, base, inputs, call, compare, device, reps, rounds, c, rows, extra=None, buckets=None):
+    """Every variant of `base` on one workload; `buckets`: the (batch, tokens) graphs of the
+    kernel-service-graphs variant (None: the workload has no such variant)."""
+    variants = [v for v in VARIANTS if buckets is not None or v != "kernel-service-graphs"]
     models, ready = {}, {}
-    for variant in VARIANTS:
-        model, made = prepare(base, variant, c)
+    for variant in variants:
+        model, made = prepare(base, variant, c, buckets)
         sync(device)
         t = time.perf_counter()
         with torch.inference_mode(), own_rope(variant):
             call(model, inputs)
         sync(device)
         models[variant], ready[variant] = model, made + time.perf_counter() - t
-        print(f"  {name:<26} {variant:<15} ready {ready[variant]:8.2f} s", flush=True)
-    rounds_s, outs = {v: [] for v in VARIANTS}, {}
+        print(f"  {name:<26} {variant:<22} ready {ready[variant]:8.2f} s", flush=True)
+    rounds_s, outs = {v: [] for v in variants}, {}
     for r in range(rounds):  # alternating: a drift of the host's speed reaches every variant alike
-        for variant in VARIANTS:
+        for variant in variants:
             with torch.inference_mode(), own_rope(variant):
                 outs[variant], sec = timed(functools.partial(call, models[variant], inputs), device, reps)
             rounds_s[variant].append(sec)
-        print(f"  {name:<26} round {r + 1}: " + ", ".join(f"{v} {rounds_s[v][-1] * 1e3:.3f} ms" for v in VARIANTS), flush=True)
-    for variant in VARIANTS:
+        print(f"  {name:<26} round {r + 1}: " + ", ".join(f"{v} {rounds_s[v][-1] * 1e3:.3f} ms" for v in variants), flush=True)
+    for variant in variants:
         ms = [round(sec * 1e3, 3) for sec in rounds_s[variant]]
         row = {
             "workload": name,
@@ -183,11 +191,18 @@ def run_workload(name, base, inputs, call, compare, device, reps, rounds, c, row
             **(extra or {}),
         }
         row.update(compare(outs[variant], outs["eager"]))
-        if variant == "kernel-service":
+        if variant in SERVED:
             r = models[variant].kernel_service
             row["swapped"] = len(r.swapped)
             row["kept"] = dict(r.kept)
             row["fallbacks"] = dict(r.fallbacks)
+            if r.graphs is not None:
+                row["graphs"] = {
+                    "buckets": r.graphs.buckets,
+                    "replays": sum(r.graphs.replays.values()),
+                    "uncaptured": dict(r.graphs.uncaptured),
+                    "capture_s": round(r.graphs.capture_s, 3),
+                }
         rows.append(row)
     models.clear()
 
@@ -249,6 +264,7 @@ def main() -> None:
                     c,
                     rows,
                     {"batch": 1, "tokens": n},
+                    buckets=None if small else [(1, n)],  # graphs need CUDA
                 )
             if "generate" in only:
                 prompt, new = (8, 8) if small else (128, 128)
@@ -266,7 +282,8 @@ def main() -> None:
                         return {"same_tokens": float((out[:, prompt:] == ref[:, prompt:]).float().mean())}
 
                     name = f"llama generate b{batch}" + (" padded" if padded else "")
-                    run_workload(name, base, ids, gen, same, device, reps, args.rounds, c, rows, {"batch": batch, "new_tokens": new, "padded": padded})
+                    extra = {"batch": batch, "new_tokens": new, "padded": padded}
+                    run_workload(name, base, ids, gen, same, device, reps, args.rounds, c, rows, extra, buckets=None if small else [(batch, 1)])
             del base
         if "modernbert" in only:
             cfg = bert_config(small)
@@ -293,20 +310,21 @@ def main() -> None:
                 c,
                 rows,
                 {"batch": batch, "tokens": n, "padded": True},
+                buckets=None if small else [(batch, n)],
             )
     finally:
         if daemon is not None:
             daemon.stop()
-    eager = {r["workload"]: r["ms"] for r in rows if r["variant"] == "eager"}
-    compiled = {r["workload"]: r["ms"] for r in rows if r["variant"] == "compile"}
-    print(f"\n{'workload':<26} {'variant':<15} {'ready s':>9} {'ms':>10} {'spread ms':>17} {'x eager':>8} {'x compile':>10}  check")
+    base = {v: {r["workload"]: r["ms"] for r in rows if r["variant"] == v} for v in ("eager", "compile", "compile-ro")}
+    print(f"\n{'workload':<26} {'variant':<22} {'ready s':>9} {'ms':>10} {'spread ms':>17} {'x eager':>8} {'x compile':>10} {'x c-ro':>7}  check")
     for r in rows:
-        r["x_eager"] = round(eager[r["workload"]] / r["ms"], 3)
-        r["x_compile"] = round(compiled[r["workload"]] / r["ms"], 3) if r["workload"] in compiled else None
+        for v, field in (("eager", "x_eager"), ("compile", "x_compile"), ("compile-ro", "x_compile_ro")):
+            r[field] = round(base[v][r["workload"]] / r["ms"], 3) if r["workload"] in base[v] else None
         check = f"max_diff {r['max_diff']:.3g}" if "max_diff" in r else f"same tokens {r['same_tokens']:.0%}"
         spread = f"{r['spread_ms'][0]:.3f}-{r['spread_ms'][1]:.3f}"
         print(
-            f"{r['workload']:<26} {r['variant']:<15} {r['ready_s']:>9.2f} {r['ms']:>10.3f} {spread:>17} {r['x_eager']:>8.2f} {r['x_compile'] or 0:>10.2f}  {check}"
+            f"{r['workload']:<26} {r['variant']:<22} {r['ready_s']:>9.2f} {r['ms']:>10.3f} {spread:>17} {r['x_eager']:>8.2f} "
+            f"{r['x_compile'] or 0:>10.2f} {r['x_compile_ro'] or 0:>7.2f}  {check}"
         )
     if args.json:
         Path(args.json).write_text(

@@ -41,6 +41,10 @@ first agent), in this order:
                                 its weights) and prefetches
   served_warm                   served_cold's daemon and cache, now holding every kernel
                                 (filled untimed if served_cold did not run)
+  served_warm_graphs            served_warm, then the forward captured in a CUDA graph
+                                (decode_step.graphed: three eager forwards on a side
+                                stream, the capture); ready once captured, the first
+                                output a replay (CUDA only: left out on the CPU)
   tilelang_cold                 TileLang alone: tilelang.par_compile of the PrimFuncs the
                                 service would build (kernels.get_kind(kind).build), a
                                 fresh TILELANG_CACHE_DIR
@@ -94,6 +98,7 @@ VARIANTS = (
     "served_cold",
     "served_cold_from_serve",
     "served_warm",
+    "served_warm_graphs",
     "tilelang_cold",
     "tilelang_warm",
     "compile_default_cold",
@@ -189,7 +194,7 @@ def count_outcomes(kernels: list) -> dict:
     return outcomes
 
 
-def child_served(clock: Clock, cfg: LayerConfig, layers: int, socket: str, wait_for_daemon: bool, out_path: Path) -> dict:
+def child_served(clock: Clock, cfg: LayerConfig, layers: int, socket: str, wait_for_daemon: bool, out_path: Path, graphs: bool = False) -> dict:
     import client
 
     clock.done("imports")
@@ -207,9 +212,19 @@ def child_served(clock: Clock, cfg: LayerConfig, layers: int, socket: str, wait_
     if failed:
         raise failed[0]
     served = model.served_layers(c)
-    clock.ready = clock.done("kernels")
+    if not graphs:
+        clock.ready = clock.done("kernels")
+        with torch.inference_mode():
+            torch.save(host_copy(model.forward_served(served)), out_path)
+        clock.first_output = clock.done("forward")
+        return {"outcomes": count_outcomes(kernels)}
+    clock.done("kernels")
+    out = {}
     with torch.inference_mode():
-        torch.save(host_copy(model.forward_served(served)), out_path)
+        replay = decode_step.graphed(lambda: out.update(y=model.forward_served(served)))
+        clock.ready = clock.done("capture")
+        replay()
+        torch.save(host_copy(out["y"]), out_path)
     clock.first_output = clock.done("forward")
     return {"outcomes": count_outcomes(kernels)}
 
@@ -266,13 +281,14 @@ def child_main(argv: list[str]) -> None:
     p.add_argument("--layers", type=int, required=True)
     p.add_argument("--socket")
     p.add_argument("--wait-for-daemon", action="store_true")
+    p.add_argument("--graphs", action="store_true")
     p.add_argument("--compile-mode", choices=tuple(COMPILE_MODES))
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
     clock = Clock(a.t0)
     cfg = LayerConfig(**json.loads(a.config))
     if a.role == "served":
-        extra = child_served(clock, cfg, a.layers, a.socket, a.wait_for_daemon, a.out)
+        extra = child_served(clock, cfg, a.layers, a.socket, a.wait_for_daemon, a.out, a.graphs)
     elif a.role == "tilelang":
         extra = child_tilelang(clock, cfg, a.layers)
     elif a.role == "compile":
@@ -413,16 +429,25 @@ def variant_served_cold_from_serve(b: Bench) -> dict:
         daemon.stop()
 
 
-def variant_served_warm(b: Bench) -> dict:
+def warm_sidecar(b: Bench, name: str):
+    """The sidecar, its cache holding every kernel (filled untimed if served_cold did not run)."""
     daemon = b.sidecar()
-    if not b.sidecar_has_kernels:  # served_cold did not run: fill the cache, untimed
-        progress("served_warm", "filling the daemon's cache (untimed)")
+    if not b.sidecar_has_kernels:
+        progress(name, "filling the daemon's cache (untimed)")
         with daemon.client() as c:
             failed = [k for k in c.prefetch(layer_specs(b.cfg), load=False) if isinstance(k, Exception)]
         if failed:
             raise failed[0]
         b.sidecar_has_kernels = True
-    return b.child("served_warm", "served", socket=daemon.socket)
+    return daemon
+
+
+def variant_served_warm(b: Bench) -> dict:
+    return b.child("served_warm", "served", socket=warm_sidecar(b, "served_warm").socket)
+
+
+def variant_served_warm_graphs(b: Bench) -> dict:
+    return b.child("served_warm_graphs", "served", socket=warm_sidecar(b, "served_warm_graphs").socket, graphs=True)
 
 
 def variant_tilelang_cold(b: Bench) -> dict:
@@ -608,6 +633,10 @@ def main(argv=None) -> int:
     if args.layers < 1:
         p.error("--layers must be at least 1")
     cfg = config_for(args)
+    if device_of(cfg) != "cuda" and "served_warm_graphs" in variants:
+        variants.remove("served_warm_graphs")  # CUDA graphs: nothing to capture on the CPU
+        if not variants:
+            p.error("served_warm_graphs needs a CUDA device")
 
     b = Bench(args, cfg)
     print(

@@ -51,6 +51,8 @@ import weakref
 import torch
 from torch import nn
 
+from . import graphs as _graphs
+
 BACKENDS = ("eager", "compile", "kernel-service", "auto")
 ATTN = "kernel_service"  # the attention implementation's name (no "flash" or "sdpa": transformers special-cases those)
 _ATTR = "_kernel_service"  # a served module's entry (not a parameter or buffer: the state dict is unchanged)
@@ -94,6 +96,7 @@ class Report:
     original_attn: str | None = None
     strict: bool = False  # a call the kernels do not serve raises instead of running the module's own forward
     warned_grad: bool = dataclasses.field(default=False, repr=False)  # the grad-mode warning, given once per model
+    graphs: _graphs.GraphStats | None = None  # with kernelize(graphs=...): the buckets captured, replays, calls uncaptured
 
 
 @dataclasses.dataclass(eq=False)
@@ -312,6 +315,8 @@ def _mask(
     tracing (torch < 2.14 materializes it under torch.compile): the served kernels need no mask."""
     from transformers.masking_utils import sdpa_mask
 
+    if _graphs.capturing():  # the mask was checked on the host; reading it here would sync inside a capture
+        allow_is_causal_skip = allow_is_bidirectional_skip = False
     plain = (allow_is_causal_skip and (q_length == 1 or q_length == kv_length)) or allow_is_bidirectional_skip
     if attention_mask is None and plain and (local_size is None or kv_length <= local_size) and not isinstance(q_offset, torch.Tensor):
         return None
@@ -429,6 +434,8 @@ def _key_ranges(mask, b, kv, causal, window):
     def compute():
         m = mask[:, 0].expand(b, kv, kv)
         lo, hi = _runs(m.any(1), kv)  # the keys some query sees
+        if _graphs.capturing():  # the 2D mask was checked to be padding before the forward (no sync in a graph)
+            return torch.stack((lo, hi), 1).to(torch.int32)
         j = torch.arange(kv, device=mask.device)
         want = (j >= lo[:, None, None]) & (j < hi[:, None, None])
         i = j[:, None]
@@ -452,6 +459,8 @@ def _decode_runs(mask, b, kv):
     def compute():
         seen = mask[:, 0, 0].expand(b, kv)
         lo, hi = _runs(seen, kv)
+        if _graphs.capturing():  # the step's mask was checked before the replay; every run is rotated
+            return lo, (hi - lo).to(torch.int32), False
         one_run, at_zero = torch.stack(((seen.sum(1) == hi - lo).all(), (lo == 0).all())).tolist()  # one sync
         return (lo, (hi - lo).to(torch.int32), at_zero) if one_run else None
 
@@ -724,7 +733,35 @@ def _warm(model, device):
         model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device))
 
 
-def kernelize(model, *, client=None, backend: str = "auto", strict: bool = False, warmup: bool = True):
+def _capture(model, report: Report, buckets, strict: bool) -> None:
+    """kernelize's graphs: the served forward captured per bucket, or why not (strict raises)."""
+    import inspect
+
+    report.graphs = _graphs.GraphStats()
+    why = ""
+    if report.backend != "kernel-service":
+        why = f"the backend is {report.backend!r}, not 'kernel-service'"
+    elif _first_param(model).device.type != "cuda":
+        why = "CUDA graphs need the model on a CUDA device"
+    if not why:
+        fixed = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+        try:
+            _graphs.Graphs(model, buckets, fixed=fixed, stats=report.graphs).capture()
+            gen = getattr(model, "generation_config", None)
+            if gen is not None:
+                gen.disable_compile = True  # generate would torch.compile the graphed forward
+                if any(t == 1 for _, t in buckets) and gen.cache_implementation is None:
+                    gen.cache_implementation = "static"  # decode steps are captured with a static cache
+            return
+        except Exception as exc:  # a forward that cannot be captured (a host read inside it, say)
+            why = f"capture failed: {type(exc).__name__}: {exc}"
+    report.graphs.reason = why
+    if strict:
+        raise RuntimeError(f"kernelize(strict=True): graphs were asked for and not captured: {why}")
+    warnings.warn(f"kernelize: graphs not captured ({why}); the model runs without them", RuntimeWarning, stacklevel=3)
+
+
+def kernelize(model, *, client=None, backend: str = "auto", strict: bool = False, warmup: bool = True, graphs=None):
     """Swaps a transformers model's norms, MLP activation, rotary and attention for served kernels, in place.
 
     backend: "kernel-service" (served kernels), "compile" (`model.compile()`), "eager" (nothing
@@ -733,12 +770,17 @@ def kernelize(model, *, client=None, backend: str = "auto", strict: bool = False
     naming the backend used instead) and falls back. strict=True means that backend or an error:
     it raises instead, also for "auto" when it would not be kernel-service, and when a module
     would keep its own forward. client: a client.Client (default: the default connection).
-    warmup: run one tiny forward before returning. Returns the model; `model.kernel_service`
+    warmup: run one tiny forward before returning. graphs: (batch, tokens) buckets whose forward is
+    captured in a CUDA graph at warm-up and replayed (client.integrations.graphs: calls are padded
+    up to the smallest bucket that holds them; (batch, 1) is generate's decode step with a static
+    cache, captured at its second call; others run uncaptured and are counted in
+    `model.kernel_service.graphs`). Returns the model; `model.kernel_service`
     (a Report) says which backend was chosen, which modules were swapped and which kept, and
     counts the calls served and fallen back (eager calls).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    buckets = None if graphs is None else _graphs.buckets(graphs)
     param = _first_param(model)
     device, dtype = param.device, param.dtype
     cuda = device.type == "cuda"
@@ -767,6 +809,8 @@ def kernelize(model, *, client=None, backend: str = "auto", strict: bool = False
     model.kernel_service = report
     if warmup and chosen == "kernel-service":
         _warm(model, device)
+    if buckets is not None:
+        _capture(model, report, buckets, strict)
     return model
 
 

@@ -1,0 +1,180 @@
+"""kernelize(graphs=...): a served model's forward captured in CUDA graphs per (batch, tokens) bucket.
+
+On the CPU: what runs inside a capture (a bucket-padded call, with no host read of any tensor)
+gives the call's own outputs, and asking for graphs where there is no CUDA says why (or raises
+under strict). On a GPU: the capture itself, replays, and the calls no bucket serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+hf = pytest.importorskip("client.integrations.hf")
+
+from client.integrations import graphs  # noqa: E402
+from devtools.launch import DaemonProcess  # noqa: E402
+from tests.marks import needs_gpu  # noqa: E402
+from tests.test_hf import BERT, VOCAB, llama, modernbert, own_rotary  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+from transformers.models.modernbert import modeling_modernbert  # noqa: E402
+
+
+def start_daemon(tmp_path_factory, *flags):
+    base = tmp_path_factory.mktemp("graphs-daemon")
+    d = DaemonProcess(base / "cache", *flags, workers=2, log_path=base / "daemon.log").start(timeout=300)
+    return d, d.client()
+
+
+@pytest.fixture(scope="module")
+def cpu_daemon(tmp_path_factory):
+    d, c = start_daemon(tmp_path_factory, "--target", "c")
+    yield c
+    c.close()
+    d.stop()
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Any read of a tensor's values on the host (what a capture cannot do) fails the test."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("__bool__", "item", "tolist"):
+            mp.setattr(torch.Tensor, name, _no_host_read)
+        mp.setattr(torch, "equal", _no_host_read)
+        yield
+
+
+def _no_host_read(*args, **kwargs):
+    raise AssertionError("a tensor was read on the host inside the captured forward")
+
+
+def test_the_captured_forward_reads_nothing_on_the_host_and_matches(cpu_daemon):
+    """A call padded up to its bucket (batch and tokens), run as a capture runs it: the valid
+    positions equal transformers' eager forward, full and sliding layers alike."""
+    ref = modernbert()
+    model = hf.kernelize(copy.deepcopy(ref), client=cpu_daemon, backend="kernel-service")
+    ids = torch.randint(3, VOCAB, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # right padding
+    mask[2, :3] = 0  # left padding
+    assert graphs._one_run_per_row(mask) and not graphs._one_run_per_row(torch.tensor([[1, 0, 1]]))
+    g = graphs._Graph(4, 16, torch.device("cpu"), BERT["pad_token_id"])
+    g.load(ids, mask)
+    with torch.no_grad(), no_host_reads():
+        g.out = graphs.run(model.forward, g, {})
+    out = g.outputs(3, 12).last_hidden_state
+    with torch.inference_mode(), own_rotary(modeling_modernbert):
+        want = ref(ids, attention_mask=mask).last_hidden_state
+    assert out.shape == want.shape
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], want[valid], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_captured_decode_step_reads_nothing_on_the_host_and_matches(cpu_daemon, padded):
+    """generate with a static cache, each decode step run as a capture runs it (every sequence's
+    keys rotated, the mask taken as checked): the tokens transformers' eager generate picks."""
+    ref = llama()
+    model = hf.kernelize(copy.deepcopy(ref), client=cpu_daemon, backend="kernel-service")
+    ids = torch.randint(3, VOCAB, (3, 8))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :3] = 0  # left padding, as a tokenizer pads for generate
+        mask[2, :1] = 0
+    forward, steps = model.forward, []
+
+    def as_captured(*args, **kwargs):
+        if kwargs.get("past_key_values") is None or kwargs["input_ids"].shape[1] != 1:
+            return forward(*args, **kwargs)
+        steps.append(1)
+        with graphs._capturing(), no_host_reads():
+            return forward(*args, **kwargs)
+
+    model.forward = as_captured
+    before = model.kernel_service.calls["kv_attention"]
+    gen = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.inference_mode():
+        got = model.generate(ids, **gen)
+        with own_rotary(modeling_llama):
+            want = ref.generate(ids, **gen)
+    assert len(steps) == 5 and torch.equal(got, want)
+    assert model.kernel_service.calls["kv_attention"] - before == 5 * 2  # every step's layers served
+
+
+def test_graphs_where_there_is_no_cuda_say_why_or_raise_under_strict(cpu_daemon):
+    with pytest.raises(ValueError, match="bucket"):
+        hf.kernelize(modernbert(), client=cpu_daemon, backend="kernel-service", graphs=[(0, 8)])
+    with pytest.raises(ValueError, match="at least one"):
+        hf.kernelize(modernbert(), client=cpu_daemon, backend="kernel-service", graphs=[])
+    with pytest.warns(RuntimeWarning, match="graphs not captured.*CUDA"):
+        model = hf.kernelize(modernbert(), client=cpu_daemon, backend="kernel-service", graphs=[(2, 8)])
+    r = model.kernel_service
+    assert r.backend == "kernel-service" and "CUDA" in r.graphs.reason and not r.graphs.buckets
+    with torch.inference_mode():
+        model(torch.randint(3, VOCAB, (2, 8)))  # runs as without graphs
+    with pytest.raises(RuntimeError, match="strict.*graphs"):
+        hf.kernelize(modernbert(), client=cpu_daemon, backend="kernel-service", strict=True, graphs=[(2, 8)])
+
+
+# ----- on a GPU
+
+
+@pytest.fixture(scope="module")
+def cuda_daemon(tmp_path_factory):
+    d, c = start_daemon(tmp_path_factory)
+    yield c
+    c.close()
+    d.stop()
+
+
+@needs_gpu
+def test_a_captured_encoder_replays_its_buckets_and_counts_the_rest(cuda_daemon):
+    torch.manual_seed(0)
+    ref = modernbert().to("cuda", torch.bfloat16)
+    served = hf.kernelize(copy.deepcopy(ref), client=cuda_daemon, backend="kernel-service", strict=True)
+    model = hf.kernelize(copy.deepcopy(ref), client=cuda_daemon, backend="kernel-service", strict=True, graphs=[(4, 16), (8, 32)])
+    stats = model.kernel_service.graphs
+    assert stats.buckets == [(4, 16), (8, 32)] and stats.capture_s > 0 and not stats.reason
+    ids = torch.randint(3, VOCAB, (3, 12), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    mask[2, :3] = 0
+    with torch.inference_mode():
+        first = model(ids, attention_mask=mask).last_hidden_state
+        again = model(input_ids=ids[:2, :5]).last_hidden_state  # a second replay of the same bucket
+        plain = served(ids, attention_mask=mask).last_hidden_state
+        with own_rotary(modeling_modernbert):
+            want = ref(ids, attention_mask=mask).last_hidden_state
+    assert dict(stats.replays) == {(4, 16): 2}
+    valid = mask.bool()
+    torch.testing.assert_close(first[valid], plain[valid], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(first[valid], want[valid], atol=5e-2, rtol=5e-2)
+    assert again.shape == (2, 5, BERT["hidden_size"]) and first.data_ptr() != again.data_ptr()
+    with torch.inference_mode():
+        model(torch.randint(3, VOCAB, (9, 8), device="cuda"))  # no bucket holds 9 sequences
+        gap = torch.ones((2, 8), dtype=torch.long, device="cuda")
+        gap[0, 3] = 0
+        model(torch.randint(3, VOCAB, (2, 8), device="cuda"), attention_mask=gap)
+    model(torch.randint(3, VOCAB, (2, 8), device="cuda"))  # grad enabled: the model's own forwards
+    assert sum(stats.replays.values()) == 2 and sum(stats.uncaptured.values()) == 3, stats.uncaptured
+
+
+@needs_gpu
+def test_a_captured_causal_lm_replays_prefill_without_a_cache_only(cuda_daemon):
+    ref = llama().to("cuda", torch.bfloat16)
+    model = hf.kernelize(copy.deepcopy(ref), client=cuda_daemon, backend="kernel-service", strict=True, graphs=[(2, 16)])
+    ids = torch.randint(3, VOCAB, (2, 16), device="cuda")
+    with torch.inference_mode():
+        got = model(ids, use_cache=False).logits
+        model(ids)  # use_cache defaults on: a cache is not captured
+        with own_rotary(modeling_llama):
+            want = ref(ids, use_cache=False).logits
+    stats = model.kernel_service.graphs
+    assert dict(stats.replays) == {(2, 16): 1} and sum(stats.uncaptured.values()) == 1
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
