@@ -178,3 +178,22 @@ def test_a_captured_causal_lm_replays_prefill_without_a_cache_only(cuda_daemon):
     stats = model.kernel_service.graphs
     assert dict(stats.replays) == {(2, 16): 1} and sum(stats.uncaptured.values()) == 1
     torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
+@needs_gpu
+def test_generate_replays_its_decode_steps_from_one_capture(cuda_daemon):
+    ref = llama().to("cuda", torch.bfloat16)
+    served = hf.kernelize(copy.deepcopy(ref), client=cuda_daemon, backend="kernel-service")
+    model = hf.kernelize(copy.deepcopy(ref), client=cuda_daemon, backend="kernel-service", graphs=[(2, 1)])
+    assert model.generation_config.cache_implementation == "static" and model.generation_config.disable_compile
+    ids = torch.randint(3, VOCAB, (2, 8), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    gen = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        got = model.generate(ids, **gen)
+        again = model.generate(ids, **gen)  # the same cache, reset: the step's graph again
+        want = served.generate(ids, cache_implementation="static", disable_compile=True, **gen)
+    stats = model.kernel_service.graphs
+    assert stats.steps == 1 and stats.replays[(2, 1)] == 6 + 7, stats
+    assert torch.equal(got, want) and torch.equal(again, got)
