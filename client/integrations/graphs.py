@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import inspect
 import threading
 import time
 
@@ -126,6 +127,7 @@ class Graphs:
     def __init__(self, model, given, *, fixed: dict | None = None, stats: GraphStats | None = None):
         self.model = model
         self.forward = model.forward  # the forward as kernelize left it (bound; served modules inside)
+        self.__signature__ = inspect.signature(self.forward)  # what generate reads off model.forward
         self.buckets = buckets(given)
         self.fixed = dict(fixed or {})  # keyword arguments every captured call passes (use_cache=False)
         self.stats = stats if stats is not None else GraphStats()
