@@ -10,6 +10,7 @@ its name, variable, type and choices are declared once; a command says only what
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -251,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting_flag(p, "socket", socket_help)
     p.add_argument("--json", action="store_true", help=json_help)
 
-    command("flags-markdown", flags_markdown, "print docs/cli.md: these commands, their flags and the daemon's settings, as markdown")
+    command(
+        "flags-markdown", functools.partial(flags_markdown, parser), "print docs/cli.md: these commands, their flags and the daemon's settings, as markdown"
+    )
     return parser
 
 

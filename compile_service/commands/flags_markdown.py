@@ -50,12 +50,9 @@ def _commands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argparse.
     return commands
 
 
-def cli_markdown(parser: argparse.ArgumentParser | None = None) -> str:
-    """docs/cli.md: every command and its flags, and the daemon's settings, from the parser itself."""
-    if parser is None:
-        from ..cli import build_parser
-
-        parser = build_parser()
+def cli_markdown(parser: argparse.ArgumentParser) -> str:
+    """docs/cli.md: every command and its flags, and the daemon's settings, from the parser itself
+    (cli.build_parser's, passed in: the parser runs this command)."""
     out = [
         "# `kernel-service`: commands, flags and settings",
         "",
@@ -93,6 +90,6 @@ def cli_markdown(parser: argparse.ArgumentParser | None = None) -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
-def flags_markdown(args) -> int:
-    sys.stdout.write(cli_markdown())
+def flags_markdown(parser: argparse.ArgumentParser, args) -> int:
+    sys.stdout.write(cli_markdown(parser))
     return 0
