@@ -479,9 +479,8 @@ _DEFAULTS = {f.name: None if f.default is MISSING else f.default for f in fields
 
 def shown_default(name: str) -> str:
     """A setting's default as --help and docs/cli.md name it."""
-    setting_ = SETTINGS[name]
-    if setting_.default_text:
-        return setting_.default_text
+    if SETTINGS[name].default_text:
+        return SETTINGS[name].default_text
     value = _DEFAULTS[name]
     return "none" if value in (None, ()) else f"{value:g}" if isinstance(value, float) else str(value)
 
