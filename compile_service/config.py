@@ -477,6 +477,14 @@ SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in fields(Se
 _DEFAULTS = {f.name: None if f.default is MISSING else f.default for f in fields(ServiceConfig)}
 
 
+def shown_default(name: str) -> str:
+    """A setting's default as --help and docs/cli.md name it."""
+    if SETTINGS[name].default_text:
+        return SETTINGS[name].default_text
+    value = _DEFAULTS[name]
+    return "none" if value in (None, ()) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def resolve_setting(name: str, given: Any, env=os.environ) -> tuple[Any, str]:
     """(value, where it came from) of one setting: the value a flag gave (None: not given), else
     its environment variable, else its default; checked. For commands other than serve that take

@@ -44,6 +44,7 @@ import stat
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -288,6 +289,49 @@ def _fleet_tier(local: LocalStore, cfg: ServiceConfig, metrics: Metrics):
     return tier
 
 
+@dataclass(frozen=True)
+class Assembly:
+    """What serves kernels: the local store (the fleet tier's hooks on it), the store the
+    scheduler reads (with the read-only layers), the fleet tier (None without --remote), the scheduler."""
+
+    local: LocalStore
+    store: LocalStore | Layered
+    tier: object | None  # store.remote.RedisTier, imported only with --remote
+    scheduler: Scheduler
+
+
+def assemble(cfg: ServiceConfig, device: devices.DeviceCompiler, metrics: Metrics, early_workers: bool = True) -> Assembly:
+    """The stores and scheduler of a daemon with `cfg`, its workers not started (start_workers):
+    the daemon's, and `prewarm --remote`'s, which builds as a daemon would. `early_workers`: the
+    zygote starts importing TileLang now (else with the first worker: a caller that may build
+    nothing). Every directory of the cache is checked before any work: a refusal costs no workers."""
+    local = LocalStore(cfg.cache_dir, cfg.mode, metrics=metrics, extra_usage=counted_dirs(cfg.cache_dir))
+    layers = [Layer(path, metrics) for path in cfg.cache_layers]  # refused here, as the cache root is
+    if layers:
+        log.info("read-only cache layers, searched after the cache: %s", ", ".join(str(layer.root) for layer in layers))
+    tier = _fleet_tier(local, cfg, metrics)
+    store = Layered(local, layers) if layers else local
+    for d in (cfg.cache_dir / DEVICE_BINARIES, device_binary_dir(cfg.cache_dir, device.id)):
+        private_dir(d, cfg.mode, "cache directory", CACHE_FIX)
+    scheduler = Scheduler(
+        store,
+        cfg.workers,
+        cfg.queue_limit,
+        cfg.plugin_args,
+        cfg.failure_ttl,
+        Budget(cfg.max_bytes, cfg.max_entries, cfg.evict_min_age),
+        device,
+        _warm_target(cfg),
+        metrics,
+        start=False,  # the caller starts them: the daemon once SERVING, prewarm when it has something to build
+        compiles=not cfg.no_compile,
+        compile_timeout=cfg.compile_timeout or None,
+        memory=BuildMemory(cfg.memory_limit),
+        pool=functools.partial(process_pool, start=cfg.worker_start, early=early_workers),
+    )
+    return Assembly(local, store, tier, scheduler)
+
+
 class Daemon:
     def __init__(self, config: ServiceConfig):
         self.config = config
@@ -336,33 +380,10 @@ class Daemon:
             log.info("serving only (--no-compile): misses answer NOT_FOUND; CUDA keys name the compiler %s", device.id)
         self.metrics = Metrics()
         self.metrics.load(cfg.cache_dir / STATS_FILE)  # totals go on from the last daemon's
-        # Every directory of the cache is checked before any work: a refusal costs no compile workers.
-        self.local = LocalStore(cfg.cache_dir, cfg.mode, metrics=self.metrics, extra_usage=counted_dirs(cfg.cache_dir))
-        layers = [Layer(path, self.metrics) for path in cfg.cache_layers]  # refused here, as the cache root is
-        if layers:
-            log.info("read-only cache layers, searched after the cache: %s", ", ".join(str(layer.root) for layer in layers))
-        tier = _fleet_tier(self.local, cfg, self.metrics)
-        self.store = store = Layered(self.local, layers) if layers else self.local
-        for d in (cfg.cache_dir / DEVICE_BINARIES, device_binary_dir(cfg.cache_dir, device.id)):
-            private_dir(d, cfg.mode, "cache directory", CACHE_FIX)
+        built = assemble(cfg, device, self.metrics)
+        self.local, self.store, tier, self.scheduler = built.local, built.store, built.tier, built.scheduler
+        store = self.store
         inductor_dir = inductor.ensure(cfg.cache_dir)
-        budget = Budget(cfg.max_bytes, cfg.max_entries, cfg.evict_min_age)
-        self.scheduler = Scheduler(
-            store,
-            cfg.workers,
-            cfg.queue_limit,
-            cfg.plugin_args,
-            cfg.failure_ttl,
-            budget,
-            device,
-            _warm_target(cfg),
-            self.metrics,
-            start=False,  # the spawner starts them once SERVING
-            compiles=not cfg.no_compile,
-            compile_timeout=cfg.compile_timeout or None,
-            memory=BuildMemory(cfg.memory_limit),
-            pool=functools.partial(process_pool, start=cfg.worker_start),  # the zygote starts importing now
-        )
         threading.Thread(target=self._spawn_workers, name="spawner", daemon=True).start()  # at nice 0, as its workers
         # From here on this thread only starts gRPC: lowering its priority now makes
         # every thread gRPC creates inherit it (the workers are spawned at nice 0).

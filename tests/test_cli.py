@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from compile_service.cli import _exited, build_parser, cli_markdown
+from compile_service.cli import build_parser
+from compile_service.commands.daemon import exited
+from compile_service.commands.flags_markdown import cli_markdown
 from compile_service.config import SETTINGS, ServiceConfig, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,8 +71,8 @@ def resolve(argv: list[str], env: dict) -> ServiceConfig:
 
 
 def test_docs_cli_md_is_the_generated_text():
-    assert (ROOT / "docs" / "cli.md").read_text() == cli_markdown(), "regenerate it: python -m compile_service.cli flags-markdown > docs/cli.md"
-    assert cli("flags-markdown").stdout == cli_markdown()
+    assert (ROOT / "docs" / "cli.md").read_text() == cli_markdown(build_parser()), "regenerate it: python -m compile_service.cli flags-markdown > docs/cli.md"
+    assert cli("flags-markdown").stdout == cli_markdown(build_parser())
 
 
 def test_every_flag_and_variable_keeps_its_name_and_setting():
@@ -288,13 +290,13 @@ def test_ls_prune_and_stop_agree_with_the_cache_and_the_process(make_daemon):
     logged = re.search(r"cache now (\d+) entries, (\d+) bytes", pruned.stderr)
     summary = re.search(r"now holds (\d+) entries, ([\d.]+ \w+)", pruned.stdout)
     assert logged and summary, (pruned.stdout, pruned.stderr)
-    from compile_service.cli import _human_bytes
+    from compile_service.commands.output import human_bytes
 
-    assert (logged.group(1), _human_bytes(int(logged.group(2)))) == summary.groups()  # one number for what is left
+    assert (logged.group(1), human_bytes(int(logged.group(2)))) == summary.groups()  # one number for what is left
     pid = d.proc.pid
     stopped = cli("stop", "--socket", str(d.socket))
     assert stopped.returncode == 0 and f"pid {pid}" in stopped.stdout
-    assert _exited(pid)  # gone (or a zombie awaiting its parent's wait) by the time stop returns
+    assert exited(pid)  # gone (or a zombie awaiting its parent's wait) by the time stop returns
     assert d.proc.wait(10) == 0
 
 
