@@ -15,10 +15,8 @@ import proto.clashes  # noqa: F401  (checks for a foreign `proto` or `kernels`: 
 from .api import Client, connect, default_client, explain, get_kernel, kinds, prefetch, stats
 from .api import use_shared_inductor_cache_default as use_shared_inductor_cache
 from .inductor import InductorCache
-from .errors import (
-    CompileError, CompileTimeout, CorruptArtifact, InvalidSpec, KernelNotReady, KernelServiceError, LoadError, ServiceError, ServiceUnavailable,
-    UntrustedService,
-)  # fmt: skip
+from . import errors
+from .errors import *  # noqa: F403  (the exceptions: errors.__all__)
 from .loader import Kernel
 from .tilelang import install_tilelang_cache, uninstall_tilelang_cache
 from .when_imported import when_imported
@@ -36,19 +34,10 @@ if os.environ.get("KERNEL_SERVICE_TILELANG") != "1":
     when_imported("torch", _register_torch_ops)
 
 __all__ = [
+    *errors.__all__,
     "Client",
-    "CompileError",
-    "CompileTimeout",
-    "CorruptArtifact",
     "InductorCache",
-    "InvalidSpec",
     "Kernel",
-    "KernelNotReady",
-    "KernelServiceError",
-    "LoadError",
-    "ServiceError",
-    "ServiceUnavailable",
-    "UntrustedService",
     "connect",
     "default_client",
     "explain",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import itertools
 import json
@@ -19,6 +20,7 @@ import grpc
 import kernels
 from proto import abi, channel, keys, manifest, wire
 from proto.entry import Entry
+from proto.memo import Memo
 from proto.kernelservice.v1 import kernel_service_pb2 as pb
 from proto.kernelservice.v1 import kernel_service_pb2_grpc as pb_grpc
 from proto.paths import default_cache_dir, default_socket, entry_dir, service_info_file, socket_address
@@ -105,7 +107,7 @@ class Client:
         self.timeout = timeout
         self.reconnect_window = reconnect_window
         self.direct_hits = direct_hits and not self.app  # a recorded application's every kernel goes by the daemon
-        self._service: dict | None = None  # GetServiceInfo, asked once: default target, cache root, key fingerprint
+        self._service: _Service | None = None  # GetServiceInfo, asked once: default target, cache root, key fingerprint
         self.daemon_uid = channel.daemon_uid(daemon_uid)
         self.token_file = Path(token_file) if token_file else None
         self._metadata: tuple | None = None  # TCP: the authorization header, read once
@@ -302,16 +304,8 @@ class Client:
             return self._memo.setdefault(memo_key, kernel)
 
     def _load_routes(self, router: loader.Kernel, timeout: float | None) -> None:
-        """Loads every build of a router (abi.dispatch) now, so that no call compiles or loads."""
-        if "dispatch" not in router.abi or router.routes is not None:
-            return
-        routes = []
-        for upto, spec in router.dispatch:
-            kernel = self.get_kernel(spec["kind"], target=spec["target"], timeout=timeout, **spec["params"])
-            if "dispatch" in kernel.abi or kernel.spec != spec:
-                raise CorruptArtifact(f"a {spec['kind']} router names a build that is not one: {json.dumps(spec, sort_keys=True)[:200]}")
-            routes.append((upto, kernel))
-        router.routes = routes
+        """Loads every build of a router (abi.dispatch) now, through this client, so that no call compiles or loads."""
+        router.load_routes(lambda spec: self.get_kernel(spec["kind"], target=spec["target"], timeout=timeout, **spec["params"]))
 
     def _request(self, kind: str, params: dict, target: str | None) -> tuple[str, pb.KernelSpec, kernels.CanonicalSpec | None]:
         """(memo key, wire spec, canonical spec) of a request. Kinds this process knows are validated
@@ -326,18 +320,18 @@ class Client:
         proto = wire.spec_to_proto(kind, params, target)
         return proto.SerializeToString(deterministic=True).hex(), proto, None
 
-    def _info(self) -> dict:
+    def _info(self) -> _Service:
         """The daemon's ServiceInfo, asked once; with no daemon answering, the one it left in the
         cache root (recorded_service_info), so that the kernels the cache holds still load;
         else raises ServiceUnavailable."""
         if self._service is None:  # on get_kernel's path, which waits as long as a compile may
             try:
-                self._service = self.service_info(timeout=self.timeout)
+                info = self.service_info(timeout=self.timeout)
             except ServiceUnavailable:
-                recorded = self.recorded_service_info()
-                if recorded is None:
+                info = self.recorded_service_info()
+                if info is None:
                     raise
-                self._service = recorded
+            self._service = _Service(info, self.daemon_uid)
         return self._service
 
     def recorded_service_info(self) -> dict | None:
@@ -359,7 +353,7 @@ class Client:
 
     def _default_target(self) -> str:
         try:
-            return self._info()["default_target"] or "auto"
+            return self._info().info["default_target"] or "auto"
         except ServiceUnavailable:
             if self.fallback:  # compiled here: this host's default
                 return "auto"
@@ -368,42 +362,23 @@ class Client:
     def _key(self, spec: kernels.CanonicalSpec) -> str | None:
         """The key the daemon files `spec` under (proto.keys), from the fingerprint it reports;
         None when it reports none for this kind."""
-        info = self._info()
-        known = info.setdefault("_keys", {})  # spec JSON -> key, for this fingerprint (a program's spec is not kept: too large)
+        service = self._info()
         text = spec.to_json()
-        if text in known:
-            return known[text]
-        fingerprint = info.get("_fingerprint")
-        if fingerprint is None:
-            fingerprint = info["_fingerprint"] = json.loads(info.get("key_fingerprint_json") or "{}")
+        if text in service.keys:
+            return service.keys[text]
+        fingerprint = service.fingerprint
         covered = spec.kind in fingerprint.get("kind_sources", {})
         key = keys.cache_key(text, keys.toolchain(fingerprint, spec.kind, spec.target.kind)) if covered else None
-        if len(text) <= 4096:
-            known[text] = key
+        if len(text) <= 4096:  # a program's spec is not kept: too large
+            service.keys.remember(text, key)
         return key
-
-    def _roots(self) -> tuple[tuple[Path, int], ...]:
-        """Where the daemon's entries lie, in the order it looks them up, each with the uid its files
-        belong to: the cache root (the daemon's uid), then each read-only layer (its root's owner:
-        root or the daemon's uid). A layer that fails that check is left out: nothing is loaded
-        from it."""
-        info = self._info()
-        if "_roots" not in info:
-            roots = [(Path(info["cache_dir"]), self.daemon_uid)]
-            for layer in info.get("cache_layers", ()):
-                try:
-                    roots.append((Path(layer), layer_owner(layer, self.daemon_uid, "not loading from it")))
-                except OSError as exc:
-                    log.warning("%s", exc.strerror or exc)
-            info["_roots"] = tuple(roots)
-        return info["_roots"]
 
     def _cached_entry(self, key: str, wanted: dict) -> tuple[Entry, int] | None:
         """A hit without a round trip: the entry the daemon published under `key` for the spec
         `wanted`, found and its records checked here, in the cache root, then in each layer, with
         the uid its files belong to. In the cache root its directory's mtime is set so the
         daemon's eviction counts the use (a layer is never written). None: ask the daemon."""
-        roots = self._roots()
+        roots = self._info().roots
         for root, owner in roots:
             found = loader.find_published(root, key, wanted, owner)
             if found is not None:
@@ -449,7 +424,7 @@ class Client:
         for attempt in range(2):
             reply = self._call(self._stub.GetKernel, request, timeout or self.timeout, kernels.label(spec))
             a = reply.artifact
-            root, owner = next(((r, o) for r, o in self._roots() if Path(a.entry_dir) == entry_dir(r, a.key)), (None, None))
+            root, owner = next(((r, o) for r, o in self._info().roots if Path(a.entry_dir) == entry_dir(r, a.key)), (None, None))
             found = loader.find_published(root, a.key, wanted, owner) if root is not None else None
             if found is not None:
                 if key and found.key != key:  # the daemon's toolchain changed (a new daemon): ask again next time
@@ -477,27 +452,18 @@ class Client:
         """Loads what the daemon named, from its cache root or a layer only, as the spec asked for (a kind
         this process does not know is checked against the spec the daemon sent)."""
         a = reply.artifact
-        roots = self._roots()
+        roots = self._info().roots
         # The root it lies in (the cache root or a layer); elsewhere, the load refuses it.
         root, owner = next(((r, o) for r, o in roots if Path(a.entry_dir) == entry_dir(r, a.key)), roots[0])
         asked = json.loads(spec.to_json() if spec is not None else a.canonical_spec)
-        kernel = loader.load(
-            Path(a.entry_dir),
-            a.library,
-            a.library_sha256,
-            a.library_size,
-            json.loads(a.abi_json),
-            asked,
-            a.key,
-            root=root,
-            owner=owner,
+        b = reply.shared_build if reply.HasField("shared_build") else None
+        record = loader.KernelRecord(
+            loader.answered(a.key, Path(a.entry_dir), a.library, a.library_sha256, a.library_size, asked, json.loads(a.abi_json)),
+            Outcome.from_proto(reply.outcome),
+            reply.compile_seconds,
+            {"key": b.key, "spec": json.loads(b.canonical_spec), "compile_seconds": b.compile_seconds} if b is not None else None,
         )
-        kernel.outcome = Outcome.from_proto(reply.outcome)
-        kernel.compile_seconds = reply.compile_seconds
-        if reply.HasField("shared_build"):
-            b = reply.shared_build
-            kernel.shared_build = {"key": b.key, "spec": json.loads(b.canonical_spec), "compile_seconds": b.compile_seconds}
-        return kernel
+        return loader.load(record, root=root, owner=owner)
 
     def prefetch(
         self,
@@ -656,6 +622,35 @@ class Client:
         return {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}  # native ints, unlike MessageToDict
 
 
+class _Service:
+    """The daemon's ServiceInfo and what this client derived from it, dropped together when the
+    daemon turns out to have another toolchain (a new daemon)."""
+
+    def __init__(self, info: dict, daemon_uid: int):
+        self.info = info
+        self.daemon_uid = daemon_uid
+        self.keys = Memo()  # spec JSON -> the key the daemon files it under (None: not covered)
+
+    @functools.cached_property
+    def fingerprint(self) -> dict:
+        """The key fingerprint (proto.keys) the daemon reports."""
+        return json.loads(self.info.get("key_fingerprint_json") or "{}")
+
+    @functools.cached_property
+    def roots(self) -> tuple[tuple[Path, int], ...]:
+        """Where the daemon's entries lie, in the order it looks them up, each with the uid its files
+        belong to: the cache root (the daemon's uid), then each read-only layer (its root's owner:
+        root or the daemon's uid). A layer that fails that check is left out: nothing is loaded
+        from it."""
+        roots = [(Path(self.info["cache_dir"]), self.daemon_uid)]
+        for layer in self.info.get("cache_layers", ()):
+            try:
+                roots.append((Path(layer), layer_owner(layer, self.daemon_uid, "not loading from it")))
+            except OSError as exc:
+                log.warning("%s", exc.strerror or exc)
+        return tuple(roots)
+
+
 def _in_batch(exc: InvalidSpec, index: int) -> InvalidSpec:
     """An invalid spec's error, its field named by the spec's place in a batch ("specs[3].N")."""
     return InvalidSpec(f"specs[{index}].{exc.field}", str(exc).split(": ", 1)[-1])
@@ -699,26 +694,13 @@ _default: Client | None = None
 _default_lock = threading.Lock()
 
 
-def connect(
-    socket: str | os.PathLike | None = None,
-    *,
-    fallback: bool = False,
-    cache_dir: str | os.PathLike | None = None,
-    timeout: float = GET_TIMEOUT,
-    reconnect_window: float = RECONNECT_WINDOW,
-    direct_hits: bool = True,
-    app: str | None = None,
-    strict: bool | None = None,
-    daemon_uid: int | None = None,
-    token_file: str | os.PathLike | None = None,
-    tls_ca: str | os.PathLike | None = None,
-) -> Client:
+def connect(socket: str | os.PathLike | None = None, **options) -> Client:
     """A new client for the daemon at `socket` (default: $KERNEL_SERVICE_SOCKET or the XDG path);
     the options are Client's, with its defaults (see Client)."""
-    return Client(
-        socket, fallback=fallback, cache_dir=cache_dir, timeout=timeout, reconnect_window=reconnect_window, direct_hits=direct_hits,
-        app=app, strict=strict, daemon_uid=daemon_uid, token_file=token_file, tls_ca=tls_ca,
-    )  # fmt: skip
+    return Client(socket, **options)
+
+
+connect.__signature__ = inspect.signature(Client)  # help(connect) lists Client's options
 
 
 def default_client() -> Client:

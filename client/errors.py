@@ -4,7 +4,7 @@ from proto.errors import EntryRefused, InvalidSpec  # InvalidSpec: a ValueError 
 
 # The errors a failed call raises are the contract's (proto/channel.py maps each status to one).
 # UntrustedService: the daemon found is not the trusted one (proto.channel.verify_daemon).
-from proto.channel import NOT_READY_FIX, CompileError, CompileTimeout, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable, UntrustedService
+from proto.channel import NOT_READY_FIX, CompileError, CompileTimeout, KernelNotReady, KernelServiceError, ServiceError, ServiceUnavailable, UntrustedService  # noqa: F401  (NOT_READY_FIX: importable from here, as before)
 
 
 class CorruptArtifact(KernelServiceError, EntryRefused):
@@ -17,8 +17,8 @@ class LoadError(KernelServiceError, OSError):
     lets its library be executed: a noexec TMPDIR); the message names the fix."""
 
 
+# The exceptions, which the package exports as they are (client/__init__.py).
 __all__ = [
-    "NOT_READY_FIX",
     "CompileError",
     "CompileTimeout",
     "CorruptArtifact",

@@ -34,17 +34,6 @@ def build_locally(spec: kernels.CanonicalSpec, cache_dir: str | os.PathLike | No
     except StoreError as exc:
         raise channel.error_from(Status.CACHE_FAILED, f"kernel cache write failed: {exc.strerror or exc}", what) from None
     # Checked like a daemon's answer: only this process's own files, under its cache root.
-    kernel = loader.load(
-        entry.path,
-        entry.library,
-        entry.library_sha256,
-        entry.library_size,
-        entry.abi,
-        json.loads(spec.to_json()),
-        entry.key,
-        root=service.store.root,
-        owner=service.store.owner,
-    )
-    kernel.outcome = outcome
-    kernel.compile_seconds = entry.meta.get("compile_seconds", 0.0)
-    return kernel
+    asked = loader.answered(entry.key, entry.path, entry.library, entry.library_sha256, entry.library_size, json.loads(spec.to_json()), entry.abi)
+    record = loader.KernelRecord(asked, outcome, entry.meta.get("compile_seconds", 0.0))
+    return loader.load(record, root=service.store.root, owner=service.store.owner)

@@ -40,6 +40,8 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from proto import abi as abi_schema
@@ -222,6 +224,28 @@ def _shape_text(shape) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
+@dataclass(frozen=True)
+class KernelRecord:
+    """What a Kernel is built from: its entry, and how it was had (from the daemon's answer, a
+    direct hit in the cache, or a compile in this process without a daemon)."""
+
+    entry: Entry  # where its files are; its meta holds (at least) the spec and ABI
+    outcome: str = "hit"  # or "compiled", "joined"
+    compile_seconds: float = 0.0
+    shared_build: dict | None = None  # for a copy of a shared build: that build's key, spec and compile seconds
+
+    @classmethod
+    def published(cls, found: Entry) -> KernelRecord:
+        """A hit found in the cache without a round trip (find_published): its entry.json says the rest."""
+        return cls(found, compile_seconds=float(found.meta.get("compile_seconds", 0.0)), shared_build=found.meta.get("shared_build"))
+
+
+def answered(key: str, path: Path, library: str, sha256: str, size: int, spec: dict, abi: dict) -> Entry:
+    """The entry an answer names (the daemon's reply, the embedded service's): `spec` (the spec
+    asked for) and `abi` are what its entry.json must record, which load() checks."""
+    return Entry(key, Path(path), library, sha256, size, {"spec": spec, "abi": abi})
+
+
 class Kernel:
     """A loaded kernel. Call it with the input tensors (in signature order); it
     allocates and returns the output (or a tuple of outputs), or writes into
@@ -235,19 +259,18 @@ class Kernel:
     calls the library directly. Both check the inputs the same way.
     """
 
-    def __init__(self, fn, abi: dict, spec: dict, key: str, path: Path, keepalive=None):
+    def __init__(self, fn, record: KernelRecord, keepalive=None):
         self._fn = fn
         self._keepalive = keepalive  # the ctypes library must outlive its functions
-        self.abi = abi
-        self.spec = spec
-        self.spec_json = _spec_json(spec)
-        self.key = key
-        self.path = path
-        self.kind = spec["kind"]
-        self.outcome = "hit"  # how it was obtained: hit, compiled, joined (set by the client)
-        self.compile_seconds = 0.0
-        self.shared_build: dict | None = None  # for a copy of a shared build: that build's key, spec and compile seconds
-        self.routes: list[tuple[int | None, "Kernel"]] | None = None  # a router's builds by range (abi.dispatch), set by the client
+        self.record = record
+        entry = record.entry
+        self.abi = abi = entry.abi
+        self.spec = entry.meta["spec"]
+        self.spec_json = _spec_json(self.spec)
+        self.key = entry.key
+        self.path = entry.path / entry.library
+        self.kind = self.spec["kind"]
+        self._routes: list[tuple[int | None, Kernel]] | None = None  # a router's builds by range (abi.dispatch): load_routes
         params = abi["params"]
         self._outputs = abi["outputs"]
         self._scratch = abi.get("scratch", [])  # workspaces allocated per call, never returned
@@ -263,6 +286,36 @@ class Kernel:
         self._fast = None if self._check_metadata else fastcall.make(self)  # None: every call takes the checked path
         self._op = self._op_out = None  # kernel_service::<kind> and its .out: bound by the client after loading (torch_ops.bind)
         self.op_unbound = "a kernel from client.get_kernel has one"  # why no op is bound, when none is
+
+    # ----- where it came from (its record)
+    @property
+    def outcome(self) -> str:
+        """How it was obtained: "hit", "compiled" or "joined"."""
+        return self.record.outcome
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.record.compile_seconds
+
+    @property
+    def shared_build(self) -> dict | None:
+        """For a copy of a shared build: that build's key, spec and compile seconds."""
+        return self.record.shared_build
+
+    # ----- the torch op (client/torch_ops.py binds it)
+    def bind_op(self, op, op_out) -> None:
+        """Calls under torch.compile / torch.export go through `op` (kernel_service::<kind>) and `op_out` (its .out)."""
+        self._op, self._op_out = op, op_out
+
+    def leave_unbound(self, why: str) -> None:
+        """No op can be bound (`why`): plain calls still run, traced ones raise saying why."""
+        self.op_unbound = why
+
+    def empty_outputs(self, dims: dict, device) -> list:
+        """The outputs for the runtime sizes `dims`, allocated with torch.empty on `device` (current stream)."""
+        import torch
+
+        return [torch.empty(shape, dtype=self._dtypes[slot], device=device) for slot, shape in zip(self._outputs, self.output_shapes(dims))]
 
     def __repr__(self) -> str:
         return f"<Kernel {self.kind} {json.dumps(self.spec['params'], sort_keys=True)} target={self.spec['target']}>"
@@ -436,13 +489,32 @@ class Kernel:
         d = self.abi.get("dispatch")
         return None if d is None else [(r["upto"], r["spec"]) for r in d["routes"]]
 
-    def route(self, size: int) -> "Kernel":
+    @property
+    def routes(self) -> list[tuple[int | None, Kernel]] | None:
+        """A router's builds by range, once loaded (load_routes): [(upto, Kernel), ...]; None before, and for a plain kernel."""
+        return self._routes
+
+    def load_routes(self, get: Callable[[dict], Kernel]) -> None:
+        """Loads every build of a router now, `get(spec)` giving each (so that no call compiles or
+        loads); nothing for a plain kernel or one whose builds are loaded. Raises CorruptArtifact
+        for a build that is not one."""
+        if self.dispatch is None or self._routes is not None:
+            return
+        routes = []
+        for upto, spec in self.dispatch:
+            kernel = get(spec)
+            if "dispatch" in kernel.abi or kernel.spec != spec:
+                raise CorruptArtifact(f"a {spec['kind']} router names a build that is not one: {json.dumps(spec, sort_keys=True)[:200]}")
+            routes.append((upto, kernel))
+        self._routes = routes
+
+    def route(self, size: int) -> Kernel:
         """The kernel a call runs when the dispatch dim is `size` (itself for a plain kernel)."""
-        if self.routes is None:
+        if self._routes is None:
             if "dispatch" in self.abi:
                 raise RuntimeError(f"{self.kind}: this router's builds are not loaded (Client.get_kernel loads them)")
             return self
-        return next(k for upto, k in self.routes if upto is None or size <= upto)
+        return next(k for upto, k in self._routes if upto is None or size <= upto)
 
     # ----- calls
     def __call__(self, *inputs, out=None):
@@ -499,8 +571,8 @@ class Kernel:
         if out is None:
             if self.writes:
                 self.check_overlap(inputs, [])
-            for slot, shape in zip(self._outputs, self.output_shapes(dims)):
-                args[slot] = torch.empty(shape, dtype=self._dtypes[slot], device=device)
+            for slot, t in zip(self._outputs, self.empty_outputs(dims, device)):
+                args[slot] = t
         else:
             outs = self.check_out(out, dims, device)
             self.check_overlap(inputs, outs)
@@ -530,41 +602,44 @@ def _not_a_tensor(kind: str, what: str, value) -> TypeError:
     return TypeError(f"{kind}: {what} must be a torch.Tensor, got {named}{hint}")
 
 
-def load(entry_dir: Path, library: str, sha256: str, size: int, abi: dict, spec: dict, key: str, *, root: Path, owner: int) -> Kernel:
-    """Verifies and loads one entry's shared object; raises CorruptArtifact on a failed check.
+def load(record: KernelRecord, *, root: Path, owner: int) -> Kernel:
+    """Verifies and loads the entry an answer names (record.entry: see answered); raises
+    CorruptArtifact on a failed check.
 
     `root`: the cache root (or a layer) the daemon reported; `owner`: the uid its files belong
-    to (the daemon's; a layer's owner). `abi` and `spec`
-    (the spec asked for) must be what the entry's entry.json records.
+    to (the daemon's; a layer's owner). The entry's entry.json must record the spec and ABI
+    the answer names.
     """
+    entry = record.entry
     with as_corrupt():
-        entry_dir = check_location(root, entry_dir, key, owner)
-        if not is_file_name(library):
-            raise EntryRefused(f"{library!r} is not a file name of entry {key[:16]}")
-        path = entry_dir / library
+        check_location(root, entry.path, entry.key, owner)
+        if not is_file_name(entry.library):
+            raise EntryRefused(f"{entry.library!r} is not a file name of entry {entry.key[:16]}")
         try:
-            abi_schema.check(abi)
+            abi_schema.check(entry.abi)
         except abi_schema.AbiError as exc:
-            raise EntryRefused(f"{path}: {exc}") from None
-        meta = read_meta(read_owned(entry_dir / ENTRY_META, owner))
-        if (meta["spec"], meta["abi"]) != (spec, abi):
-            raise EntryRefused(f"{entry_dir} records another kernel or ABI than the daemon's answer (spec {json.dumps(meta['spec'], sort_keys=True)[:200]})")
-    return _open(path, sha256, size, abi, spec, key, owner)
+            raise EntryRefused(f"{entry.path / entry.library}: {exc}") from None
+        meta = read_meta(read_owned(entry.path / ENTRY_META, owner))
+        if (meta["spec"], meta["abi"]) != (entry.meta["spec"], entry.abi):
+            raise EntryRefused(f"{entry.path} records another kernel or ABI than the daemon's answer (spec {json.dumps(meta['spec'], sort_keys=True)[:200]})")
+    return _open(record, owner)
 
 
-def _open(path: Path, sha256: str, size: int, abi: dict, spec: dict, key: str, owner: int) -> Kernel:
-    """Loads the library at `path` of an entry whose location and records are checked, once its
-    bytes are `owner`'s and match `sha256` and `size`; raises CorruptArtifact."""
+def _open(record: KernelRecord, owner: int) -> Kernel:
+    """Loads the library of an entry whose location and records are checked, once its bytes are
+    `owner`'s and match the entry's sha256 and size; raises CorruptArtifact."""
+    entry, abi = record.entry, record.entry.abi
+    path = entry.path / entry.library
     with as_corrupt():
-        data = read_verified(path, sha256, size, owner=owner)
+        data = read_verified(path, entry.library_sha256, entry.library_size, owner=owner)
     if abi["loader"] == "c":
-        lib = dlopen_bytes(data, key, ctypes.CDLL)
+        lib = dlopen_bytes(data, entry.key, ctypes.CDLL)
         fn = getattr(lib, abi["symbol"])
         fn.restype = ctypes.c_int32
-        return Kernel(fn, abi, spec, key, path, keepalive=lib)
+        return Kernel(fn, record, keepalive=lib)
     if abi["loader"] == "tvm_ffi":
-        module = dlopen_bytes(data, key, _tvm_runtime().load_module)
-        return Kernel(module[abi["symbol"]], abi, spec, key, path, keepalive=module)
+        module = dlopen_bytes(data, entry.key, _tvm_runtime().load_module)
+        return Kernel(module[abi["symbol"]], record, keepalive=module)
     raise CorruptArtifact(f"unknown loader {abi['loader']!r} in {path}")
 
 
@@ -612,9 +687,6 @@ def open_published(found: Entry, owner: int) -> Kernel | None:
     """The kernel of an entry find_published returned (its location and records checked, which
     load() checks): None when its library fails a check."""
     try:
-        kernel = _open(found.path / found.library, found.library_sha256, found.library_size, found.meta["abi"], found.meta["spec"], found.key, owner)
+        return _open(KernelRecord.published(found), owner)
     except CorruptArtifact:
         return None
-    kernel.compile_seconds = float(found.meta.get("compile_seconds", 0.0))
-    kernel.shared_build = found.meta.get("shared_build")
-    return kernel

@@ -10,7 +10,6 @@ client.tilelang.install_from_environment(), which reads the variable again (the 
 workers set it to "0": they are TileLang's compiler, never its client) and installs.
 """
 
-import importlib.abc
 import importlib.util
 import os
 import sys
@@ -19,39 +18,31 @@ import warnings
 ENV = "KERNEL_SERVICE_TILELANG"
 
 
-class _Installing(importlib.abc.Loader):
-    """TileLang's own loader, then the install."""
-
-    def __init__(self, real):
-        self._real = real
-
-    def __getattr__(self, name):  # resources, get_source, ...: the real loader's
-        return getattr(self._real, name)
-
-    def create_module(self, spec):
-        return self._real.create_module(spec)
-
-    def exec_module(self, module):
-        self._real.exec_module(module)
-        try:
-            import client.tilelang
-
-            client.tilelang.install_from_environment()
-        except Exception as exc:  # noqa: BLE001 - TileLang itself must still import
-            warnings.warn(f"{ENV}=1: the kernel service's TileLang cache was not installed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+def _sibling(name: str):
+    """This package's module `name`, loaded by its path: importing `client` would cost its imports at every start."""
+    package = importlib.util.find_spec("client")  # finds the package without executing it
+    spec = importlib.util.spec_from_file_location(f"kernel_service_tilelang_{name}", os.path.join(os.path.dirname(package.origin), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class AfterTileLang(importlib.abc.MetaPathFinder):
+def _install() -> None:
+    if os.environ.get(ENV) != "1":  # unset since the start: nothing to install
+        return
+    try:
+        import client.tilelang
+
+        client.tilelang.install_from_environment()
+    except Exception as exc:  # noqa: BLE001 - TileLang itself must still import
+        warnings.warn(f"{ENV}=1: the kernel service's TileLang cache was not installed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
+
+
+class AfterTileLang(_sibling("when_imported").AfterImport):
     """Finds nothing itself: wraps TileLang's own spec so that its import ends with the install."""
 
-    def find_spec(self, name, path=None, target=None):
-        if name != "tilelang":
-            return None
-        sys.meta_path.remove(self)  # once: the real finders answer from here on
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.loader is not None and os.environ.get(ENV) == "1":
-            spec.loader = _Installing(spec.loader)
-        return spec
+    def __init__(self):
+        super().__init__("tilelang", _install)
 
 
 def arm() -> None:

@@ -117,7 +117,7 @@ def register_kind(kind: str, n_outputs: int = 1, multi: bool | None = None) -> t
             kernel = _kernel(kind, spec)
             dims, device = kernel.check_inputs(inputs)  # on fake tensors: static dims guard, runtime dims stay symbolic
             device = device or torch.device(kernel.abi["device"])
-            outs = [torch.empty(shape, dtype=kernel._dtypes[slot], device=device) for slot, shape in zip(kernel._outputs, kernel.output_shapes(dims))]
+            outs = kernel.empty_outputs(dims, device)
             return outs if multi else outs[0]
 
         def fake_out(spec, inputs, *, out):
@@ -157,9 +157,9 @@ def bind(kernel: Kernel) -> Kernel:
     registered it first) loads without an op: plain calls run, traced ones say why not."""
     known = kernels.kinds().get(kernel.kind)
     try:
-        kernel._op, kernel._op_out = register_kind(kernel.kind, len(kernel._outputs), known.multi_output if known is not None else None)
+        kernel.bind_op(*register_kind(kernel.kind, len(kernel.output_names), known.multi_output if known is not None else None))
     except ValueError as exc:  # another kind of the same name (another daemon's plugin) holds the op: plain calls still run
-        kernel.op_unbound = str(exc)
+        kernel.leave_unbound(str(exc))
     remember(kernel)
     return kernel
 

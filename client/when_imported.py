@@ -5,8 +5,8 @@ itself (the client stays light). With torch not yet imported, a finder put first
 sys.meta_path waits for torch's import and wraps torch's own loader, so the callback runs right
 after torch's module code: `import client, torch` (isort's order) then registers the ops as
 `import torch, client` does, before anything such as `torch.export.load` needs them.
-(client/tilelang_hook.py does the same for TileLang on its own: it runs from a .pth line, before
-this package may be imported.)
+(client/tilelang_hook.py does the same for TileLang with this file's AfterImport, loaded by its
+path: it runs from a .pth line, before this package may be imported.)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def when_imported(name: str, callback: Callable[[], object]) -> None:
     if name in sys.modules:
         callback()
     else:
-        sys.meta_path.insert(0, _AfterImport(name, callback))
+        sys.meta_path.insert(0, AfterImport(name, callback))
 
 
 class _ThenCall(importlib.abc.Loader):
@@ -43,7 +43,7 @@ class _ThenCall(importlib.abc.Loader):
         self._callback()
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
+class AfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: wraps the real spec's loader so that the import ends with the callback."""
 
     def __init__(self, name: str, callback: Callable[[], object]):

@@ -143,7 +143,7 @@ def test_the_fast_call_never_puts_an_abi_name_in_its_source():
     """Dim names are any strings in the ABI: the generated call names dims by position, so a name
     cannot become code."""
     from client import fastcall
-    from client.loader import Kernel
+    from client.loader import Kernel, KernelRecord, answered
 
     evil = "M), __import__('os').system('false'), (1"
     abi = {
@@ -154,7 +154,10 @@ def test_the_fast_call_never_puts_an_abi_name_in_its_source():
         "outputs": [1],
         "dynamic": [{"name": evil, "dtype": "int32"}],
     }
-    k = Kernel(lambda *args: None, abi, {"kind": "copy", "params": {}, "target": "sm_90a"}, "0" * 64, Path("/nonexistent"))
+    k = Kernel(
+        lambda *args: None,
+        KernelRecord(answered("0" * 64, Path("/nonexistent"), "kernel.so", "0" * 64, 0, {"kind": "copy", "params": {}, "target": "sm_90a"}, abi)),
+    )
     made = fastcall._build(k).source
     assert evil not in made and "__import__" not in made and "d0 = a0.shape[0]" in made
 

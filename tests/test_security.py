@@ -733,11 +733,11 @@ def test_an_agent_that_finds_a_corrupt_library_gets_it_rebuilt(world, victim, mo
 
     real, calls = loader.load, []
 
-    def corrupt_first(entry_dir, library, *args, **kwargs):
-        calls.append(entry_dir)
+    def corrupt_first(record, **kwargs):
+        calls.append(record.entry.path)
         if len(calls) == 1:
-            _flip_a_bit_keeping_the_mtime(Path(entry_dir) / library)
-        return real(entry_dir, library, *args, **kwargs)
+            _flip_a_bit_keeping_the_mtime(record.entry.path / record.entry.library)
+        return real(record, **kwargs)
 
     monkeypatch.setattr(loader, "load", corrupt_first)
     corrupt = victim.stats().corrupt
