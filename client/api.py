@@ -584,6 +584,11 @@ class Client:
                 return exc
         return self._keep(memo_key, kernel)
 
+    def validate(self, kind: str, *, target: str | None = None, **params) -> None:
+        """Raises InvalidSpec when this process finds the spec invalid (a kind only the daemon knows
+        is checked there, when asked for). Compiles nothing; with `target` given, asks the daemon nothing."""
+        self._request(kind, params, target)
+
     def explain(self, kind: str, *, target: str | None = None, **params) -> dict:
         """Whether the kernel is in the cache, and why not: {"hit", "key", "spec", "toolchain"
         (each part of the fingerprint), "reason", "failure" (the full text of a compile failure

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
 import os
 import warnings
 
@@ -164,8 +165,12 @@ def test_llama_generate(llamas, monkeypatch, padding, cache):
     assert launches["kv"] == 2 * 4, launches
 
 
+def attention_modules(model):
+    return [m for m in model.modules() if hf.served.ATTR in m.__dict__ and m.__dict__[hf.served.ATTR].kind == "attention"]
+
+
 def attention_entries(model):
-    return [m.__dict__[hf._ATTR] for m in model.modules() if hf._ATTR in m.__dict__ and m.__dict__[hf._ATTR].kind == "attention"]
+    return [vars(m)[hf.served.ATTR] for m in attention_modules(model)]
 
 
 def counting(counts, name, fn):
@@ -178,16 +183,20 @@ def counting(counts, name, fn):
     return call
 
 
+def count_kernels(mp, counts, module, **names):
+    """The module's served entry, its kernels (fields named in `names`) counting their calls under those names."""
+    entry = vars(module)[hf.served.ATTR]
+    counted = {field: counting(counts, name, getattr(entry, field)) for field, name in names.items() if getattr(entry, field) is not None}
+    mp.setitem(vars(module), hf.served.ATTR, dataclasses.replace(entry, **counted))
+
+
 @contextlib.contextmanager
 def counted_kernels(model, monkeypatch):
     """Counts each attention kernel's calls: the unmasked one ("plain"), the varlen one and kv_attention ("kv")."""
     counts = collections.Counter()
     with monkeypatch.context() as mp:
-        for e in attention_entries(model):
-            mp.setattr(e, "kernel", counting(counts, "plain", e.kernel))
-            mp.setitem(e.more, "varlen", counting(counts, "varlen", e.more["varlen"]))
-            if "kv_attention" in e.more:
-                mp.setitem(e.more, "kv_attention", counting(counts, "kv", e.more["kv_attention"]))
+        for m in attention_modules(model):
+            count_kernels(mp, counts, m, kernel="plain", varlen="varlen", kv_attention="kv")
         yield counts
 
 
@@ -201,9 +210,9 @@ def test_modernbert_swapped_and_matches_padded(berts, monkeypatch):
     assert all(v == "layernorm" for k, v in r.swapped.items() if "norm" in k)
     assert [k for k, v in r.swapped.items() if v == "geglu"] == [f"layers.{i}.mlp" for i in range(3)]
     assert model.layers[0].mlp.forward.__func__ is hf.GeGLUMLPLayer.forward
-    windows = [e.more["window"] for e in attention_entries(model)]
+    windows = [e.window for e in attention_entries(model)]
     assert windows == [0, 4, 0]  # layer 1 slides: local_attention 8 -> keys within 4 on each side
-    assert all(e.more["varlen"].spec["params"]["varlen"] for e in attention_entries(model))
+    assert all(e.varlen.spec["params"]["varlen"] for e in attention_entries(model))
     ids = torch.randint(3, VOCAB, (4, 12))  # longer than the sliding layer's window
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0  # right padding
@@ -243,11 +252,9 @@ def test_modernbert_residual_adds_are_fused(berts, monkeypatch):
     counts = collections.Counter()
     for i, layer in enumerate(model.layers):
         assert layer.forward.__func__ is hf.EncoderLayer.forward
-        entry = vars(layer)[hf._ATTR]
-        assert entry.kernel.spec["params"]["residual"]
-        monkeypatch.setattr(entry, "kernel", counting(counts, "residual", entry.kernel))
-        norm = vars(layer.mlp_norm)[hf._ATTR]
-        monkeypatch.setattr(norm, "kernel", counting(counts, "mlp_norm", norm.kernel))
+        assert vars(layer)[hf.served.ATTR].kernel.spec["params"]["residual"]
+        count_kernels(monkeypatch, counts, layer, kernel="residual")
+        count_kernels(monkeypatch, counts, layer.mlp_norm, kernel="mlp_norm")
         monkeypatch.setitem(vars(layer.mlp), "forward", counting(counts, "mlp", layer.mlp.forward))
     ids = torch.randint(3, VOCAB, (3, 10))
     mask = torch.ones_like(ids)
@@ -269,14 +276,12 @@ def test_modernbert_attention_takes_q_k_and_v_from_one_rope_call(berts, monkeypa
     r = model.kernel_service
     assert all(r.swapped[f"layers.{i}.attn"] == "attention + rope" for i in range(3))
     counts = collections.Counter()
-    (wrapper,) = [e for by_dtype in hf._ROPE.values() for e in by_dtype.values() if e.report is r]
-    monkeypatch.setattr(wrapper, "kernel", counting(counts, "copying rope", wrapper.kernel))
+    ((by_dtype, key, wrapper),) = [(by_dtype, k, e) for by_dtype in hf.rope.ROPE.values() for k, e in by_dtype.items() if e.report is r]
+    monkeypatch.setitem(by_dtype, key, dataclasses.replace(wrapper, kernel=counting(counts, "copying rope", wrapper.kernel)))
     for layer in model.layers:
-        entry = vars(layer.attn)[hf._ATTR]
         assert layer.attn.forward.__func__ is hf.QKVAttentionLayer.forward
-        assert entry.more["qkv_rope"].spec["params"]["v_out"]
-        monkeypatch.setitem(entry.more, "qkv_rope", counting(counts, "qkv_rope", entry.more["qkv_rope"]))
-        monkeypatch.setitem(entry.more, "varlen", counting(counts, "varlen", entry.more["varlen"]))
+        assert vars(layer.attn)[hf.served.ATTR].qkv_rope.spec["params"]["v_out"]
+        count_kernels(monkeypatch, counts, layer.attn, qkv_rope="qkv_rope", varlen="varlen")
     ids = torch.randint(3, VOCAB, (3, 10))
     mask = torch.ones_like(ids)
     mask[2, 7:] = 0
@@ -396,7 +401,7 @@ def test_a_model_called_in_another_dtype_counts_every_fallback_rope_included(dae
     model.float()
     q, kv = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 5, 16)
     with torch.inference_mode():
-        hf._attention(model.model.layers[0].self_attn, q, kv, kv, None, scaling=0.5)
+        hf.attention.attention(model.model.layers[0].self_attn, q, kv, kv, None, scaling=0.5)
     assert r.fallbacks["attention"] == 3 and not r.calls, r
 
 
@@ -463,9 +468,9 @@ def test_no_hugging_face_kernels_distribution():
 def test_rope_rows_are_made_once_per_cos_and_sin():
     """Every layer of a type gets the same cos/sin: their rows for `rope` are made once per forward."""
     cos, sin = torch.randn(1, 6, 8), torch.randn(1, 6, 8)
-    positions, cache = hf._rope_rows(cos, sin, 3, torch.float32)
+    positions, cache = hf.rope.rope_rows(cos, sin, 3, torch.float32)
     assert torch.equal(positions, torch.arange(6).repeat(3)) and torch.equal(cache, torch.cat((cos[0, :, :4], sin[0, :, :4]), dim=-1))
-    again = hf._rope_rows(cos, sin, 3, torch.float32)
+    again = hf.rope.rope_rows(cos, sin, 3, torch.float32)
     assert again[0] is positions and again[1] is cache
-    other = hf._rope_rows(cos, torch.randn(1, 6, 8), 3, torch.float32)  # another sin: made again
+    other = hf.rope.rope_rows(cos, torch.randn(1, 6, 8), 3, torch.float32)  # another sin: made again
     assert other[1] is not cache and not torch.equal(other[1], cache)

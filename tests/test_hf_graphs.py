@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 hf = pytest.importorskip("client.integrations.hf")
 
-from client.integrations import graphs  # noqa: E402
+from client.integrations.hf import graphs  # noqa: E402
 from devtools.launch import DaemonProcess  # noqa: E402
 from tests.marks import needs_gpu  # noqa: E402
 from tests.test_hf import BERT, VOCAB, llama, modernbert, own_rotary  # noqa: E402

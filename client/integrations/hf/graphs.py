@@ -4,9 +4,9 @@ Outside graphs a served model pays Python's launch overhead layer by layer, wher
 "reduce-overhead" mode replays one CUDA graph. Served kernels are plain launches on torch's
 current stream, so the whole forward can be captured as it is, in milliseconds per bucket:
 
-    graphs = Graphs(model, buckets=[(32, 512), (8, 128)])   # (batch, tokens)
-    graphs.capture()        # kernelize(model, graphs=...) does this at warm-up
-    model(input_ids=ids, attention_mask=mask)               # replays the smallest bucket that holds it
+    graphs = Graphs(model, [(32, 512), (8, 128)])  # (batch, tokens)
+    graphs.capture()  # kernelize(model, graphs=...) does this at warm-up
+    model(input_ids=ids, attention_mask=mask)  # replays the smallest bucket that holds it
 
 A bucket of one token, (batch, 1), is a decode step of `generate` with a static cache
 (`cache_implementation="static"`, which kernelize then makes the model's default): each step's
@@ -36,6 +36,7 @@ import dataclasses
 import inspect
 import threading
 import time
+import warnings
 
 import torch
 
@@ -215,6 +216,35 @@ class Graphs:
             if bt[0] >= batch and bt[1] >= tokens:
                 return self._graphs.get(bt)
         return None
+
+
+def install(model, given, backend: str, strict: bool) -> GraphStats:
+    """kernelize's graphs step: the served forward captured per bucket, or why not (a warning;
+    strict raises)."""
+    stats = GraphStats()
+    why = ""
+    if backend != "kernel-service":
+        why = f"the backend is {backend!r}, not 'kernel-service'"
+    elif next(model.parameters()).device.type != "cuda":
+        why = "CUDA graphs need the model on a CUDA device"
+    if not why:
+        fixed = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+        try:
+            Graphs(model, given, fixed=fixed, stats=stats).capture()
+        except Exception as exc:  # a forward that cannot be captured (a host read inside it, say)
+            why = f"capture failed: {type(exc).__name__}: {exc}"
+    if not why:
+        gen = getattr(model, "generation_config", None)
+        if gen is not None:
+            gen.disable_compile = True  # generate would torch.compile the graphed forward
+            if any(t == 1 for _, t in stats.buckets) and gen.cache_implementation is None:
+                gen.cache_implementation = "static"  # decode steps are captured with a static cache
+        return stats
+    stats.reason = why
+    if strict:
+        raise RuntimeError(f"kernelize(strict=True): graphs were asked for and not captured: {why}")
+    warnings.warn(f"kernelize: graphs not captured ({why}); the model runs without them", RuntimeWarning, stacklevel=3)
+    return stats
 
 
 def _static_layers(cache) -> list | None:
