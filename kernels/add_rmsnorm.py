@@ -10,15 +10,14 @@ layer sees the residual this one normalised. In float32 the rounding is a no-op.
 
 from .launch import dependent_launch
 from .registry import register
-from .spec import KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import check_row, padded
+from .rows import RowKind, norm_prim_func, rms_scale, rows, squared
+from .spec import Param, Target, dim, dtype_param, tile
+from .tiling import padded
 
 
 @register
-class AddRMSNorm(KernelKind):
+class AddRMSNorm(RowKind):
     name = "add_rmsnorm"
-    warm_up = ({"M": 256, "N": 1024, "dtype": "float16"},)
-    compile_cost = 0.5
     outputs = (-2, -1)
     doc = "R'[M,N] = X + R (rounded to dtype), Y[M,N] = R' * rsqrt(mean(R'^2, row) + eps) * W[N]; returns (Y, R'); out=(Y, R) updates R in place."
     params = (
@@ -33,23 +32,14 @@ class AddRMSNorm(KernelKind):
         # One row per block (a thread on the CPU), read whole before either output is written.
         return {"Y": "X", "Rout": "R"}
 
-    def check(self, p, target):
-        return check_row(p, target)
-
     def build_cpu(self, p):
         import tilelang.language as T
 
-        M = p["M"] if p["M"] is not None else T.dynamic("M")
+        M = rows(T, p)
         N, eps, dtype = p["N"], p["eps"], p["dtype"]
 
-        @T.prim_func
-        def main(
-            X: T.Tensor((M, N), dtype),
-            R: T.Tensor((M, N), dtype),
-            W: T.Tensor((N,), dtype),
-            Y: T.Tensor((M, N), dtype),
-            Rout: T.Tensor((M, N), dtype),
-        ):
+        @T.macro
+        def body(X, R, W, B, Y, Rout):
             with T.Kernel(M) as bx:
                 ss = T.alloc_local((1,), "float32")
                 h = T.alloc_local((1,), "float32")
@@ -62,24 +52,19 @@ class AddRMSNorm(KernelKind):
                     h[0] = Rout[bx, j]
                     Y[bx, j] = h[0] * ss[0] * W[j]
 
-        return main
+        return norm_prim_func(T, body, M, N, dtype, has_res=True, has_bias=False)
 
     def build_cuda(self, p, target: Target):
         import tilelang.language as T
 
-        M = p["M"] if p["M"] is not None else T.dynamic("M")
+        M = rows(T, p)
         N, eps, dtype = p["N"], p["eps"], p["dtype"]
         threads = p["threads"]
         NP = padded(N, threads)
+        scale = rms_scale(T, N, NP, eps)
 
-        @T.prim_func
-        def main(
-            X: T.Tensor((M, N), dtype),
-            R: T.Tensor((M, N), dtype),
-            W: T.Tensor((N,), dtype),
-            Y: T.Tensor((M, N), dtype),
-            Rout: T.Tensor((M, N), dtype),
-        ):
+        @T.macro
+        def body(X, R, W, B, Y, Rout):
             # One row per block, held in registers: X and R read once, Y and R' written once.
             with T.Kernel(M, threads=threads) as bx:
                 dependent_launch(target)
@@ -93,17 +78,12 @@ class AddRMSNorm(KernelKind):
                 for i, j in T.Parallel(1, NP):  # the fp32 sum, rounded once to the stored dtype
                     h[i, j] = T.cast(T.cast(h[i, j], "float32") + T.cast(r[i, j], "float32"), dtype)
                 T.copy(h, Rout[bx, 0:NP])
-                for i, j in T.Parallel(1, NP):  # padding columns add nothing to the sum
+                for i, j in T.Parallel(1, NP):
                     x[i, j] = T.cast(h[i, j], "float32")
-                    sq[i, j] = T.if_then_else(j < N, x[i, j] * x[i, j], 0) if NP != N else x[i, j] * x[i, j]
-                T.reduce_sum(sq, ss, dim=1)
-                for i in T.Parallel(1):
-                    ss[i] = T.rsqrt(ss[i] / N + eps)
-                for i, j in T.Parallel(1, NP):  # W is small and L2-resident: read it in place
-                    x[i, j] = x[i, j] * ss[i] * W[T.min(j, N - 1)]
-                T.copy(x, Y[bx, 0:NP])
+                    sq[i, j] = squared(T, x, i, j, N, NP)
+                scale(x, sq, ss, W, Y, bx)
 
-        return main
+        return norm_prim_func(T, body, M, N, dtype, has_res=True, has_bias=False)
 
     def inputs(self, p, randn, size):
         return [randn(size("M"), p["N"]), randn(size("M"), p["N"]), randn(p["N"])]
