@@ -3,8 +3,14 @@ validation and in-place rule, the PrimFunc of the norms' ABI and the RMS scaling
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
-from .spec import KernelKind
+from .spec import KernelKind, dim, tile
 from .tiling import check_row
+
+# The row kinds' shared parameters.
+ROWS = dim("M", "rows; None makes it a runtime size", dynamic=True)
+TOKENS = dim("M", "rows (tokens); None makes it a runtime size", dynamic=True)
+HIDDEN = dim("N", "row length (hidden size)")
+THREADS = tile("threads", "threads per row (CUDA only)")
 
 
 class RowKind(KernelKind):

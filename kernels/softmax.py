@@ -4,8 +4,8 @@
 
 from .launch import dependent_launch
 from .registry import register
-from .rows import RowKind, rows
-from .spec import Target, dim, dtype_param, tile
+from .rows import ROWS, THREADS, RowKind, rows
+from .spec import Target, dim, dtype_param
 from .tiling import padded
 
 LOG2E = 1.4426950408889634
@@ -16,10 +16,10 @@ class Softmax(RowKind):
     name = "softmax"
     doc = "Y[M,N] = softmax(X[M,N]) along each row."
     params = (
-        dim("M", "rows; None makes it a runtime size", dynamic=True),
+        ROWS,
         dim("N", "row length"),
         dtype_param(),
-        tile("threads", "threads per row (CUDA only)"),
+        THREADS,
     )
 
     def build_cpu(self, p):
