@@ -1,4 +1,5 @@
-"""Y = X * rsqrt(mean(X^2) + eps) * W over each row, fp32 accumulation."""
+"""Y = X * rsqrt(mean(X^2) + eps) * W over each row, fp32 accumulation; with `residual`
+(add_rmsnorm's builders) the row normalised is H = X + R, stored first as R'."""
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 

@@ -1,5 +1,5 @@
 """What the one-row-per-block kinds (rmsnorm, add_rmsnorm, layernorm, softmax) share: their
-validation and in-place rule, the PrimFunc of the norms' ABI and the RMS scaling step."""
+validation, in-place rule and parameters, the PrimFunc of the norms' ABI and the RMS scaling step."""
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
