@@ -8,102 +8,22 @@ layer sees the residual this one normalised. In float32 the rounding is a no-op.
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
-from .launch import dependent_launch
 from .registry import register
-from .spec import KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import check_row, padded
+from .rmsnorm import RMSNorm
+from .rows import TOKENS
 
 
 @register
-class AddRMSNorm(KernelKind):
+class AddRMSNorm(RMSNorm):
     name = "add_rmsnorm"
-    warm_up = ({"M": 256, "N": 1024, "dtype": "float16"},)
-    compile_cost = 0.5
     outputs = (-2, -1)
     doc = "R'[M,N] = X + R (rounded to dtype), Y[M,N] = R' * rsqrt(mean(R'^2, row) + eps) * W[N]; returns (Y, R'); out=(Y, R) updates R in place."
-    params = (
-        dim("M", "rows (tokens); None makes it a runtime size", dynamic=True),
-        dim("N", "row length (hidden size)"),
-        Param("eps", float, default=1e-6, min=0.0, max=1.0, doc="added to the mean square"),
-        dtype_param(),
-        tile("threads", "threads per row (CUDA only)"),
-    )
+    params = (TOKENS, *RMSNorm.params[1:])
+    residual = True  # RMSNorm's builders, with the residual add
 
     def inplace(self, p):
         # One row per block (a thread on the CPU), read whole before either output is written.
         return {"Y": "X", "Rout": "R"}
-
-    def check(self, p, target):
-        return check_row(p, target)
-
-    def build_cpu(self, p):
-        import tilelang.language as T
-
-        M = p["M"] if p["M"] is not None else T.dynamic("M")
-        N, eps, dtype = p["N"], p["eps"], p["dtype"]
-
-        @T.prim_func
-        def main(
-            X: T.Tensor((M, N), dtype),
-            R: T.Tensor((M, N), dtype),
-            W: T.Tensor((N,), dtype),
-            Y: T.Tensor((M, N), dtype),
-            Rout: T.Tensor((M, N), dtype),
-        ):
-            with T.Kernel(M) as bx:
-                ss = T.alloc_local((1,), "float32")
-                h = T.alloc_local((1,), "float32")
-                ss[0] = 0
-                for j in T.serial(N):  # R' first: Y is computed from it, and R may be Rout
-                    Rout[bx, j] = X[bx, j] + R[bx, j]
-                    ss[0] += Rout[bx, j] * Rout[bx, j]
-                ss[0] = T.rsqrt(ss[0] / N + eps)
-                for j in T.serial(N):
-                    h[0] = Rout[bx, j]
-                    Y[bx, j] = h[0] * ss[0] * W[j]
-
-        return main
-
-    def build_cuda(self, p, target: Target):
-        import tilelang.language as T
-
-        M = p["M"] if p["M"] is not None else T.dynamic("M")
-        N, eps, dtype = p["N"], p["eps"], p["dtype"]
-        threads = p["threads"]
-        NP = padded(N, threads)
-
-        @T.prim_func
-        def main(
-            X: T.Tensor((M, N), dtype),
-            R: T.Tensor((M, N), dtype),
-            W: T.Tensor((N,), dtype),
-            Y: T.Tensor((M, N), dtype),
-            Rout: T.Tensor((M, N), dtype),
-        ):
-            # One row per block, held in registers: X and R read once, Y and R' written once.
-            with T.Kernel(M, threads=threads) as bx:
-                dependent_launch(target)
-                h = T.alloc_fragment((1, NP), dtype)
-                r = T.alloc_fragment((1, NP), dtype)
-                x = T.alloc_fragment((1, NP), "float32")
-                sq = T.alloc_fragment((1, NP), "float32")
-                ss = T.alloc_fragment((1,), "float32")
-                T.copy(X[bx, 0:NP], h)
-                T.copy(R[bx, 0:NP], r)
-                for i, j in T.Parallel(1, NP):  # the fp32 sum, rounded once to the stored dtype
-                    h[i, j] = T.cast(T.cast(h[i, j], "float32") + T.cast(r[i, j], "float32"), dtype)
-                T.copy(h, Rout[bx, 0:NP])
-                for i, j in T.Parallel(1, NP):  # padding columns add nothing to the sum
-                    x[i, j] = T.cast(h[i, j], "float32")
-                    sq[i, j] = T.if_then_else(j < N, x[i, j] * x[i, j], 0) if NP != N else x[i, j] * x[i, j]
-                T.reduce_sum(sq, ss, dim=1)
-                for i in T.Parallel(1):
-                    ss[i] = T.rsqrt(ss[i] / N + eps)
-                for i, j in T.Parallel(1, NP):  # W is small and L2-resident: read it in place
-                    x[i, j] = x[i, j] * ss[i] * W[T.min(j, N - 1)]
-                T.copy(x, Y[bx, 0:NP])
-
-        return main
 
     def inputs(self, p, randn, size):
         return [randn(size("M"), p["N"]), randn(size("M"), p["N"]), randn(p["N"])]

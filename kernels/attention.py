@@ -7,6 +7,7 @@ import math
 
 from .barriers import sync_shared, without_thread_sync
 from .launch import dependent_launch, grid_x
+from .online_softmax import online_softmax
 from .registry import register
 from .spec import MAX_DIM, InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
 from .tiling import cpu_attention_tiles, cuda_attention_dims, cuda_only, pow2, smem_limit
@@ -145,6 +146,7 @@ class Attention(KernelKind):
         scale = LOG2E / math.sqrt(d)  # exp2 of pre-scaled scores: one multiply per score
 
         masked, window = self._masked(p), p["window"]
+        softmax_step = online_softmax(T, bm, bn, d)
 
         @T.macro
         def body(Q, K, V, R, O):
@@ -169,20 +171,7 @@ class Attention(KernelKind):
                             for c in T.serial(d):
                                 s[i, j] += Q[b, q, h, c] * K[b, k, h // group, c]
                             s[i, j] = s[i, j] * scale
-                    for i in T.serial(bm):
-                        m_prev[i] = m[i]
-                        for j in T.serial(bn):
-                            m[i] = T.max(m[i], s[i, j])
-                    # Rows with every key masked so far keep m = -inf; exp2 of that must not be NaN.
-                    for i, j in T.grid(bm, bn):
-                        s[i, j] = T.if_then_else(m[i] == -T.infinity("float32"), 0, T.exp2(s[i, j] - m[i]))
-                    for i in T.serial(bm):
-                        r = T.if_then_else(m[i] == -T.infinity("float32"), 1, T.exp2(m_prev[i] - m[i]))
-                        lsum[i] = lsum[i] * r
-                        for c in T.serial(d):
-                            acc[i, c] = acc[i, c] * r
-                        for j in T.serial(bn):
-                            lsum[i] += s[i, j]
+                    softmax_step(s, m, m_prev, lsum, acc)
                     for i, j, c in T.grid(bm, bn, d):
                         if kb * bn + j < seq:
                             acc[i, c] += s[i, j] * V[b, kb * bn + j, h // group, c]

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from .kv_splits import cdiv, default_max_splits, num_splits
 from .launch import dependent_launch, grid_x
+from .online_softmax import online_softmax
 from .registry import register
 from .spec import InvalidSpec, KernelKind, Param, Target, dim, dtype_param, tile
 from .tiling import cpu_attention_tiles, cuda_attention_dims, cuda_only, pow2, smem_limit
@@ -205,6 +206,7 @@ class KVAttention(KernelKind):
         rows = q_len * group  # query rows of one KV head: row f is query f // group, head f % group of the group
         scale = LOG2E / math.sqrt(d)
         ninf = -T.infinity("float32")
+        softmax_step = online_softmax(T, bh, bn, d)
 
         @T.macro
         def split_body(Q, K, V, seq_lens, block_table, O_part, LSE, O):
@@ -237,20 +239,7 @@ class KVAttention(KernelKind):
                                 else:
                                     sc[i, j] += Q[b, f // group, h * group + f % group, c] * K[b, k, h, c]
                             sc[i, j] = sc[i, j] * scale
-                    for i in T.serial(bh):
-                        m_prev[i] = m[i]
-                        for j in T.serial(bn):
-                            m[i] = T.max(m[i], sc[i, j])
-                    # Rows with every key masked so far keep m = -inf; exp2 of that must not be NaN.
-                    for i, j in T.grid(bh, bn):
-                        sc[i, j] = T.if_then_else(m[i] == ninf, 0, T.exp2(sc[i, j] - m[i]))
-                    for i in T.serial(bh):
-                        r = T.if_then_else(m[i] == ninf, 1, T.exp2(m_prev[i] - m[i]))
-                        lsum[i] = lsum[i] * r
-                        for c in T.serial(d):
-                            acc[i, c] = acc[i, c] * r
-                        for j in T.serial(bn):
-                            lsum[i] += sc[i, j]
+                    softmax_step(sc, m, m_prev, lsum, acc)
                     for i, j, c in T.grid(bh, bn, d):
                         k = start + kb * bn + j
                         if k < stop:

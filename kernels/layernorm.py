@@ -10,59 +10,25 @@ As in add_rmsnorm, the rounded sum R' is what is normalised.
 
 from .launch import dependent_launch
 from .registry import register
-from .spec import KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import check_row, padded
-
-
-def prim_func(T, body, M, N, dtype, has_res, has_bias):
-    """The PrimFunc of the ABI (X[, R], W[, B], Y[, Rout]) around `body(X, R, W, B, Y, Rout)`."""
-    row, vec = (M, N), (N,)
-    if has_res and has_bias:
-
-        @T.prim_func
-        def main(
-            X: T.Tensor(row, dtype),
-            R: T.Tensor(row, dtype),
-            W: T.Tensor(vec, dtype),
-            B: T.Tensor(vec, dtype),
-            Y: T.Tensor(row, dtype),
-            Rout: T.Tensor(row, dtype),
-        ):
-            body(X, R, W, B, Y, Rout)
-    elif has_res:
-
-        @T.prim_func
-        def main(X: T.Tensor(row, dtype), R: T.Tensor(row, dtype), W: T.Tensor(vec, dtype), Y: T.Tensor(row, dtype), Rout: T.Tensor(row, dtype)):
-            body(X, R, W, None, Y, Rout)
-    elif has_bias:
-
-        @T.prim_func
-        def main(X: T.Tensor(row, dtype), W: T.Tensor(vec, dtype), B: T.Tensor(vec, dtype), Y: T.Tensor(row, dtype)):
-            body(X, None, W, B, Y, None)
-    else:
-
-        @T.prim_func
-        def main(X: T.Tensor(row, dtype), W: T.Tensor(vec, dtype), Y: T.Tensor(row, dtype)):
-            body(X, None, W, None, Y, None)
-
-    return main
+from .rows import HIDDEN, THREADS, TOKENS, RowKind, norm_prim_func, rows, squared
+from .spec import Param, Target, dtype_param
+from .tiling import padded
 
 
 @register
-class LayerNorm(KernelKind):
+class LayerNorm(RowKind):
     name = "layernorm"
     warm_up = ({"M": 256, "N": 1024, "dtype": "float16", "bias": True},)
-    compile_cost = 0.5
     multi_output = True  # one output, or two with `residual`: the torch op returns a list
     doc = "Y[M,N] = (H - mean) * rsqrt(var + eps) * W[N] (+ B[N]) over rows, H = X or, with residual, R' = X + R[M,N]; returns Y, or (Y, R') with residual (out=(Y, R) updates R in place)."
     params = (
-        dim("M", "rows (tokens); None makes it a runtime size", dynamic=True),
-        dim("N", "row length (hidden size)"),
+        TOKENS,
+        HIDDEN,
         Param("eps", float, default=1e-5, min=0.0, max=1.0, doc="added to the variance (torch's default 1e-5)"),
         dtype_param(),
         Param("bias", bool, default=False, doc="add a B[N] input (after W)"),
         Param("residual", bool, default=False, doc="add an R[M,N] input (after X) first, and return the sum R' as a second output"),
-        tile("threads", "threads per row (CUDA only)"),
+        THREADS,
     )
 
     def output_slots(self, p):
@@ -72,13 +38,10 @@ class LayerNorm(KernelKind):
         # One row per block (a thread on the CPU), read whole before any output is written.
         return {"Y": "X", "Rout": "R"} if p["residual"] else {"Y": "X"}
 
-    def check(self, p, target):
-        return check_row(p, target)
-
     def build_cpu(self, p):
         import tilelang.language as T
 
-        M = p["M"] if p["M"] is not None else T.dynamic("M")
+        M = rows(T, p)
         N, eps, dtype = p["N"], p["eps"], p["dtype"]
         has_res, has_bias = p["residual"], p["bias"]
 
@@ -107,12 +70,12 @@ class LayerNorm(KernelKind):
                         d[0] += B[j]
                     Y[bx, j] = d[0]
 
-        return prim_func(T, body, M, N, dtype, has_res, has_bias)
+        return norm_prim_func(T, body, M, N, dtype, has_res, has_bias)
 
     def build_cuda(self, p, target: Target):
         import tilelang.language as T
 
-        M = p["M"] if p["M"] is not None else T.dynamic("M")
+        M = rows(T, p)
         N, eps, dtype = p["N"], p["eps"], p["dtype"]
         has_res, has_bias = p["residual"], p["bias"]
         threads = p["threads"]
@@ -142,7 +105,7 @@ class LayerNorm(KernelKind):
                     mean[i] = mean[i] / N
                 for i, j in T.Parallel(1, NP):
                     x[i, j] = x[i, j] - mean[i]
-                    sq[i, j] = T.if_then_else(j < N, x[i, j] * x[i, j], 0) if NP != N else x[i, j] * x[i, j]
+                    sq[i, j] = squared(T, x, i, j, N, NP)
                 T.reduce_sum(sq, rstd, dim=1)
                 for i in T.Parallel(1):
                     rstd[i] = T.rsqrt(rstd[i] / N + eps)
@@ -153,7 +116,7 @@ class LayerNorm(KernelKind):
                         x[i, j] = x[i, j] * rstd[i] * W[T.min(j, N - 1)]
                 T.copy(x, Y[bx, 0:NP])
 
-        return prim_func(T, body, M, N, dtype, has_res, has_bias)
+        return norm_prim_func(T, body, M, N, dtype, has_res, has_bias)
 
     def inputs(self, p, randn, size):
         m, n = size("M"), p["N"]

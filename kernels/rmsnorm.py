@@ -1,79 +1,96 @@
-"""Y = X * rsqrt(mean(X^2) + eps) * W over each row, fp32 accumulation."""
+"""Y = X * rsqrt(mean(X^2) + eps) * W over each row, fp32 accumulation; with `residual`
+(add_rmsnorm's builders) the row normalised is H = X + R, stored first as R'."""
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
 from .launch import dependent_launch
 from .registry import register
-from .spec import KernelKind, Param, Target, dim, dtype_param, tile
-from .tiling import check_row, padded
+from .rows import HIDDEN, ROWS, THREADS, RowKind, norm_prim_func, rms_scale, rows, squared
+from .spec import Param, Target, dtype_param
+from .tiling import padded
 
 
 @register
-class RMSNorm(KernelKind):
+class RMSNorm(RowKind):
     name = "rmsnorm"
-    warm_up = ({"M": 256, "N": 1024, "dtype": "float16"},)
-    compile_cost = 0.5
     doc = "Y[M,N] = X * rsqrt(mean(X^2, row) + eps) * W[N]."
     params = (
-        dim("M", "rows; None makes it a runtime size", dynamic=True),
-        dim("N", "row length (hidden size)"),
+        ROWS,
+        HIDDEN,
         Param("eps", float, default=1e-6, min=0.0, max=1.0, doc="added to the mean square"),
         dtype_param(),
-        tile("threads", "threads per row (CUDA only)"),
+        THREADS,
     )
 
-    def inplace(self, p):
-        return {"Y": "X"}  # one row per block (a thread), read whole before it is written
-
-    def check(self, p, target):
-        return check_row(p, target)
+    residual = False  # add_rmsnorm: H = X + R first, stored as R' (Rout) and normalised
 
     def build_cpu(self, p):
         import tilelang.language as T
 
-        M = p["M"] if p["M"] is not None else T.dynamic("M")
+        M = rows(T, p)
         N, eps, dtype = p["N"], p["eps"], p["dtype"]
+        residual = self.residual
 
-        @T.prim_func
-        def main(X: T.Tensor((M, N), dtype), W: T.Tensor((N,), dtype), Y: T.Tensor((M, N), dtype)):
+        @T.macro
+        def body(X, R, W, B, Y, Rout):
             with T.Kernel(M) as bx:
                 ss = T.alloc_local((1,), "float32")
+                if residual:
+                    h = T.alloc_local((1,), "float32")
                 ss[0] = 0
                 for j in T.serial(N):
-                    ss[0] += X[bx, j] * X[bx, j]
+                    if residual:  # R' first: Y is computed from it, and R may be Rout
+                        Rout[bx, j] = X[bx, j] + R[bx, j]
+                        ss[0] += Rout[bx, j] * Rout[bx, j]
+                    else:
+                        ss[0] += X[bx, j] * X[bx, j]
                 ss[0] = T.rsqrt(ss[0] / N + eps)
                 for j in T.serial(N):
-                    Y[bx, j] = X[bx, j] * ss[0] * W[j]
+                    if residual:
+                        h[0] = Rout[bx, j]
+                        Y[bx, j] = h[0] * ss[0] * W[j]
+                    else:
+                        Y[bx, j] = X[bx, j] * ss[0] * W[j]
 
-        return main
+        return norm_prim_func(T, body, M, N, dtype, has_res=residual, has_bias=False)
 
     def build_cuda(self, p, target: Target):
         import tilelang.language as T
 
-        M = p["M"] if p["M"] is not None else T.dynamic("M")
+        M = rows(T, p)
         N, eps, dtype = p["N"], p["eps"], p["dtype"]
         threads = p["threads"]
         NP = padded(N, threads)
+        scale = rms_scale(T, N, NP, eps)
+        residual = self.residual
 
-        @T.prim_func
-        def main(X: T.Tensor((M, N), dtype), W: T.Tensor((N,), dtype), Y: T.Tensor((M, N), dtype)):
-            # One row per block, read once into registers: one pass over memory each way.
+        @T.macro
+        def body(X, R, W, B, Y, Rout):
+            # One row per block, read once into registers: every input read once, every output written once.
             with T.Kernel(M, threads=threads) as bx:
                 dependent_launch(target)
+                if residual:
+                    h = T.alloc_fragment((1, NP), dtype)
+                    r = T.alloc_fragment((1, NP), dtype)
                 x = T.alloc_fragment((1, NP), "float32")
                 sq = T.alloc_fragment((1, NP), "float32")
                 ss = T.alloc_fragment((1,), "float32")
-                T.copy(X[bx, 0:NP], x)
-                for i, j in T.Parallel(1, NP):  # padding columns add nothing to the sum
-                    sq[i, j] = T.if_then_else(j < N, x[i, j] * x[i, j], 0) if NP != N else x[i, j] * x[i, j]
-                T.reduce_sum(sq, ss, dim=1)
-                for i in T.Parallel(1):
-                    ss[i] = T.rsqrt(ss[i] / N + eps)
-                for i, j in T.Parallel(1, NP):  # W is small and L2-resident: read it in place
-                    x[i, j] = x[i, j] * ss[i] * W[T.min(j, N - 1)]
-                T.copy(x, Y[bx, 0:NP])
+                if residual:
+                    T.copy(X[bx, 0:NP], h)
+                    T.copy(R[bx, 0:NP], r)
+                    for i, j in T.Parallel(1, NP):  # the fp32 sum, rounded once to the stored dtype
+                        h[i, j] = T.cast(T.cast(h[i, j], "float32") + T.cast(r[i, j], "float32"), dtype)
+                    T.copy(h, Rout[bx, 0:NP])
+                    for i, j in T.Parallel(1, NP):
+                        x[i, j] = T.cast(h[i, j], "float32")
+                        sq[i, j] = squared(T, x, i, j, N, NP)
+                else:
+                    T.copy(X[bx, 0:NP], x)
+                    for i, j in T.Parallel(1, NP):
+                        sq[i, j] = squared(T, x, i, j, N, NP)
+                scale(x, sq, ss, W, Y, bx)
 
-        return main
+        return norm_prim_func(T, body, M, N, dtype, has_res=residual, has_bias=False)
 
     def inputs(self, p, randn, size):
         return [randn(size("M"), p["N"]), randn(p["N"])]

@@ -4,35 +4,28 @@
 
 from .launch import dependent_launch
 from .registry import register
-from .spec import KernelKind, Target, dim, dtype_param, tile
-from .tiling import check_row, padded
+from .rows import ROWS, THREADS, RowKind, rows
+from .spec import Target, dim, dtype_param
+from .tiling import padded
 
 LOG2E = 1.4426950408889634
 
 
 @register
-class Softmax(KernelKind):
+class Softmax(RowKind):
     name = "softmax"
-    warm_up = ({"M": 256, "N": 1024, "dtype": "float16"},)
-    compile_cost = 0.5
     doc = "Y[M,N] = softmax(X[M,N]) along each row."
     params = (
-        dim("M", "rows; None makes it a runtime size", dynamic=True),
+        ROWS,
         dim("N", "row length"),
         dtype_param(),
-        tile("threads", "threads per row (CUDA only)"),
+        THREADS,
     )
-
-    def inplace(self, p):
-        return {"Y": "X"}  # one row per block (a thread), read whole before it is written
-
-    def check(self, p, target):
-        return check_row(p, target)
 
     def build_cpu(self, p):
         import tilelang.language as T
 
-        M = p["M"] if p["M"] is not None else T.dynamic("M")
+        M = rows(T, p)
         N, dtype = p["N"], p["dtype"]
 
         @T.prim_func
@@ -54,7 +47,7 @@ class Softmax(KernelKind):
     def build_cuda(self, p, target: Target):
         import tilelang.language as T
 
-        M = p["M"] if p["M"] is not None else T.dynamic("M")
+        M = rows(T, p)
         N, dtype = p["N"], p["dtype"]
         threads = p["threads"]
         NP = padded(N, threads)
