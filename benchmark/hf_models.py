@@ -16,8 +16,8 @@ Workloads (random weights, no download):
 
 Variants, each on its own copy of the same weights: `eager` (transformers' sdpa), `compile`
 (torch.compile of that model: `model.compile()`; generate compiles the forward it calls),
-`compile-ro` (the same in mode "reduce-overhead", CUDA graphs; generate with a static cache, as
-transformers advises for it), `kernel-service`
+`compile-ro` (the same in mode "reduce-overhead", CUDA graphs; for generate, a static cache, with
+which transformers compiles the decode forward in that mode itself), `kernel-service`
 (`client.integrations.hf.kernelize(model, backend="kernel-service")`) and, for the forwards
 `kernel-service-graphs` (the same with `graphs=[(batch, tokens)]`: the forward captured in a
 CUDA graph at kernelize and replayed; for generate `[(batch, 1)]`, its decode steps with a static
@@ -124,13 +124,16 @@ def timed(fn, device, reps):
     return out, statistics.median(times)
 
 
-def prepare(base, variant, c, buckets):
-    """(model, seconds to make it): the variant's copy of `base`."""
+def prepare(base, variant, c, buckets, generate):
+    """(model, seconds to make it): the variant's copy of `base`; `generate`: the workload is
+    generate (compile-ro then lets generate compile its decode steps, as transformers advises)."""
     t = time.perf_counter()
     model = copy.deepcopy(base)
-    if variant in COMPILE_MODES:
-        if variant == "compile-ro" and getattr(model, "generation_config", None) is not None:
-            model.generation_config.cache_implementation = "static"  # graphs need fixed shapes
+    if variant == "compile-ro" and generate:
+        # A static cache makes generate torch.compile its decode forward in mode reduce-overhead
+        # (its default CompileConfig); compiling the model too would compile it twice.
+        model.generation_config.cache_implementation = "static"
+    elif variant in COMPILE_MODES:
         model.compile(mode=COMPILE_MODES[variant])
     elif variant in SERVED:
         graphs = buckets if variant == "kernel-service-graphs" else None
@@ -158,13 +161,13 @@ def own_rope(variant):
             module.apply_rotary_pos_emb = wrapper
 
 
-def run_workload(name, base, inputs, call, compare, device, reps, rounds, c, rows, extra=None, buckets=None):
+def run_workload(name, base, inputs, call, compare, device, reps, rounds, c, rows, extra=None, buckets=None, generate=False):
     """Every variant of `base` on one workload; `buckets`: the (batch, tokens) graphs of the
     kernel-service-graphs variant (None: the workload has no such variant)."""
     variants = [v for v in VARIANTS if buckets is not None or v != "kernel-service-graphs"]
     models, ready = {}, {}
     for variant in variants:
-        model, made = prepare(base, variant, c, buckets)
+        model, made = prepare(base, variant, c, buckets, generate)
         sync(device)
         t = time.perf_counter()
         with torch.inference_mode(), own_rope(variant):
@@ -283,7 +286,7 @@ def main() -> None:
 
                     name = f"llama generate b{batch}" + (" padded" if padded else "")
                     extra = {"batch": batch, "new_tokens": new, "padded": padded}
-                    run_workload(name, base, ids, gen, same, device, reps, args.rounds, c, rows, extra, buckets=None if small else [(batch, 1)])
+                    run_workload(name, base, ids, gen, same, device, reps, args.rounds, c, rows, extra, buckets=None if small else [(batch, 1)], generate=True)
             del base
         if "modernbert" in only:
             cfg = bert_config(small)

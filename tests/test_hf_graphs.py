@@ -138,7 +138,9 @@ def test_a_captured_encoder_replays_its_buckets_and_counts_the_rest(cuda_daemon)
     torch.manual_seed(0)
     ref = modernbert().to("cuda", torch.bfloat16)
     served = hf.kernelize(copy.deepcopy(ref), client=cuda_daemon, backend="kernel-service", strict=True)
-    model = hf.kernelize(copy.deepcopy(ref), client=cuda_daemon, backend="kernel-service", strict=True, graphs=[(4, 16), (8, 32)])
+    # Not strict: the calls below that no bucket serves run the model's own forward (a mask with a
+    # gap keeps sdpa), which strict would refuse.
+    model = hf.kernelize(copy.deepcopy(ref), client=cuda_daemon, backend="kernel-service", graphs=[(4, 16), (8, 32)])
     stats = model.kernel_service.graphs
     assert stats.buckets == [(4, 16), (8, 32)] and stats.capture_s > 0 and not stats.reason
     ids = torch.randint(3, VOCAB, (3, 12), device="cuda")
