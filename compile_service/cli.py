@@ -566,7 +566,7 @@ def _prewarm_tier(args, specs: list[dict]) -> int:
         workers = args.workers or usable_cpus()
         plugin_args = {"modules": tuple(args.kernel_module)}
         pool = functools.partial(process_pool, start=start, early=False)  # no zygote unless there is something to build
-        scheduler = Scheduler(store, workers, len(specs) + 1, plugin_args, device=device, metrics=metrics, pool=pool, start=False)
+        scheduler = Scheduler(store, fleet, workers, len(specs) + 1, plugin_args, device=device, metrics=metrics, pool=pool, start=False)
         wanted, failed = [], []  # wanted: (manifest spec, canonical spec); failed: (spec, reason)
         for spec in specs:
             try:

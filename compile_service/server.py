@@ -349,6 +349,7 @@ class Daemon:
         budget = Budget(cfg.max_bytes, cfg.max_entries, cfg.evict_min_age)
         self.scheduler = Scheduler(
             store,
+            self.local.claims,
             cfg.workers,
             cfg.queue_limit,
             cfg.plugin_args,
