@@ -17,7 +17,8 @@
 - Shared builds: a spec that fixes dims only the host code uses (its kind's
   `host_side_dims`) is not compiled; it waits for the build that leaves them
   to run time (requested like any other) and is published as a copy of it,
-  its sizes recorded in the ABI for the loader (counted as `derived`).
+  its sizes recorded in the ABI for the loader (counted as `derived`). A router
+  is a copy of its ranges' builds the same way (compile_service.copies).
 - Failures are remembered: a key whose compile failed answers with that
   failure for `failure_ttl` seconds instead of compiling again for every caller.
 - Other hosts: before compiling, a driver asks for a claim on the key (Claims.claim:
@@ -57,19 +58,15 @@ import itertools
 import json
 import logging
 import math
-import os
 import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernels import get_kind, label
+from kernels import label
 from kernels.spec import CanonicalSpec
-from proto import abi
-from proto.entry import SOURCES
 from proto.memo import Memo
 from proto.wire import Outcome
 
@@ -77,6 +74,7 @@ from . import logs
 from . import memory as memory_
 from . import metrics as metrics_
 from .build import compiler, devices
+from .copies import Plan, plan_of
 from .futures import done, failed, settle, when_all_done
 from .keys import cache_key, toolchain
 from .serve_only import NotReady, ServeOnly
@@ -228,32 +226,6 @@ class _Built:
     error: BaseException | None = None
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """How a missing key is made: by its own compile (no bases), or by `make(entries, staging)`
-    from the entries of the builds `bases`."""
-
-    bases: list[CanonicalSpec] = field(default_factory=list)
-    make: Callable[[list[Entry], Path], tuple[str, dict]] | None = None
-
-
-_OWN_BUILD = _Plan()
-
-
-def _plan(spec: CanonicalSpec) -> _Plan:
-    kind = get_kind(spec.kind)
-    shared = kind.shared_build(spec)  # the build that serves this spec, if not its own
-    if shared is not None:  # a copy of the build that leaves its host-side dims to run time
-        build, fixed = shared
-        return _Plan([build], lambda entries, staging: _derive(entries[0], spec, fixed, staging))
-    routes = kind.routes(spec)
-    if routes is not None:  # a router over the builds of each range of its dim
-        dim, ranges = routes
-        uppers = [upper for upper, _ in ranges]
-        return _Plan([build for _, build in ranges], lambda entries, staging: _route(entries, spec, dim, uppers, staging))
-    return _OWN_BUILD
-
-
 @dataclass(order=True)
 class _Job:
     """An item of the drivers' queue: a flight's build, or (no flight) a warm-up step or a stop."""
@@ -387,7 +359,7 @@ class Scheduler:
     def _miss(self, spec: CanonicalSpec, key: str, expect: dict, priority: int, counted: bool, compile: bool, tally) -> tuple[cf.Future, Outcome]:
         """`request` past a missed lookup: fetched from other builders when it may not compile
         (its builds, for a copy of builds not all here), else made (_make)."""
-        plan = _plan(spec)
+        plan = plan_of(spec)
         if not (compile and self.compiles):
             if not plan.bases:
                 return self._serve_only.fetch(spec, key, expect, tally)
@@ -401,7 +373,7 @@ class Scheduler:
                 return self._serve_only.fetch_builds(spec, key, missing, tally, copy), Outcome.COMPILED
         return self._make(spec, key, expect, priority, counted, compile, tally, plan)
 
-    def _make(self, spec: CanonicalSpec, key: str, expect: dict, priority: int, counted: bool, compile: bool, tally, plan: _Plan) -> tuple[cf.Future, Outcome]:
+    def _make(self, spec: CanonicalSpec, key: str, expect: dict, priority: int, counted: bool, compile: bool, tally, plan: Plan) -> tuple[cf.Future, Outcome]:
         """A missed key that may be compiled, or a copy whose builds are here: refused, joined to
         the key's flight, answered with its remembered failure, or a new flight, its build
         queued or made from other builds."""
@@ -432,7 +404,7 @@ class Scheduler:
         flight.waiters += 1
         return flight.future
 
-    def _enqueue(self, key: str, spec: CanonicalSpec, priority: int, counted: bool, plan: _Plan) -> _Flight:
+    def _enqueue(self, key: str, spec: CanonicalSpec, priority: int, counted: bool, plan: Plan) -> _Flight:
         """A new flight for `key`, its build queued unless it is made from other builds (caller
         holds _lock). Raises QueueFull past the queue's limit, or background work's half of it."""
         if len(self._flights) >= self.queue_limit:
@@ -447,7 +419,7 @@ class Scheduler:
             self._queue.put(_Job(priority, next(self._seq), flight))
         return flight
 
-    def _serve_from_builds(self, flight: _Flight, plan: _Plan, priority: int, compile: bool) -> None:
+    def _serve_from_builds(self, flight: _Flight, plan: Plan, priority: int, compile: bool) -> None:
         """`flight` is published as `plan.make(entries, staging)` of other builds, once they are
         all built (or found): no lowering, no device compile of its own."""
         bases: list[cf.Future] = []
@@ -489,7 +461,7 @@ class Scheduler:
     def build_keys(self, spec: CanonicalSpec) -> list[str]:
         """The keys of the builds `spec` is served from: its own, or those of the builds it is
         a copy of (the entries other hosts share: each host makes the copies itself)."""
-        return [self.key_of(build) for build in _plan(spec).bases] or [self.key_of(spec)]
+        return [self.key_of(build) for build in plan_of(spec).bases] or [self.key_of(spec)]
 
     def _key_of(self, spec: CanonicalSpec) -> tuple[str, dict]:
         """The key, and the spec the entry must record (a key collision or a planted entry is
@@ -751,39 +723,6 @@ class Scheduler:
         self._publisher.shutdown(wait=True)
         if self._pool is not None:
             self._pool.shutdown()
-
-
-def _derive(base: Entry, spec: CanonicalSpec, fixed: dict, staging: Path) -> tuple[str, dict]:
-    """An entry for `spec` made of `base`'s files: the same library, with the dims `spec` fixes
-    recorded in the ABI for the loader to enforce. The files are hard links to `base`'s: the
-    store keeps their bytes once (store.blobs)."""
-    start = time.perf_counter()
-    # The writable cache's files are linked (its blobs keep the bytes once); a read-only layer's
-    # (store.layers) are copied: publishing chmods and links what it is given, and a layer is never written.
-    share = os.link if staging.parent.parent in base.path.parents else shutil.copyfile
-    try:
-        for name in (base.library, *SOURCES):
-            if (base.path / name).is_file():
-                share(base.path / name, staging / name)
-    except OSError as exc:  # a full disk, or the shared build evicted under a zero min-age budget
-        raise StoreError(exc.errno, f"cannot copy the shared build {base.key[:16]} into {staging}: {exc.strerror or exc}") from exc
-    meta = {
-        **{k: v for k, v in base.meta.items() if k not in ("phases", "device_compiled")},
-        "spec": json.loads(spec.to_json()),
-        "abi": abi.with_fixed(base.abi, fixed) if fixed else base.abi,
-        "shared_build": {"key": base.key, "spec": base.meta["spec"], "compile_seconds": base.meta["compile_seconds"]},
-        "created": time.time(),
-    }
-    meta["compile_seconds"] = round(time.perf_counter() - start, 4)
-    return base.library, meta
-
-
-def _route(entries: list[Entry], spec: CanonicalSpec, dim: str, uppers: list[int | None], staging: Path) -> tuple[str, dict]:
-    """A router entry for `spec`: a copy of its last range's build (correct for every value of
-    `dim`), whose ABI names every range's build for the client to load and pick from per call."""
-    library, meta = _derive(entries[-1], spec, {}, staging)
-    meta["abi"] = abi.with_routes(meta["abi"], dim, [(upper, e.meta["spec"]) for upper, e in zip(uppers, entries)])
-    return library, meta
 
 
 def _empty(directory: Path) -> None:
