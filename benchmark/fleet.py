@@ -261,7 +261,7 @@ def mode_fetch(bench: Bench, redis_proc) -> dict:
         try:
             for key, spec in keys.items():
                 start = time.perf_counter()
-                claim = store.claim(key, spec, wake=lambda: None)
+                claim = store.claims.claim(key, spec, wake=lambda: None)
                 tier_ms.append((time.perf_counter() - start) * 1000)
                 if claim.entry is None:
                     raise RuntimeError(f"kernel {key[:16]} was not read through: {claim}")

@@ -38,7 +38,7 @@ class EmbeddedService:
         self.locks = root / "locks"
         self.locks.mkdir(mode=0o700, exist_ok=True)
         # The worker (TileLang's import) starts with the first compile: a strict client never needs it.
-        self.scheduler = Scheduler(self.store, workers=1, device=devices.choose(cuda_compiler), pool=in_process_pool, start=False)
+        self.scheduler = Scheduler(self.store, self.store.claims, workers=1, device=devices.choose(cuda_compiler), pool=in_process_pool, start=False)
         self._started = threading.Lock()
         atexit.register(self.scheduler.shutdown, 10.0)  # idle drivers stop at once; a running compile gets 10 s
 

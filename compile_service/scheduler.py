@@ -17,31 +17,27 @@
 - Shared builds: a spec that fixes dims only the host code uses (its kind's
   `host_side_dims`) is not compiled; it waits for the build that leaves them
   to run time (requested like any other) and is published as a copy of it,
-  its sizes recorded in the ABI for the loader (counted as `derived`).
+  its sizes recorded in the ABI for the loader (counted as `derived`). A router
+  is a copy of its ranges' builds the same way (compile_service.copies).
 - Failures are remembered: a key whose compile failed answers with that
   failure for `failure_ttl` seconds instead of compiling again for every caller.
-- Other hosts: before compiling, a driver asks the store for a claim on the key
-  (Storage.claim). A store shared by a fleet (store.tiered) may answer with the
-  entry another host built, a failure it saw, or "being built elsewhere": the
-  job then waits outside the queue, and the store wakes it to ask again.
+- Other hosts: before compiling, a driver asks for a claim on the key (Claims.claim:
+  the scheduler is handed the store's claims). The fleet's (store.tiered) may answer
+  with the entry another host built, a failure it saw, or "being built elsewhere":
+  the job then waits outside the queue, and the claims wake it to ask again.
 - The budget: after each publish the driver evicts least recently used entries
   down to `max_bytes` / `max_entries` (see Store.evict).
 - Publishing (hashes, fsyncs, a rename) runs on a few publisher threads, not on
   the driver: a worker takes its next job as soon as its build is done.
-- Warm-up in the background: every worker starts at once (TileLang is imported in
-  the zygote, not in the daemon), and with NVRTC each builds its precompiled
-  headers one prelude per task (compiler.warm_step), only when no compile has
-  run for WARM_AFTER_IDLE seconds; one worker is always left free for a request
-  while others warm.
-- Serving only: a request that may not compile (a strict client), or any request
-  to a scheduler made with `compiles=False` (`serve --no-compile`: no workers at
-  all), is answered from the cache, else from where other builders publish
-  (Storage.fetch: the fleet tier, read through and published here, once per key
-  however many ask), else its future raises NotReady; it never compiles, takes no
-  lease and waits for no build. The fetch runs on a publisher thread, never on
-  the caller's: a slow or hung tier delays only the requests waiting on it (the
-  daemon's event loop goes on serving hits). A shared build's copy is still made
-  when its build is here or fetched, since copying compiles nothing.
+- Warm-up in the background (compile_service.warmup): steps in the queue below
+  every request, run only when no build has run for a moment, one worker always
+  left free for a request.
+- Serving only (compile_service.serve_only): a request that may not compile (a
+  strict client), or any request to a scheduler made with `compiles=False`
+  (`serve --no-compile`: no workers at all), is answered from the cache, else
+  fetched from other builders (Claims.fetch), else its future raises NotReady. A
+  shared build's copy is still made when its build is here or fetched, since
+  copying compiles nothing.
 - Shares of the queue: background work (Prefetch) may hold at most half of
   `queue_limit`, so a blocked GetKernel always finds room; the servicer holds
   one Prefetch call to a quarter (`call_share`). A caller that goes away gives
@@ -62,28 +58,28 @@ import itertools
 import json
 import logging
 import math
-import os
 import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernels import get_kind, label
+from kernels import label
 from kernels.spec import CanonicalSpec
-from proto import abi
-from proto.entry import SOURCES
 from proto.memo import Memo
-from proto.wire import Outcome, not_ready_details
+from proto.wire import Outcome
 
 from . import logs
 from . import memory as memory_
 from . import metrics as metrics_
 from .build import compiler, devices
+from .copies import Plan, plan_of
+from .futures import done, failed, settle, when_all_done
 from .keys import cache_key, toolchain
-from .store import BUILD, Budget, Claim, Entry, Storage, StoreError
+from .serve_only import NotReady, ServeOnly
+from .store import BUILD, Budget, Claim, Claims, Entry, Storage, StoreError
+from .warmup import WarmUp
 from .workers import BrokenProcessPool, TimedOut, Workers, in_process_pool, process_pool  # noqa: F401 - the pools Scheduler(pool=...) takes
 
 log = logging.getLogger(__name__)
@@ -100,14 +96,6 @@ class QueueFull(Exception):
     """More compiles are waiting than the queue allows."""
 
 
-class NotReady(Exception):
-    """Not in the cache, and nothing may compile it."""
-
-    def __init__(self, spec: CanonicalSpec, key: str, why: str):
-        super().__init__(not_ready_details(label(spec), key, why))
-        self.spec, self.key, self.why = spec, key, why
-
-
 class Cancelled(Exception):
     """Everyone who asked for this compile went away before it started (a cancelled Prefetch)."""
 
@@ -116,12 +104,7 @@ class CompileTimeout(compiler.CompileFailed):
     """The build ran past the compile timeout; its worker was killed. Remembered like a compile failure."""
 
 
-WARM_UP = "(warm-up)"  # what a warm-up step is admitted and measured as (compile_service.memory)
 MEMO_SPEC = 4096  # characters of a spec's JSON that per-spec memos keep; larger specs are worked out again each time
-# A warm-up step (a PCH build: seconds) starts only after this long with no build running: an
-# agent asking for kernels one by one sends its next request sooner, and a step started in that
-# gap would hold a worker the next request's builds (a router's ranges, side by side) need.
-WARM_AFTER_IDLE = 0.5
 
 
 class WorkerCrashed(Exception):
@@ -142,7 +125,7 @@ class _Stage(enum.Enum):
 
     QUEUED = "queued"  # waiting for a driver: release() may still drop it
     STARTED = "started"  # a driver took it (claiming, building, publishing)
-    PARKED = "parked"  # asking the store for a claim, or another host is building it: the store wakes it
+    PARKED = "parked"  # asking for a claim, or another host is building it: the claims wake it
     CANCELLED = "cancelled"  # dropped before it started: drivers skip it
 
 
@@ -243,32 +226,6 @@ class _Built:
     error: BaseException | None = None
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """How a missing key is made: by its own compile (no bases), or by `make(entries, staging)`
-    from the entries of the builds `bases`."""
-
-    bases: list[CanonicalSpec] = field(default_factory=list)
-    make: Callable[[list[Entry], Path], tuple[str, dict]] | None = None
-
-
-_OWN_BUILD = _Plan()
-
-
-def _plan(spec: CanonicalSpec) -> _Plan:
-    kind = get_kind(spec.kind)
-    shared = kind.shared_build(spec)  # the build that serves this spec, if not its own
-    if shared is not None:  # a copy of the build that leaves its host-side dims to run time
-        build, fixed = shared
-        return _Plan([build], lambda entries, staging: _derive(entries[0], spec, fixed, staging))
-    routes = kind.routes(spec)
-    if routes is not None:  # a router over the builds of each range of its dim
-        dim, ranges = routes
-        uppers = [upper for upper, _ in ranges]
-        return _Plan([build for _, build in ranges], lambda entries, staging: _route(entries, spec, dim, uppers, staging))
-    return _OWN_BUILD
-
-
 @dataclass(order=True)
 class _Job:
     """An item of the drivers' queue: a flight's build, or (no flight) a warm-up step or a stop."""
@@ -282,6 +239,7 @@ class Scheduler:
     def __init__(
         self,
         store: Storage,
+        claims: Claims,
         workers: int,
         queue_limit: int = 4096,
         plugins: dict | None = None,
@@ -296,7 +254,9 @@ class Scheduler:
         compile_timeout: float | None = None,
         memory: memory_.BuildMemory | None = None,
     ):
-        """`plugins`: what each worker loads beyond the zoo (kernels.plugins.load's arguments);
+        """`store`: where entries are looked up and published; `claims`: the claims on builds
+        asked before building a key (the store's `claims`: another builder may have it);
+        `plugins`: what each worker loads beyond the zoo (kernels.plugins.load's arguments);
         `device`: the CUDA device compiler (its id is in every CUDA key); `warm_target`: the
         CUDA arch whose NVRTC headers each worker parses at start; `pool(workers, initargs)`:
         the workers compiles run on (compile_service.workers); `start=False`: no worker starts,
@@ -304,6 +264,7 @@ class Scheduler:
         workers; `compile_timeout`: seconds a build may run in a worker process (None: no
         limit); `memory`: admits builds within the memory limit (None: no limit)."""
         self.store = store
+        self.claims = claims
         self.workers = workers
         self.queue_limit = queue_limit
         self.plugins = plugins or {}
@@ -315,24 +276,23 @@ class Scheduler:
         self._pool_factory = pool
         self.compile_timeout = compile_timeout
         self.memory = memory or memory_.BuildMemory(None)
-        self._lock = threading.Lock()  # guards the flights, the failures, _closing and the warm-up records
+        self._lock = threading.Lock()  # guards the flights, the failures, _closing, _running and _last_build
         self._flights = _Flights()
         self._failures = _Failures()
         self.background_limit = max(1, queue_limit // 2)
         self.call_share = max(1, queue_limit // 4)  # compiles one Prefetch call may queue (the servicer enforces it)
         self._keys: Memo = Memo()  # canonical spec JSON -> (key, spec)
-        self._fetching: dict[str, cf.Future] = {}  # key -> the fetch from other builders under way (requests that may not compile)
         self._queue: queue.PriorityQueue[_Job] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._closing = False
         self._running = 0  # builds a driver is waiting on
-        self._warm: set[int] = set()  # pids of workers done warming up
-        self._warm_steps = 0  # warm-up steps going round the queue (or held back: _hold_warm_step)
         self._last_build = -math.inf  # when the last build ended (time.monotonic)
         self._started = threading.Event()  # drivers submit nothing before start_workers()
         self.compiles = compiles
         self._pool = self._new_pool() if compiles else None
         self._publisher = cf.ThreadPoolExecutor(max(2, min(8, workers // 2)), thread_name_prefix="publish")  # copies too
+        self._serve_only = ServeOnly(claims, self._publish, compiles)
+        self._warmup = WarmUp(self._pool, workers, self.memory, lambda: self._queue.put(_Job(_WARM, next(self._seq))), self._last_build_end)
         self._drivers = [threading.Thread(target=self._drive, name=f"compile-driver-{i}", daemon=True) for i in range(workers if compiles else 0)]
         for t in self._drivers:
             t.start()
@@ -347,16 +307,8 @@ class Scheduler:
         if self._pool is None:  # serving only
             return
         self._pool.spawn()
-        with self._lock:
-            # Warm-up steps circulate below every request, leaving one worker free for a request.
-            for _ in range(max(1, self.workers - 1)):
-                self._put_warm_step()
+        self._warmup.start()
         self._started.set()
-
-    def _put_warm_step(self) -> None:
-        """Under self._lock."""
-        self._warm_steps += 1
-        self._queue.put(_Job(_WARM, next(self._seq)))
 
     def _new_pool(self) -> Workers:
         initargs = (self.plugins, str(self.store.root), self.device.name, self.warm_target, logs.chosen())
@@ -384,8 +336,7 @@ class Scheduler:
     def workers_ready(self) -> int:
         """Workers that have started and finished their warm-up (TileLang imported; with NVRTC,
         their precompiled headers built)."""
-        with self._lock:
-            return len(self._warm)
+        return self._warmup.ready
 
     def request(self, spec: CanonicalSpec, priority: int = URGENT, counted: bool = True, compile: bool = True) -> tuple[cf.Future, Outcome]:
         """A future of the kernel's Entry, and how it is being satisfied.
@@ -402,22 +353,27 @@ class Scheduler:
         entry = self.store.lookup(key, expect)
         if entry is not None:  # a hit: no lock, nothing more
             tally(hits=1)
-            return _done(entry), Outcome.HIT
+            return done(entry), Outcome.HIT
         return self._miss(spec, key, expect, priority, counted, compile, tally)
 
     def _miss(self, spec: CanonicalSpec, key: str, expect: dict, priority: int, counted: bool, compile: bool, tally) -> tuple[cf.Future, Outcome]:
         """`request` past a missed lookup: fetched from other builders when it may not compile
-        (its builds, for a copy of builds not here), else made (_make)."""
-        plan = _plan(spec)
+        (its builds, for a copy of builds not all here), else made (_make)."""
+        plan = plan_of(spec)
         if not (compile and self.compiles):
             if not plan.bases:
-                return self._fetch(spec, key, expect, tally)
-            fetched = self._fetch_builds(spec, key, expect, plan, priority, counted, tally)
-            if fetched is not None:
-                return fetched, Outcome.COMPILED
+                return self._serve_only.fetch(spec, key, expect, tally)
+            keyed = [(build, *self._key_of(build)) for build in plan.bases]
+            missing = [(build, k, e) for build, k, e in keyed if self.store.lookup(k, e) is None]
+            if missing:  # fetched, then copied as any copy is
+
+                def copy() -> cf.Future:
+                    return self._make(spec, key, expect, priority, counted, False, tally, plan)[0]
+
+                return self._serve_only.fetch_builds(spec, key, missing, tally, copy), Outcome.COMPILED
         return self._make(spec, key, expect, priority, counted, compile, tally, plan)
 
-    def _make(self, spec: CanonicalSpec, key: str, expect: dict, priority: int, counted: bool, compile: bool, tally, plan: _Plan) -> tuple[cf.Future, Outcome]:
+    def _make(self, spec: CanonicalSpec, key: str, expect: dict, priority: int, counted: bool, compile: bool, tally, plan: Plan) -> tuple[cf.Future, Outcome]:
         """A missed key that may be compiled, or a copy whose builds are here: refused, joined to
         the key's flight, answered with its remembered failure, or a new flight, its build
         queued or made from other builds."""
@@ -430,102 +386,17 @@ class Scheduler:
             failure = self._failures.recall(key)
             if failure is not None:
                 tally(failures_cached=1)
-                return _failed(failure), Outcome.COMPILED
+                return failed(failure), Outcome.COMPILED
             # A compile may have published between our lookup and the lock.
             entry = self.store.lookup(key, expect)
             if entry is not None:
                 tally(hits=1)
-                return _done(entry), Outcome.HIT
+                return done(entry), Outcome.HIT
             flight = self._enqueue(key, spec, priority, counted, plan)
         tally(misses=1)
         if plan.bases:
             self._serve_from_builds(flight, plan, priority, compile)
         return flight.future, Outcome.COMPILED
-
-    def _fetch(self, spec: CanonicalSpec, key: str, expect: dict, tally) -> tuple[cf.Future, Outcome]:
-        """A miss that may not compile: looked up where other builders publish (store.fetch:
-        the fleet tier), on a publisher thread and once per key however many ask at once, and
-        published here; it never compiles. Returns at once: the future raises NotReady when no
-        builder has it, CompileFailed when it failed on a builder."""
-        with self._lock:
-            fetching = self._fetching.get(key)
-            if fetching is None:
-                self._fetching[key] = future = cf.Future()
-        if fetching is not None:
-            tally(misses=1, joined=1)
-            return fetching, Outcome.JOINED
-        self._publish(self._fetch_now, spec, key, expect, tally, future)
-        return future, Outcome.COMPILED
-
-    def _fetch_now(self, spec: CanonicalSpec, key: str, expect: dict, tally, future: cf.Future) -> None:
-        """The fetch itself (a publisher thread): settles `future`, counted, once it is out of `_fetching`."""
-        try:
-            found = self.store.fetch(key, expect)
-        except Exception:  # a store's trouble with other hosts never fails a request
-            log.exception("fetching %s from other builders failed", key[:16])
-            found = Claim()
-        outcome: Entry | BaseException
-        if found is not None and found.entry is not None:
-            tally(misses=1)
-            outcome = found.entry
-        elif found is not None and found.failure is not None:
-            tally(misses=1, failures_cached=1)
-            outcome = compiler.CompileFailed(found.failure)
-        else:
-            tally(not_ready=1)
-            outcome = NotReady(spec, key, self._not_ready_why(found))
-        with self._lock:
-            del self._fetching[key]
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
-
-    def _not_ready_why(self, found: Claim | None) -> str:
-        why = "this daemon compiles nothing (serve --no-compile)" if not self.compiles else "the request asked for no compile (a strict client)"
-        if found is None:  # no other builders to ask
-            return why
-        if found.tier_error:
-            return f"{why}, and {found.tier_error}"
-        if found.waiting:
-            return f"{why}, and a builder of the fleet is building it now: ask again once it is done"
-        return f"{why}, and the fleet tier does not have it: a builder puts it there (a request or prefetch to a builder, or `kernel-service prewarm --remote`)"
-
-    def _fetch_builds(self, spec: CanonicalSpec, key: str, expect: dict, plan: _Plan, priority: int, counted: bool, tally) -> cf.Future | None:
-        """A miss that may not compile, made from builds (a copy compiles nothing). None when the
-        builds are all here now (it is made as any copy is); else a future of the copy, made once
-        each build missing here is fetched (_fetch: nothing waits on this thread). The future
-        raises NotReady, naming `spec`, when one is nowhere; CompileFailed when one failed on a builder."""
-        keyed = [(build, *self._key_of(build)) for build in plan.bases]
-        missing = [(build, k, e) for build, k, e in keyed if self.store.lookup(k, e) is None]
-        if not missing:
-            return None
-        fetches = [self._fetch(build, k, e, metrics_.ignore)[0] for build, k, e in missing]
-        future, left = cf.Future(), [len(fetches)]
-
-        def one_done(_):
-            with self._lock:
-                left[0] -= 1
-                if left[0]:
-                    return
-            failed = next((f.exception() for f in fetches if f.exception() is not None), None)
-            if isinstance(failed, NotReady):
-                tally(not_ready=1)
-                future.set_exception(NotReady(spec, key, f"{failed.why} (the build it is a copy of, {failed.key[:16]})"))
-            elif failed is not None:
-                tally(misses=1, failures_cached=1)
-                future.set_exception(failed)
-            else:
-                try:
-                    made = self._make(spec, key, expect, priority, counted, False, tally, plan)[0]
-                except Exception as exc:  # noqa: BLE001 - refused (ShuttingDown, QueueFull): the caller learns why, never hangs
-                    future.set_exception(exc)
-                    return
-                _chain(made, future)
-
-        for fetch in fetches:
-            fetch.add_done_callback(one_done)
-        return future
 
     def _join(self, flight: _Flight, tally) -> cf.Future:
         """One more waiter on a key already in flight (caller holds _lock)."""
@@ -533,7 +404,7 @@ class Scheduler:
         flight.waiters += 1
         return flight.future
 
-    def _enqueue(self, key: str, spec: CanonicalSpec, priority: int, counted: bool, plan: _Plan) -> _Flight:
+    def _enqueue(self, key: str, spec: CanonicalSpec, priority: int, counted: bool, plan: Plan) -> _Flight:
         """A new flight for `key`, its build queued unless it is made from other builds (caller
         holds _lock). Raises QueueFull past the queue's limit, or background work's half of it."""
         if len(self._flights) >= self.queue_limit:
@@ -548,7 +419,7 @@ class Scheduler:
             self._queue.put(_Job(priority, next(self._seq), flight))
         return flight
 
-    def _serve_from_builds(self, flight: _Flight, plan: _Plan, priority: int, compile: bool) -> None:
+    def _serve_from_builds(self, flight: _Flight, plan: Plan, priority: int, compile: bool) -> None:
         """`flight` is published as `plan.make(entries, staging)` of other builds, once they are
         all built (or found): no lowering, no device compile of its own."""
         bases: list[cf.Future] = []
@@ -563,18 +434,8 @@ class Scheduler:
             raise
         with self._lock:
             flight.bases = [b for b in bases if not b.done()]  # releasing this releases the builds it waits on
-            left = [len(bases)]
-
-        def one_done(_):
-            with self._lock:
-                left[0] -= 1
-                if left[0]:
-                    return
-            # Published by a publisher thread once every build is done (at once when they are).
-            self._publish(self._publish_derived, flight, bases, plan.make)
-
-        for base in bases:
-            base.add_done_callback(one_done)
+        # Published by a publisher thread once every build is done (at once when they are).
+        when_all_done(bases, lambda: self._publish(self._publish_derived, flight, bases, plan.make))
 
     def _publish_derived(self, flight: _Flight, bases: list[cf.Future], make) -> None:
         staging = None
@@ -600,7 +461,7 @@ class Scheduler:
     def build_keys(self, spec: CanonicalSpec) -> list[str]:
         """The keys of the builds `spec` is served from: its own, or those of the builds it is
         a copy of (the entries other hosts share: each host makes the copies itself)."""
-        return [self.key_of(build) for build in _plan(spec).bases] or [self.key_of(spec)]
+        return [self.key_of(build) for build in plan_of(spec).bases] or [self.key_of(spec)]
 
     def _key_of(self, spec: CanonicalSpec) -> tuple[str, dict]:
         """The key, and the spec the entry must record (a key collision or a planted entry is
@@ -648,8 +509,7 @@ class Scheduler:
             if job.priority == _STOP:
                 return
             if job.priority == _WARM:
-                if not self._closing and not self._hold_warm_step(job):
-                    self._warm_step()
+                self._warmup.take()
                 continue
             with self._lock:
                 if job.flight.stage is _Stage.CANCELLED:
@@ -657,55 +517,18 @@ class Scheduler:
                 job.flight.stage = _Stage.STARTED
             self._run(job)
 
-    def _hold_warm_step(self, job: _Job) -> bool:
-        """While builds run or have just run (WARM_AFTER_IDLE), puts a warm-up step back in the
-        queue later, where it is asked again; returns whether it did."""
+    def _last_build_end(self) -> float | None:
+        """When the last build ended (time.monotonic); None while one runs (the warm-up waits)."""
         with self._lock:
-            wait = WARM_AFTER_IDLE if self._running else self._last_build + WARM_AFTER_IDLE - time.monotonic()
-        if wait <= 0:
-            return False
-        timer = threading.Timer(wait, self._queue.put, (job,))
-        timer.daemon = True
-        timer.start()
-        return True
-
-    def _warm_step(self) -> None:
-        """One warm-up step on whichever worker is idle; the step goes round again until every
-        worker is warm (a step that lands on a warm worker returns at once)."""
-        pid = warm = None
-        try:
-            with self.memory.admit(WARM_UP):
-                (pid, warm), peak = self._pool.run(memory_.measured, compiler.warm_step)
-            self.memory.record(WARM_UP, peak)
-        except BrokenProcessPool:
-            self._worker_replaced()  # this step goes round again, for the fresh worker
-        except Exception as exc:  # noqa: BLE001 - a failed warm-up costs only speed
-            if not self._closing:
-                log.warning("worker warm-up step failed: %s: %s", type(exc).__name__, exc)
-            with self._lock:
-                self._warm_steps -= 1  # this step ends here
-            return
-        with self._lock:
-            if warm:
-                self._warm.add(pid)
-            self._warm_steps -= 1
-            if len(self._warm) < self.workers and not self._closing:
-                self._put_warm_step()
-
-    def _worker_replaced(self) -> None:
-        """A worker was killed or died, and a fresh one started: it warms up as the first ones did."""
-        with self._lock:
-            self._warm &= self._pool.pids()
-            if not self._warm_steps and not self._closing:
-                self._put_warm_step()
+            return None if self._running else self._last_build
 
     def _run(self, job: _Job) -> None:
-        """Asks the store for a claim on the key; builds the job in a worker when it is this
+        """Asks for a claim on the key; builds the job in a worker when it is this
         host's to build, then hands the result to a publisher thread."""
         flight = job.flight
         claim = self._claim(job)
         if claim.waiting:
-            return  # another host is building it; the store wakes the job when that is over
+            return  # another host is building it; the claims wake the job when that is over
         if claim.entry is not None:
             self._finish(flight, claim.entry)
             return
@@ -737,13 +560,13 @@ class Scheduler:
                     self._last_build = time.monotonic()
 
     def _claim(self, job: _Job) -> Claim:
-        """The store's claim on the key before building it: parked first, since a store that
-        answers "waiting" may wake the job before it has answered."""
+        """The claim on the key before building it: parked first, since claims that answer
+        "waiting" may wake the job before it has answered."""
         flight = job.flight
         with self._lock:
             flight.stage = _Stage.PARKED
         try:
-            claim = self.store.claim(flight.key, self._key_of(flight.spec)[1], lambda: self._resume(job))
+            claim = self.claims.claim(flight.key, self._key_of(flight.spec)[1], lambda: self._resume(job))
         except Exception:  # a store's trouble with other hosts never fails a request
             log.exception("claiming %s failed; building it here", flight.key[:16])
             claim = BUILD
@@ -754,7 +577,7 @@ class Scheduler:
         return claim
 
     def _resume(self, job: _Job) -> None:
-        """Called by the store once another host's build of the job's key is over: ask again
+        """Called by the claims once another host's build of the job's key is over: ask again
         (queued as before, so a caller that has gone away meanwhile may still drop it)."""
         flight = job.flight
         with self._lock:
@@ -777,7 +600,7 @@ class Scheduler:
                 return result
             except TimedOut:
                 self.metrics.add(compile_timeouts=1)
-                self._worker_replaced()
+                self._warmup.worker_replaced()
                 raise CompileTimeout(
                     f"compiling this {kind} kernel ran past the compile timeout of {self.compile_timeout:g} s (--compile-timeout); "
                     "its worker was killed and a fresh one started"
@@ -787,7 +610,7 @@ class Scheduler:
                 # fault as far as we know. Retry once on a fresh worker, then say what happened.
                 if self._closing:
                     raise ShuttingDown("the kernel service shut down while compiling this kernel") from None
-                self._worker_replaced()
+                self._warmup.worker_replaced()
                 if attempt == 2:
                     raise WorkerCrashed(
                         "the compiler worker crashed (its process died) twice while building this kernel; it is not remembered as a compile failure"
@@ -840,7 +663,7 @@ class Scheduler:
             log.warning("compile of %s failed: %s", label(spec), outcome)  # in full: the client's copy may be cut (proto.wire.clip)
         if isinstance(outcome, BaseException):
             try:  # the fleet remembers compile failures; a crash or a full disk is this host's
-                self.store.abandon(key, str(outcome) if isinstance(outcome, compiler.CompileFailed) else None, self.failure_ttl)
+                self.claims.abandon(key, str(outcome) if isinstance(outcome, compiler.CompileFailed) else None, self.failure_ttl)
             except Exception:  # the answer below matters more
                 log.exception("releasing the claim on %s failed", key[:16])
         self._finish(flight, outcome)
@@ -870,10 +693,7 @@ class Scheduler:
             self._flights.remove(flight)
             if isinstance(outcome, compiler.CompileFailed) and ttl > 0:
                 self._failures.remember(flight.key, outcome, ttl)
-        if isinstance(outcome, BaseException):
-            flight.future.set_exception(outcome)
-        else:
-            flight.future.set_result(outcome)
+        settle(flight.future, outcome)
 
     def enforce_budget(self, protect: str | None = None) -> None:
         """Evicts down to the budget (after each publish, and once at start-up)."""
@@ -888,6 +708,7 @@ class Scheduler:
         then kills the workers. Queued jobs fail with ShuttingDown; no staging is left."""
         with self._lock:
             self._closing = True
+        self._warmup.stop()
         self._started.set()  # drivers that never started can stop
         for _ in self._drivers:
             self._queue.put(_Job(_STOP, next(self._seq)))
@@ -904,39 +725,6 @@ class Scheduler:
             self._pool.shutdown()
 
 
-def _derive(base: Entry, spec: CanonicalSpec, fixed: dict, staging: Path) -> tuple[str, dict]:
-    """An entry for `spec` made of `base`'s files: the same library, with the dims `spec` fixes
-    recorded in the ABI for the loader to enforce. The files are hard links to `base`'s: the
-    store keeps their bytes once (store.blobs)."""
-    start = time.perf_counter()
-    # The writable cache's files are linked (its blobs keep the bytes once); a read-only layer's
-    # (store.layers) are copied: publishing chmods and links what it is given, and a layer is never written.
-    share = os.link if staging.parent.parent in base.path.parents else shutil.copyfile
-    try:
-        for name in (base.library, *SOURCES):
-            if (base.path / name).is_file():
-                share(base.path / name, staging / name)
-    except OSError as exc:  # a full disk, or the shared build evicted under a zero min-age budget
-        raise StoreError(exc.errno, f"cannot copy the shared build {base.key[:16]} into {staging}: {exc.strerror or exc}") from exc
-    meta = {
-        **{k: v for k, v in base.meta.items() if k not in ("phases", "device_compiled")},
-        "spec": json.loads(spec.to_json()),
-        "abi": abi.with_fixed(base.abi, fixed) if fixed else base.abi,
-        "shared_build": {"key": base.key, "spec": base.meta["spec"], "compile_seconds": base.meta["compile_seconds"]},
-        "created": time.time(),
-    }
-    meta["compile_seconds"] = round(time.perf_counter() - start, 4)
-    return base.library, meta
-
-
-def _route(entries: list[Entry], spec: CanonicalSpec, dim: str, uppers: list[int | None], staging: Path) -> tuple[str, dict]:
-    """A router entry for `spec`: a copy of its last range's build (correct for every value of
-    `dim`), whose ABI names every range's build for the client to load and pick from per call."""
-    library, meta = _derive(entries[-1], spec, {}, staging)
-    meta["abi"] = abi.with_routes(meta["abi"], dim, [(upper, e.meta["spec"]) for upper, e in zip(uppers, entries)])
-    return library, meta
-
-
 def _empty(directory: Path) -> None:
     """Removes what a crashed build left in its staging directory."""
     for item in directory.iterdir():
@@ -944,27 +732,3 @@ def _empty(directory: Path) -> None:
             shutil.rmtree(item, ignore_errors=True)
         else:
             item.unlink(missing_ok=True)
-
-
-def _done(entry: Entry) -> cf.Future:
-    future = cf.Future()
-    future.set_result(entry)
-    return future
-
-
-def _failed(exc: BaseException) -> cf.Future:
-    future = cf.Future()
-    future.set_exception(exc)
-    return future
-
-
-def _chain(source: cf.Future, target: cf.Future) -> None:
-    """Settles `target` as `source` settles."""
-
-    def copy(_):
-        if source.exception() is not None:
-            target.set_exception(source.exception())
-        else:
-            target.set_result(source.result())
-
-    source.add_done_callback(copy)

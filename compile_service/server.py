@@ -315,6 +315,7 @@ def assemble(cfg: ServiceConfig, device: devices.DeviceCompiler, metrics: Metric
         private_dir(d, cfg.mode, "cache directory", CACHE_FIX)
     scheduler = Scheduler(
         store,
+        local.claims,  # the fleet tier's, when there is one
         cfg.workers,
         cfg.queue_limit,
         cfg.plugin_args,

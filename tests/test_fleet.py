@@ -320,7 +320,7 @@ def test_a_read_only_hosts_writes_are_refused_by_redis_itself(make_daemon, tier,
     store = with_fleet_tier(LocalStore(tmp_path / "cache", metrics=metrics), RedisTier(reader_url(tier), metrics=metrics), metrics)
     try:
         key = "ab" * 32
-        assert not store.claim(key, {"kind": "k"}, wake=lambda: None).waiting  # the lease was refused: build here
+        assert not store.claims.claim(key, {"kind": "k"}, wake=lambda: None).waiting  # the lease was refused: build here
         staging = store.new_staging(key)
         (staging / "kernel.so").write_bytes(os.urandom(64))
         meta = {"spec": {"kind": "k"}, "abi": {"loader": "c", "symbol": "call", "device": "cpu", "params": [], "outputs": [], "dynamic": []}}
@@ -376,7 +376,7 @@ def test_a_read_through_is_checked_like_a_local_build_and_published_without_fsyn
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd)))
     try:
-        entry = store.claim(key, spec, wake=lambda: None).entry
+        entry = store.claims.claim(key, spec, wake=lambda: None).entry
         assert entry is not None and entry.meta["spec"] == spec
         assert fsyncs == []  # a fetch is cheap to repeat: no fsync on the way (LocalStore.put durable=False)
         assert (entry.path / "kernel.c").read_text() == "/* generated */"
@@ -410,12 +410,12 @@ def test_an_index_that_fails_the_checks_is_refused_counted_and_dropped(tier, tmp
         r.set(entry_key(key), json.dumps(index))
     store = tiered(writer_url(tier), tmp_path / "b")
     try:
-        claim = store.claim(key, spec, wake=lambda: None)
+        claim = store.claims.claim(key, spec, wake=lambda: None)
         assert claim.entry is None and not claim.waiting  # refused: built here, under this host's lease
         assert store.metrics.counters()["remote_corrupt"] == 1 and store.keys() == []
         with tier.admin() as r:
             assert r.get(entry_key(key)) is None and r.get(f"ks:lease:{key}") == store.claims.tier.host.encode()
-        store.abandon(key)
+        store.claims.abandon(key)
     finally:
         store.close()
     assert not (tmp_path / "evil.so").exists()
@@ -453,7 +453,7 @@ def test_a_host_started_without_its_redis_says_so_and_finds_it_when_it_comes(tmp
     store = tiered(late.url(), tmp_path / "cache")
     try:
         wait_for(lambda: store.claims.tier.state == DOWN, timeout=5, what="the tier reported down without any request")
-        assert store.claim("12" * 32, {}, wake=lambda: None) == BUILD  # served locally meanwhile
+        assert store.claims.claim("12" * 32, {}, wake=lambda: None) == BUILD  # served locally meanwhile
         late.start()
         wait_for(lambda: store.claims.tier.state == UP, timeout=RETRY_AFTER + 5, what="the tier up again by itself")
     finally:
@@ -690,8 +690,8 @@ def test_blobs_larger_than_their_index_declares_are_read_no_further_and_refused(
     metrics = Metrics()
     store = with_fleet_tier(LocalStore(tmp_path / "cache", metrics=metrics), RedisTier(server.url, timeout=5, metrics=metrics), metrics)
     try:
-        assert store.claim(key, spec, wake=lambda: None) == BUILD  # refused: built here
-        assert store.fetch(key, spec) == Claim()  # and a host that may not build has nothing
+        assert store.claims.claim(key, spec, wake=lambda: None) == BUILD  # refused: built here
+        assert store.claims.fetch(key, spec) == Claim()  # and a host that may not build has nothing
     finally:
         store.close()
         server.close()
@@ -718,9 +718,9 @@ def test_a_planted_index_declaring_one_byte_files_is_refused_and_not_published(t
         r.set(entry_key(key), json.dumps(index))
     reader = tiered(writer_url(tier), tmp_path / "b")
     try:
-        claim = reader.claim(key, spec, wake=lambda: None)
+        claim = reader.claims.claim(key, spec, wake=lambda: None)
         assert claim.entry is None and not claim.waiting  # refused: built here, under this host's lease
-        reader.abandon(key)
+        reader.claims.abandon(key)
         counters = reader.metrics.counters()
         assert (counters["remote_corrupt"], counters["remote_hits"], counters["remote_bytes_in"]) == (1, 0, len(json.dumps(index)))
         assert reader.keys() == []
@@ -790,7 +790,7 @@ def test_a_host_that_may_not_build_says_a_builder_is_at_it_and_answers_with_the_
     from compile_service.scheduler import NotReady, Scheduler
 
     store = tiered(reader_url(tier), tmp_path / "serve")
-    scheduler = Scheduler(store, workers=1, metrics=store.metrics, compiles=False, start=False)
+    scheduler = Scheduler(store, store.claims, workers=1, metrics=store.metrics, compiles=False, start=False)
     try:
         spec = kernels.canonicalize("rmsnorm", {"M": None, "N": 72, "dtype": "float32"}, "c")
         key = scheduler.key_of(spec)

@@ -11,8 +11,9 @@ import pytest
 import kernels
 import tests.shared_kind  # noqa: F401 - registers row_double, a kind with shared builds
 from compile_service.build import compiler
-from compile_service.scheduler import WARM_AFTER_IDLE, BACKGROUND, URGENT, Cancelled, NotReady, QueueFull, Scheduler, ShuttingDown, in_process_pool
+from compile_service.scheduler import BACKGROUND, URGENT, Cancelled, NotReady, QueueFull, Scheduler, ShuttingDown, in_process_pool
 from compile_service.store.local import LocalStore
+from compile_service.warmup import WARM_AFTER_IDLE
 from proto.wire import Outcome
 
 
@@ -29,7 +30,8 @@ def scheduler(tmp_path):
     made = []
 
     def make(**options):
-        s = Scheduler(LocalStore(tmp_path / "cache"), workers=1, pool=in_process_pool, start=False, **options)
+        store = LocalStore(tmp_path / "cache")
+        s = Scheduler(store, store.claims, workers=1, pool=in_process_pool, start=False, **options)
         made.append(s)
         return s
 

@@ -26,7 +26,7 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import suppress
 from pathlib import Path
 
@@ -189,15 +189,6 @@ class Layered(Storage):
 
     def evict(self, budget_: Budget, protect: str | None = None) -> int:
         return self.writable.evict(budget_, protect)
-
-    def claim(self, key: str, spec: dict, wake: Callable[[], None]):
-        return self.writable.claim(key, spec, wake)
-
-    def fetch(self, key: str, spec: dict):
-        return self.writable.fetch(key, spec)
-
-    def abandon(self, key: str, failure: str | None = None, failure_ttl: float = 0.0) -> None:
-        self.writable.abandon(key, failure, failure_ttl)
 
     def close(self) -> None:
         self.writable.close()

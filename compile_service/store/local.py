@@ -23,7 +23,8 @@ order. `store.check` verifies and repairs without the index, and `store.budget` 
 both through the public methods here.
 
 Claims on builds (store.base.Claims) are the `claims` attribute: LocalClaims unless
-the fleet tier replaced them (store.tiered); what the tier shares it gets from the
+the fleet tier replaced them (store.tiered); the scheduler is handed them as a part of
+its own, and the store only closes them. What the tier shares it gets from the
 publish hook (`on_publish`). The entry's rules (key, file names, manifest,
 entry.json, stat signature) are proto.entry's; the safe reads are proto.trust's.
 
@@ -342,16 +343,7 @@ class LocalStore(Storage):
         remove_tree(trash)
         return True
 
-    # ----- claims on builds (self.claims), under the names the scheduler calls them by
-    def claim(self, key: str, spec: dict, wake: Callable[[], None]):
-        return self.claims.claim(key, spec, wake)
-
-    def fetch(self, key: str, spec: dict):
-        return self.claims.fetch(key, spec)
-
-    def abandon(self, key: str, failure: str | None = None, failure_ttl: float = 0.0) -> None:
-        self.claims.abandon(key, failure, failure_ttl)
-
+    # ----- claims on builds: the scheduler is handed self.claims; the store closes them
     def close(self) -> None:
         """Finishes the claims' background work (the fleet tier's uploads, bounded) and lets go
         of what they hold for others."""
