@@ -304,8 +304,41 @@ class Client:
             return self._memo.setdefault(memo_key, kernel)
 
     def _load_routes(self, router: loader.Kernel, timeout: float | None) -> None:
-        """Loads every build of a router (abi.dispatch) now, through this client, so that no call compiles or loads."""
-        router.load_routes(lambda spec: self.get_kernel(spec["kind"], target=spec["target"], timeout=timeout, **spec["params"]))
+        """Loads the builds of a router (abi.dispatch) through this client: those in the cache now,
+        the others in the background, prefetched (the daemon makes them after the router, below
+        every request; calls in their ranges run the last range's build until then, and
+        `router.ready()` waits for them). A strict client loads every one now, so that no call
+        compiles or loads."""
+
+        def get(spec: dict) -> loader.Kernel:
+            return self.get_kernel(spec["kind"], target=spec["target"], timeout=timeout, **spec["params"])
+
+        if self.strict:
+            router.load_routes(get)
+            return
+
+        def later(specs: list[dict]) -> list:
+            return self.prefetch([{"kind": s["kind"], "target": s["target"], **s["params"]} for s in specs], timeout=timeout)
+
+        try:
+            router.load_routes(self._at_hand, later)
+        except ServiceUnavailable:  # no daemon (a router built by the fallback): each build now, as get_kernel gets it
+            router.load_routes(get)
+
+    def _at_hand(self, spec: dict) -> loader.Kernel | None:
+        """The kernel of a canonical spec if this client has it or finds it in the cache at once
+        (a hit without a round trip), else None."""
+        if spec["kind"] not in kernels.kinds():  # a kind only the daemon knows: asked of it
+            return None
+        canonical = kernels.canonicalize(spec["kind"], spec["params"], spec["target"])
+        memo_key = canonical.to_json()
+        kernel = self._memo.get(memo_key)
+        if kernel is None and self.direct_hits:
+            key = self._key(canonical)
+            kernel = self._from_cache(key, canonical) if key else None
+            if kernel is not None:
+                kernel = self._keep(memo_key, kernel)
+        return kernel
 
     def _request(self, kind: str, params: dict, target: str | None) -> tuple[str, pb.KernelSpec, kernels.CanonicalSpec | None]:
         """(memo key, wire spec, canonical spec) of a request. Kinds this process knows are validated

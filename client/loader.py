@@ -36,6 +36,7 @@ import importlib.util
 import inspect
 import itertools
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -52,6 +53,8 @@ from proto.trust import read_owned, read_verified  # noqa: F401  (importable fro
 
 from . import checks, fastcall
 from .errors import CorruptArtifact, LoadError
+
+log = logging.getLogger(__name__)
 
 _CHECKED = fastcall.CHECKED  # a fast call's answer: take the checked path
 
@@ -246,6 +249,20 @@ def answered(key: str, path: Path, library: str, sha256: str, size: int, spec: d
     return Entry(key, Path(path), library, sha256, size, {"spec": spec, "abi": abi})
 
 
+def _loaded(got):
+    """A Kernel, or the exception met instead of it raised."""
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
+def _route_build(spec: dict, kernel: Kernel) -> Kernel:
+    """`kernel`, checked as the build a router names for `spec`."""
+    if "dispatch" in kernel.abi or kernel.spec != spec:
+        raise CorruptArtifact(f"a {spec['kind']} router names a build that is not one: {json.dumps(spec, sort_keys=True)[:200]}")
+    return kernel
+
+
 class Kernel:
     """A loaded kernel. Call it with the input tensors (in signature order); it
     allocates and returns the output (or a tuple of outputs), or writes into
@@ -271,6 +288,8 @@ class Kernel:
         self.path = entry.path / entry.library
         self.kind = self.spec["kind"]
         self._routes: list[tuple[int | None, Kernel]] | None = None  # a router's builds by range (abi.dispatch): load_routes
+        self._loading: threading.Thread | None = None  # a router's builds loading in the background
+        self._loading_error: BaseException | None = None
         params = abi["params"]
         self._outputs = abi["outputs"]
         self._scratch = abi.get("scratch", [])  # workspaces allocated per call, never returned
@@ -494,19 +513,49 @@ class Kernel:
         """A router's builds by range, once loaded (load_routes): [(upto, Kernel), ...]; None before, and for a plain kernel."""
         return self._routes
 
-    def load_routes(self, get: Callable[[dict], Kernel]) -> None:
-        """Loads every build of a router now, `get(spec)` giving each (so that no call compiles or
-        loads); nothing for a plain kernel or one whose builds are loaded. Raises CorruptArtifact
-        for a build that is not one."""
+    def load_routes(self, now: Callable[[dict], Kernel | None], later: Callable[[list[dict]], list] | None = None) -> None:
+        """Loads a router's builds; nothing for a plain kernel or one whose builds are loaded.
+
+        `now(spec)` gives a build at once, or None where it is not at hand (with no `later`, it
+        must give each one, waiting as long as that takes: then no call compiles or loads).
+        `later(specs)` loads the others, off this thread, as one list of Kernels or the
+        exceptions met: until each is there, calls in its range run the last range's build,
+        which is correct for every size (a cold router is ready after one build); ready()
+        waits for them. Raises CorruptArtifact for a build that is not one."""
         if self.dispatch is None or self._routes is not None:
             return
-        routes = []
-        for upto, spec in self.dispatch:
-            kernel = get(spec)
-            if "dispatch" in kernel.abi or kernel.spec != spec:
-                raise CorruptArtifact(f"a {spec['kind']} router names a build that is not one: {json.dumps(spec, sort_keys=True)[:200]}")
-            routes.append((upto, kernel))
-        self._routes = routes
+        ranges = self.dispatch
+        got = [None if k is None else _route_build(spec, k) for _, spec in ranges for k in [now(spec)]]
+        if got[-1] is None:  # the build every range falls back to: needed before any call
+            got[-1] = _route_build(ranges[-1][1], _loaded(later([ranges[-1][1]])[0]))
+        self._routes = [(upto, k or got[-1]) for (upto, _), k in zip(ranges, got)]
+        missing = [i for i, k in enumerate(got) if k is None]
+        if missing:
+            self._loading = threading.Thread(target=self._load_later, args=(later, missing), name=f"routes-{self.kind}", daemon=True)
+            self._loading.start()
+
+    def _load_later(self, later: Callable[[list[dict]], list], missing: list[int]) -> None:
+        ranges = self.dispatch
+        try:
+            for i, got in zip(missing, later([ranges[i][1] for i in missing])):
+                routes = list(self._routes)  # swapped whole: a call reads one list or the other
+                routes[i] = (ranges[i][0], _route_build(ranges[i][1], _loaded(got)))
+                self._routes = routes
+        except BaseException as exc:  # noqa: BLE001 - kept for ready(); calls keep the last range's build
+            self._loading_error = exc
+            log.warning("%s: a build of this router did not load (calls in its range run the last range's build): %s", self.kind, exc)
+
+    def ready(self, timeout: float | None = None) -> Kernel:
+        """This kernel, once every build it runs is loaded: for a router, the builds that load in
+        the background (load_routes); a plain kernel is ready already. Raises what loading a
+        build met, and TimeoutError past `timeout` seconds."""
+        if self._loading is not None:
+            self._loading.join(timeout)
+            if self._loading.is_alive():
+                raise TimeoutError(f"{self.kind}: this router's builds did not load within {timeout} s")
+        if self._loading_error is not None:
+            raise self._loading_error
+        return self
 
     def route(self, size: int) -> Kernel:
         """The kernel a call runs when the dispatch dim is `size` (itself for a plain kernel)."""

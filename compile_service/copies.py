@@ -4,8 +4,10 @@ without compiling anything.
 - A shared build: a spec that fixes dims only the host code uses (its kind's `host_side_dims`)
   is a copy of the build that leaves them to run time, its sizes recorded in the ABI for the
   loader to enforce.
-- A router: a spec whose kind routes a dim over ranges is a copy of its last range's build,
-  whose ABI names every range's build for the client to load and pick from per call.
+- A router: a spec whose kind routes a dim over ranges is a copy of its last range's build
+  (correct for every value of the dim), whose ABI names every range's build for the client to
+  load and pick from per call. It waits for that one build only: the other ranges are built
+  after it (Plan.after), below every request, so a cold router costs about one build.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from .store import Entry, StoreError
 @dataclass(frozen=True)
 class Plan:
     """How a missing key is made: by its own compile (no bases), or by `make(entries, staging)`
-    from the entries of the builds `bases`."""
+    from the entries of the builds `bases`; `after`: builds it names but does not wait for,
+    made after it."""
 
     bases: list[CanonicalSpec] = field(default_factory=list)
     make: Callable[[list[Entry], Path], tuple[str, dict]] | None = None
+    after: list[CanonicalSpec] = field(default_factory=list)
 
 
 _OWN_BUILD = Plan()
@@ -46,10 +50,9 @@ def plan_of(spec: CanonicalSpec) -> Plan:
         build, fixed = shared
         return Plan([build], lambda entries, staging: _derive(entries[0], spec, fixed, staging))
     routes = kind.routes(spec)
-    if routes is not None:  # a router over the builds of each range of its dim
+    if routes is not None:  # a router over the builds of each range of its dim: the last serves every value
         dim, ranges = routes
-        uppers = [upper for upper, _ in ranges]
-        return Plan([build for _, build in ranges], lambda entries, staging: _route(entries, spec, dim, uppers, staging))
+        return Plan([ranges[-1][1]], lambda entries, staging: _route(entries[0], spec, dim, ranges, staging), [build for _, build in ranges[:-1]])
     return _OWN_BUILD
 
 
@@ -78,9 +81,9 @@ def _derive(base: Entry, spec: CanonicalSpec, fixed: dict, staging: Path) -> tup
     return base.library, meta
 
 
-def _route(entries: list[Entry], spec: CanonicalSpec, dim: str, uppers: list[int | None], staging: Path) -> tuple[str, dict]:
-    """A router entry for `spec`: a copy of its last range's build (correct for every value of
-    `dim`), whose ABI names every range's build for the client to load and pick from per call."""
-    library, meta = _derive(entries[-1], spec, {}, staging)
-    meta["abi"] = abi.with_routes(meta["abi"], dim, [(upper, e.meta["spec"]) for upper, e in zip(uppers, entries)])
+def _route(last: Entry, spec: CanonicalSpec, dim: str, ranges: list[tuple[int | None, CanonicalSpec]], staging: Path) -> tuple[str, dict]:
+    """A router entry for `spec`: a copy of its last range's build `last` (correct for every value
+    of `dim`), whose ABI names every range's build for the client to load and pick from per call."""
+    library, meta = _derive(last, spec, {}, staging)
+    meta["abi"] = abi.with_routes(meta["abi"], dim, [(upper, json.loads(build.to_json())) for upper, build in ranges])
     return library, meta

@@ -18,7 +18,10 @@
   `host_side_dims`) is not compiled; it waits for the build that leaves them
   to run time (requested like any other) and is published as a copy of it,
   its sizes recorded in the ABI for the loader (counted as `derived`). A router
-  is a copy of its ranges' builds the same way (compile_service.copies).
+  is a copy of its last range's build the same way; its other ranges are queued
+  after it (LATER, below every request) and are not waited for (compile_service.copies).
+- A request that joins a queued build it outranks (a GetKernel joining a prefetched
+  or LATER build) moves that build up to its own priority.
 - Failures are remembered: a key whose compile failed answers with that
   failure for `failure_ttl` seconds instead of compiling again for every caller.
 - Other hosts: before compiling, a driver asks for a claim on the key (Claims.claim:
@@ -85,7 +88,8 @@ from .workers import BrokenProcessPool, TimedOut, Workers, in_process_pool, proc
 log = logging.getLogger(__name__)
 
 URGENT, BACKGROUND = 0, 1
-_WARM, _STOP = 2, 3  # below every request: a worker's warm-up step; a driver's shutdown sentinel
+LATER = 2  # the builds a router names beyond the one it waits for (Plan.after): after every request
+_WARM, _STOP = 3, 4  # below every build: a worker's warm-up step; a driver's shutdown sentinel
 
 
 class ShuttingDown(Exception):
@@ -144,6 +148,7 @@ class _Flight:
     key: str
     spec: CanonicalSpec
     background: bool  # asked for by Prefetch (BACKGROUND): counted against background_limit
+    priority: int  # of its queued build (a joiner that outranks it moves it up)
     stage: _Stage | None  # of its own build; None: made from other builds (a shared build, a router)
     waiters: int = 1  # requests (and copies) waiting on it; at none, a queued build may be dropped
     bases: list[cf.Future] = field(default_factory=list)  # the builds it is made from, released with it
@@ -382,7 +387,7 @@ class Scheduler:
                 raise ShuttingDown("the kernel service is shutting down")
             flight = self._flights.get(key)
             if flight is not None:
-                return self._join(flight, tally), Outcome.JOINED
+                return self._join(flight, priority, tally), Outcome.JOINED
             failure = self._failures.recall(key)
             if failure is not None:
                 tally(failures_cached=1)
@@ -396,12 +401,21 @@ class Scheduler:
         tally(misses=1)
         if plan.bases:
             self._serve_from_builds(flight, plan, priority, compile)
+        for build in plan.after:  # named, not waited for: made once the queue has nothing else
+            try:
+                self.request(build, LATER, counted=False, compile=compile)
+            except (ShuttingDown, QueueFull):
+                pass  # whoever loads it asks again
         return flight.future, Outcome.COMPILED
 
-    def _join(self, flight: _Flight, tally) -> cf.Future:
-        """One more waiter on a key already in flight (caller holds _lock)."""
+    def _join(self, flight: _Flight, priority: int, tally) -> cf.Future:
+        """One more waiter on a key already in flight, its queued build moved up to `priority`
+        if that is higher (caller holds _lock; the build's older place in the queue is skipped)."""
         tally(misses=1, joined=1)
         flight.waiters += 1
+        if flight.stage is _Stage.QUEUED and priority < flight.priority:
+            flight.priority = priority
+            self._queue.put(_Job(priority, next(self._seq), flight))
         return flight.future
 
     def _enqueue(self, key: str, spec: CanonicalSpec, priority: int, counted: bool, plan: Plan) -> _Flight:
@@ -413,7 +427,7 @@ class Scheduler:
             raise QueueFull(
                 f"{self._flights.background} prefetched compiles are already queued (prefetches may take half of the queue, {self.background_limit}); retry later"
             )
-        flight = _Flight(key, spec, background=priority == BACKGROUND, stage=None if plan.bases else _Stage.QUEUED)
+        flight = _Flight(key, spec, background=priority == BACKGROUND, priority=priority, stage=None if plan.bases else _Stage.QUEUED)
         self._flights.add(flight)
         if not plan.bases:
             self._queue.put(_Job(priority, next(self._seq), flight))
@@ -512,8 +526,8 @@ class Scheduler:
                 self._warmup.take()
                 continue
             with self._lock:
-                if job.flight.stage is _Stage.CANCELLED:
-                    continue
+                if job.flight.stage is not _Stage.QUEUED:
+                    continue  # cancelled, or taken already from the place a joiner moved it up to
                 job.flight.stage = _Stage.STARTED
             self._run(job)
 

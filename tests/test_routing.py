@@ -23,7 +23,7 @@ def routed(make_daemon):
 
 def test_one_callable_routes_each_call_to_the_build_of_its_range(routed):
     c = routed.client()
-    k = c.get_kernel("routed_scale", target="c", M=None, N=N)
+    k = c.get_kernel("routed_scale", target="c", M=None, N=N).ready()
     assert [(upto, spec["params"]["schedule"]) for upto, spec in k.dispatch] == [(4, "small"), (None, "large")]
     assert k.abi["dispatch"]["dim"] == "M" and k.route(4).spec["params"]["schedule"] == "small" and k.route(5).spec["params"]["schedule"] == "large"
     for m, factor in ((1, 2), (4, 2), (5, 3), (37, 3)):
@@ -36,6 +36,21 @@ def test_one_callable_routes_each_call_to_the_build_of_its_range(routed):
     x = torch.randn(9, N)
     torch.testing.assert_close(torch.ops.kernel_service.routed_scale(k.spec_json, [x]), x * 3)
     assert c.stats()["compiles"] == 2  # one build per range; the router itself is a copy
+
+
+def test_a_cold_router_is_ready_after_one_build_and_routes_to_the_others_once_built(make_daemon, tmp_path):
+    gate = tmp_path / "gate"
+    d = make_daemon("--kernel-module", "tests.routed_kind", env={"ROUTED_SMALL_GATE": str(gate)})
+    k = d.client().get_kernel("routed_scale", target="c", M=None, N=N)  # the small build waits at its gate
+    x = torch.randn(2, N)
+    torch.testing.assert_close(k(x), x * 3)  # the last range's build stands in: correct for every M
+    with pytest.raises(TimeoutError, match="did not load within"):
+        k.ready(timeout=0.5)
+    gate.touch()
+    assert k.ready(timeout=120) is k
+    torch.testing.assert_close(k(x), x * 2)
+    assert k.route(2).spec["params"]["schedule"] == "small"
+    assert d.client().stats()["compiles"] == 2
 
 
 def test_a_static_size_is_served_by_its_ranges_build(routed):
@@ -61,7 +76,7 @@ def test_scratch_is_allocated_per_call_and_never_an_input_or_output(routed):
 
 
 def test_a_bundle_of_a_router_carries_every_build_it_routes_to(routed, tmp_path, make_daemon):
-    routed.client().get_kernel("routed_scale", target="c", M=None, N=N)
+    routed.client().get_kernel("routed_scale", target="c", M=None, N=N).ready()
     routed.stop()
     spec = kernels.canonicalize("routed_scale", {"M": None, "N": N}, "c")
     out = tmp_path / "b.tar"
@@ -126,10 +141,11 @@ def test_dispatch_tables_are_checked():
         routed_kind.RANGES = original
 
 
-def test_a_prefetched_router_comes_with_its_builds(routed):
+def test_a_prefetched_router_loads_its_builds(routed):
     c = routed.client()
     (k,) = c.prefetch([{"kind": "routed_scale", "target": "c", "M": None, "N": N}])
     assert c.get_kernel("routed_scale", target="c", M=None, N=N) is k  # the memo: no second load
+    k.ready(timeout=120)
     for m, factor in ((2, 2), (5, 3)):
         x = torch.randn(m, N)
         torch.testing.assert_close(k(x), x * factor)

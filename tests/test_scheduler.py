@@ -1,7 +1,8 @@
 """The scheduler's bookkeeping, on a real store with workers not started: nothing compiles, so
 what is in flight stays put while the test looks at it (single-flight, the queue's shares,
 release() dropping what no one waits for, a shared build's copy releasing its build, shutdown
-failing what is queued, serving only); and, with one in-process worker, when warm-up runs."""
+failing what is queued, serving only); and, with one in-process worker, the order builds run
+in and when warm-up runs."""
 
 import os
 import time
@@ -9,6 +10,7 @@ import time
 import pytest
 
 import kernels
+import tests.routed_kind  # noqa: F401 - registers routed_scale, a router over two builds
 import tests.shared_kind  # noqa: F401 - registers row_double, a kind with shared builds
 from compile_service.build import compiler
 from compile_service.scheduler import BACKGROUND, URGENT, Cancelled, NotReady, QueueFull, Scheduler, ShuttingDown, in_process_pool
@@ -117,3 +119,29 @@ def test_warm_up_waits_until_no_build_has_run_for_a_while(scheduler, monkeypatch
     while s.workers_ready < 1 and time.monotonic() < deadline:  # the step's answer is on its way back
         time.sleep(0.01)
     assert s.workers_ready == 1
+
+
+def routed(n: int, schedule: str = "auto"):
+    return kernels.canonicalize("routed_scale", {"M": None, "N": n, "schedule": schedule}, "c")
+
+
+def test_a_router_waits_for_one_build_its_others_come_last_and_a_joiner_moves_a_build_up(scheduler):
+    """A router is a copy of its last range's build: that build alone is its base; its other
+    ranges are built after every request (LATER), unless a request joins one and takes it up."""
+    s = scheduler()
+    a, _ = s.request(routed(8), BACKGROUND)
+    b, _ = s.request(routed(16), BACKGROUND)
+    assert s.in_flight == 6  # each router, its last range's build, and its other range's, not waited on
+    small_b, outcome = s.request(routed(16, "small"), URGENT)  # a GetKernel for it: up to the top of the queue
+    assert outcome == Outcome.JOINED
+    order = []
+    for name, future in (("large 8", a), ("large 16", b), ("small 16", small_b)):
+        future.add_done_callback(lambda _, name=name: order.append(name))
+    s.start_workers()
+    for future in (a, b, small_b):
+        future.result(120)
+    assert order == ["small 16", "large 8", "large 16"]
+    deadline = time.monotonic() + 120
+    while s.in_flight and time.monotonic() < deadline:  # the small build of 8, with no waiter, still made
+        time.sleep(0.05)
+    assert s.in_flight == 0 and s.metrics.counters()["compiles"] == 4

@@ -7,7 +7,7 @@ import json
 
 from .asking import ask
 from .output import fail, progress
-from .specs import label, load_manifests, params_of, summary
+from .specs import label, load_manifests, params_of, summary, with_routes
 
 
 def prewarm(args) -> int:
@@ -19,7 +19,7 @@ def prewarm(args) -> int:
     from proto.manifest import ManifestError
 
     try:
-        specs = load_manifests(args.manifests)
+        specs = with_routes(load_manifests(args.manifests))
     except ManifestError as exc:
         return fail(str(exc), 2)
     if args.remote:

@@ -46,7 +46,7 @@ def kernelize(model, *, client=None, backend: str = "auto", strict: bool = False
                 "ask for backend='kernel-service' (float32 on the CPU) or 'eager', or strict=False"
             )
     elif backend in ("auto", "kernel-service"):
-        why = serve(model, report, client, strict, device, dtype)  # plan, fetch, swap
+        why = serve(model, report, client, strict, device, dtype, whole=buckets is not None)  # plan, fetch, swap
         if not why:
             chosen = "kernel-service"
         else:

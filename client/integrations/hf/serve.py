@@ -14,8 +14,9 @@ from .report import Report
 from .served import ATTR, ServedAttention, ServedModule
 
 
-def serve(model, report: Report, client, strict: bool, device: torch.device, dtype: torch.dtype) -> str:
-    """Swaps what can be served; returns why nothing could be ('' when something was)."""
+def serve(model, report: Report, client, strict: bool, device: torch.device, dtype: torch.dtype, whole: bool = False) -> str:
+    """Swaps what can be served; returns why nothing could be ('' when something was). `whole`:
+    every router's builds loaded first (CUDA graphs: nothing may load inside a capture)."""
     if model.training:
         return "the model is in training mode (served kernels are inference-only; call model.eval() first)"
     import client as client_pkg
@@ -26,6 +27,9 @@ def serve(model, report: Report, client, strict: bool, device: torch.device, dty
     report.kept.update(kept)
     try:
         kernels = _fetch(client or client_pkg.default_client(), plans)
+        for k in kernels if whole else ():
+            if not isinstance(k, Exception):
+                k.ready()
     except KernelServiceError as exc:
         return f"{type(exc).__name__}: {exc}"
     entries = _entries(plans, kernels, report, dtype, device.type)
