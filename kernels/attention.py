@@ -6,6 +6,7 @@ a padded batch (per-sequence key ranges) and a sliding window in the same call."
 import math
 
 from .barriers import sync_shared, without_thread_sync
+from .heads import HEAD_DIM, HEADS, KV_HEADS, check_gqa
 from .launch import dependent_launch, grid_x
 from .online_softmax import online_softmax
 from .registry import register
@@ -39,10 +40,10 @@ class Attention(KernelKind):
     )
     params = (
         dim("batch", "None makes it a runtime size", dynamic=True),
-        dim("heads", "query heads"),
-        dim("kv_heads", "key/value heads; heads must be a multiple (GQA)"),
+        HEADS,
+        KV_HEADS,
         dim("seq_len", "query and key length; None makes it a runtime size", dynamic=True),
-        dim("head_dim"),
+        HEAD_DIM,
         Param("causal", bool, default=False, doc="query i sees keys 0..i"),
         Param("window", int, default=0, min=0, max=MAX_DIM, doc="query i sees only keys j with |i - j| <= window (0: no window)"),
         Param(
@@ -60,8 +61,7 @@ class Attention(KernelKind):
     )
 
     def check(self, p, target):
-        if p["heads"] % p["kv_heads"]:
-            raise InvalidSpec("kv_heads", f"heads ({p['heads']}) must be a multiple of kv_heads ({p['kv_heads']})")
+        check_gqa(p)
         cuda_only(p, target, "num_stages", "threads")
         if target.is_cpu:
             cpu_attention_tiles(p, "block_M", target)

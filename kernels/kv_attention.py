@@ -7,6 +7,7 @@ How many splits a call takes is kernels/kv_splits.py."""
 import math
 from dataclasses import replace
 
+from .heads import HEAD_DIM, HEADS, KV_HEADS, check_gqa
 from .kv_splits import cdiv, default_max_splits, num_splits
 from .launch import dependent_launch, grid_x
 from .online_softmax import online_softmax
@@ -37,9 +38,9 @@ class KVAttention(KernelKind):
     params = (
         dim("batch", "sequences; None makes it a runtime size", dynamic=True),
         replace(dim("q_len", "new queries per sequence (1: decode); None makes it a runtime size", dynamic=True), default=1),
-        dim("heads", "query heads"),
-        dim("kv_heads", "key/value heads; heads must be a multiple (GQA)"),
-        dim("head_dim"),
+        HEADS,
+        KV_HEADS,
+        HEAD_DIM,
         Param("paged", bool, default=False, doc="K,V are pages [num_pages,page_size,kv_heads,head_dim] found through block_table"),
         Param("page_size", int, default=None, min=1, max=1024, nullable=True, doc="keys per page (paged only; default 16)"),
         dtype_param(),
@@ -59,8 +60,7 @@ class KVAttention(KernelKind):
     )
 
     def check(self, p, target):
-        if p["heads"] % p["kv_heads"]:
-            raise InvalidSpec("kv_heads", f"heads ({p['heads']}) must be a multiple of kv_heads ({p['kv_heads']})")
+        check_gqa(p)
         if not p["paged"] and p["page_size"] is not None:
             raise InvalidSpec("page_size", "applies only with paged=True")
         if p["paged"]:

@@ -10,8 +10,8 @@ As in add_rmsnorm, the rounded sum R' is what is normalised.
 
 from .launch import dependent_launch
 from .registry import register
-from .rows import HIDDEN, THREADS, TOKENS, RowKind, norm_prim_func, rows, squared
-from .spec import Param, Target, dtype_param
+from .rows import TOKENS, RowKind, norm_params, norm_prim_func, rows, squared
+from .spec import Param, Target
 from .tiling import padded
 
 
@@ -21,14 +21,12 @@ class LayerNorm(RowKind):
     warm_up = ({"M": 256, "N": 1024, "dtype": "float16", "bias": True},)
     multi_output = True  # one output, or two with `residual`: the torch op returns a list
     doc = "Y[M,N] = (H - mean) * rsqrt(var + eps) * W[N] (+ B[N]) over rows, H = X or, with residual, R' = X + R[M,N]; returns Y, or (Y, R') with residual (out=(Y, R) updates R in place)."
-    params = (
+    params = norm_params(
         TOKENS,
-        HIDDEN,
-        Param("eps", float, default=1e-5, min=0.0, max=1.0, doc="added to the variance (torch's default 1e-5)"),
-        dtype_param(),
+        1e-5,
+        "added to the variance (torch's default 1e-5)",
         Param("bias", bool, default=False, doc="add a B[N] input (after W)"),
         Param("residual", bool, default=False, doc="add an R[M,N] input (after X) first, and return the sum R' as a second output"),
-        THREADS,
     )
 
     def output_slots(self, p):

@@ -5,8 +5,8 @@
 
 from .launch import dependent_launch
 from .registry import register
-from .rows import HIDDEN, ROWS, THREADS, RowKind, norm_prim_func, rms_scale, rows, squared
-from .spec import Param, Target, dtype_param
+from .rows import ROWS, RowKind, norm_params, norm_prim_func, rms_scale, rows, squared
+from .spec import Target
 from .tiling import padded
 
 
@@ -14,13 +14,7 @@ from .tiling import padded
 class RMSNorm(RowKind):
     name = "rmsnorm"
     doc = "Y[M,N] = X * rsqrt(mean(X^2, row) + eps) * W[N]."
-    params = (
-        ROWS,
-        HIDDEN,
-        Param("eps", float, default=1e-6, min=0.0, max=1.0, doc="added to the mean square"),
-        dtype_param(),
-        THREADS,
-    )
+    params = norm_params(ROWS, 1e-6, "added to the mean square")
 
     residual = False  # add_rmsnorm: H = X + R first, stored as R' (Rout) and normalised
 

@@ -3,7 +3,7 @@ validation, in-place rule and parameters, the PrimFunc of the norms' ABI and the
 # No `from __future__ import annotations` here: TileLang reads the T.Tensor
 # annotations of the PrimFuncs below at trace time.
 
-from .spec import KernelKind, dim, tile
+from .spec import KernelKind, Param, dim, dtype_param, tile
 from .tiling import check_row
 
 # The row kinds' shared parameters.
@@ -11,6 +11,13 @@ ROWS = dim("M", "rows; None makes it a runtime size", dynamic=True)
 TOKENS = dim("M", "rows (tokens); None makes it a runtime size", dynamic=True)
 HIDDEN = dim("N", "row length (hidden size)")
 THREADS = tile("threads", "threads per row (CUDA only)")
+
+
+def norm_params(rows, eps, eps_doc, *options):
+    """A norm's parameters, in their order (the spec's): `rows` (ROWS or TOKENS), N, eps (its
+    default and what it is added to), dtype, then the kind's `options`, then threads."""
+    eps_param = Param("eps", float, default=eps, min=0.0, max=1.0, doc=eps_doc)
+    return (rows, HIDDEN, eps_param, dtype_param(), *options, THREADS)
 
 
 class RowKind(KernelKind):
