@@ -215,6 +215,13 @@ class ServedLayer:
         for role, spec in kernel_specs(cfg).items():
             spec = dict(spec)
             setattr(self, role, client.get_kernel(spec.pop("kind"), **spec))
+        self.roles = list(kernel_specs(cfg))
+
+    def ready(self) -> "ServedLayer":
+        """Once every range of each router is loaded (they load in the background): before a capture."""
+        for role in self.roles:
+            getattr(self, role).ready()
+        return self
 
     def __call__(self, x, r, positions, slots, cache: PagedCache, batch: int, q_len: int):
         c, w, d = self.cfg, self.w, self.cfg.head_dim
@@ -474,7 +481,7 @@ def run_case(client, cfg, w, batch, q_len, served_kinds, args, compiled_fn) -> d
             raise SystemExit(f"{label}: {how}; timing needs it (adapt attention_kernel() in {Path(__file__).name} once it lands)")
         attend, how = torch_paged_attention(cfg), "torch stand-in for kv_attention (paged gather + SDPA)"
     print(f"{label}: attention by {how}", flush=True)
-    layer = ServedLayer(client, cfg, w, attend)
+    layer = ServedLayer(client, cfg, w, attend).ready()  # the steps are captured
     step = make_step(cfg, batch, q_len, device)
     with torch.inference_mode():
         served = run_served(layer, step)

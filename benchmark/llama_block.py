@@ -75,7 +75,7 @@ class ServedBlock(torch.nn.Module):
         c, d, dtype = cfg, cfg.head_dim, getattr(torch, cfg.dtype)
         for role, spec in kernel_specs(cfg).items():
             spec = dict(spec)
-            setattr(self, role, client.get_kernel(spec.pop("kind"), **spec))
+            setattr(self, role, client.get_kernel(spec.pop("kind"), **spec).ready())  # every range: no build loads mid-run
         device = device or self.norm.abi["device"]  # "cpu" or "cuda", whatever "auto" resolved to
 
         g = torch.Generator().manual_seed(seed)

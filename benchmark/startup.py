@@ -218,6 +218,8 @@ def child_served(clock: Clock, cfg: LayerConfig, layers: int, socket: str, wait_
             torch.save(host_copy(model.forward_served(served)), out_path)
         clock.first_output = clock.done("forward")
         return {"outcomes": count_outcomes(kernels)}
+    for layer in served:  # every range of a router before the capture
+        layer.ready()
     clock.done("kernels")
     out = {}
     with torch.inference_mode():

@@ -70,13 +70,14 @@ def _router(arity: int, pos: int, axis: int):
     """A router's fast call: the dispatch dim picks the build, whose own fast call runs it."""
 
     def fast(kernel, inputs):
-        if len(inputs) != arity or kernel.routes is None:
+        routes = kernel.routes  # read once: loading swaps the list whole
+        if len(inputs) != arity or routes is None:
             return CHECKED
         try:
             size = inputs[pos].shape[axis]
         except IndexError:  # fewer dims than the ABI says
             return CHECKED
-        for upto, build in kernel.routes:
+        for upto, build in routes:
             if upto is None or size <= upto:
                 return CHECKED if build._fast is None else build._fast(build, inputs)
         return CHECKED

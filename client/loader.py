@@ -256,6 +256,13 @@ def _loaded(got):
     return got
 
 
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _route_build(spec: dict, kernel: Kernel) -> Kernel:
     """`kernel`, checked as the build a router names for `spec`."""
     if "dispatch" in kernel.abi or kernel.spec != spec:
@@ -510,7 +517,11 @@ class Kernel:
 
     @property
     def routes(self) -> list[tuple[int | None, Kernel]] | None:
-        """A router's builds by range, once loaded (load_routes): [(upto, Kernel), ...]; None before, and for a plain kernel."""
+        """A router's builds by range, once loaded (load_routes): [(upto, Kernel), ...]; None before, and for a plain kernel.
+        Raises RuntimeError inside a CUDA graph capture while builds still load: a graph would
+        keep the stand-in build for good (capture after ready())."""
+        if self._loading is not None and _capturing():
+            raise RuntimeError(f"{self.kind}: CUDA graph capture while this router's builds still load; call ready() first")
         return self._routes
 
     def load_routes(self, now: Callable[[dict], Kernel | None], later: Callable[[list[dict]], list] | None = None) -> None:
@@ -538,20 +549,29 @@ class Kernel:
         ranges = self.dispatch
         try:
             for i, got in zip(missing, later([ranges[i][1] for i in missing])):
+                try:
+                    build = _route_build(ranges[i][1], _loaded(got))
+                except Exception as exc:  # noqa: BLE001 - kept for ready(); calls in its range keep the last range's build
+                    self._loading_error = exc
+                    log.warning("%s: a build of this router did not load (calls in its range run the last range's build): %s", self.kind, exc)
+                    continue
                 routes = list(self._routes)  # swapped whole: a call reads one list or the other
-                routes[i] = (ranges[i][0], _route_build(ranges[i][1], _loaded(got)))
+                routes[i] = (ranges[i][0], build)
                 self._routes = routes
-        except BaseException as exc:  # noqa: BLE001 - kept for ready(); calls keep the last range's build
+        except BaseException as exc:  # noqa: BLE001 - the whole request failed (daemon gone): kept for ready()
             self._loading_error = exc
-            log.warning("%s: a build of this router did not load (calls in its range run the last range's build): %s", self.kind, exc)
+            log.warning("%s: this router's other builds did not load (calls run the last range's build): %s", self.kind, exc)
+        finally:
+            self._loading = None  # loaded: calls and capture no longer ask
 
     def ready(self, timeout: float | None = None) -> Kernel:
         """This kernel, once every build it runs is loaded: for a router, the builds that load in
         the background (load_routes); a plain kernel is ready already. Raises what loading a
         build met, and TimeoutError past `timeout` seconds."""
-        if self._loading is not None:
-            self._loading.join(timeout)
-            if self._loading.is_alive():
+        loading = self._loading  # the thread clears it when done
+        if loading is not None:
+            loading.join(timeout)
+            if loading.is_alive():
                 raise TimeoutError(f"{self.kind}: this router's builds did not load within {timeout} s")
         if self._loading_error is not None:
             raise self._loading_error
@@ -563,7 +583,7 @@ class Kernel:
             if "dispatch" in self.abi:
                 raise RuntimeError(f"{self.kind}: this router's builds are not loaded (Client.get_kernel loads them)")
             return self
-        return next(k for upto, k in self._routes if upto is None or size <= upto)
+        return next(k for upto, k in self.routes if upto is None or size <= upto)
 
     # ----- calls
     def __call__(self, *inputs, out=None):

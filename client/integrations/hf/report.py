@@ -21,3 +21,12 @@ class Report:
     strict: bool = False  # a call the kernels do not serve raises instead of running the module's own forward
     warned_grad: bool = dataclasses.field(default=False, repr=False)  # the grad-mode warning, given once per model
     graphs: object = None  # with kernelize(graphs=...): a graphs.GraphStats (buckets captured, replays, calls uncaptured)
+    kernels: list = dataclasses.field(default_factory=list, repr=False)  # the kernels served, routers among them
+
+    def ready(self, timeout: float | None = None) -> Report:
+        """Waits until every router's builds are loaded (they load in the background after a cold
+        kernelize: until then a call in a cold range runs the router's last range's build).
+        Raises what loading met, TimeoutError past `timeout` seconds."""
+        for k in self.kernels:
+            k.ready(timeout)
+        return self

@@ -27,9 +27,9 @@ def serve(model, report: Report, client, strict: bool, device: torch.device, dty
     report.kept.update(kept)
     try:
         kernels = _fetch(client or client_pkg.default_client(), plans)
-        for k in kernels if whole else ():
-            if not isinstance(k, Exception):
-                k.ready()
+        report.kernels = list({id(k): k for k in kernels if not isinstance(k, Exception)}.values())
+        if whole:
+            report.ready()
     except KernelServiceError as exc:
         return f"{type(exc).__name__}: {exc}"
     entries = _entries(plans, kernels, report, dtype, device.type)
