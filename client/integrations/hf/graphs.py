@@ -335,17 +335,23 @@ class _Steps:
         """Records the step (capture runs nothing: the cache does not advance); the replay after it
         is this call's own step."""
         t = time.perf_counter()
-        with torch.no_grad():
-            with torch.inference_mode(False):  # normal tensors: a replay copies into them under any mode
-                step = _Step(kwargs, layers)
-            # The step writes the cache in place, which an inference tensor allows only in inference
-            # mode (a cache made under torch.inference_mode()): capture in the mode its tensors ask.
-            with torch.inference_mode(layers[0].keys.is_inference()), _capturing():
-                with torch.cuda.graph(step.graph, capture_error_mode="thread_local"):
-                    step.out = self.forward(**step.inputs, **step.others)
+        with torch.inference_mode(False), torch.no_grad():  # normal tensors: a replay copies into them under any mode
+            step = _Step(kwargs, layers)
+        with step_capture(layers), torch.cuda.graph(step.graph, capture_error_mode="thread_local"):
+            step.out = self.forward(**step.inputs, **step.others)
         self.stats.steps += 1
         self.stats.capture_s += time.perf_counter() - t
         return step
+
+
+@contextlib.contextmanager
+def step_capture(layers):
+    """The mode a decode step is captured in (also how a test runs one without CUDA): the mode its
+    static cache's tensors were made in, since the step writes them in place and an inference
+    tensor allows that only in inference mode; grad off (inference_mode(False) turns it on, and
+    with grad on every served module would run its own forward); the mask taken as checked."""
+    with torch.inference_mode(layers[0].keys.is_inference()), torch.no_grad(), _capturing():
+        yield
 
 
 def run(forward, g: _Graph, fixed: dict):
