@@ -212,10 +212,11 @@ class ServedLayer:
 
     def __init__(self, client, cfg: LayerConfig, weights: dict, attend):
         self.cfg, self.w, self.attend = cfg, weights, attend
+        self.roles = []
         for role, spec in kernel_specs(cfg).items():
             spec = dict(spec)
             setattr(self, role, client.get_kernel(spec.pop("kind"), **spec))
-        self.roles = list(kernel_specs(cfg))
+            self.roles.append(role)
 
     def ready(self) -> "ServedLayer":
         """Once every range of each router is loaded (they load in the background): before a capture."""

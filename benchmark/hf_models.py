@@ -165,15 +165,15 @@ def run_workload(name, base, inputs, call, compare, device, reps, rounds, c, row
     """Every variant of `base` on one workload; `buckets`: the (batch, tokens) graphs of the
     kernel-service-graphs variant (None: the workload has no such variant)."""
     variants = [v for v in VARIANTS if buckets is not None or v != "kernel-service-graphs"]
-    # generate as transformers runs it, under its own no_grad (compile-ro's static cache made
-    # under inference_mode failed: "Inplace update to inference tensor outside InferenceMode")
-    no_grad = torch.no_grad if generate else torch.inference_mode
+    # generate as callers run it (transformers' generate is itself under no_grad); the forwards
+    # under inference_mode. graphs.step_capture serves both.
+    grad_off = torch.no_grad if generate else torch.inference_mode
     models, ready = {}, {}
     for variant in variants:
         model, made = prepare(base, variant, c, buckets, generate)
         sync(device)
         t = time.perf_counter()
-        with no_grad(), own_rope(variant):
+        with grad_off(), own_rope(variant):
             call(model, inputs)
         sync(device)
         models[variant], ready[variant] = model, made + time.perf_counter() - t
@@ -183,7 +183,7 @@ def run_workload(name, base, inputs, call, compare, device, reps, rounds, c, row
     rounds_s, outs = {v: [] for v in variants}, {}
     for r in range(rounds):  # alternating: a drift of the host's speed reaches every variant alike
         for variant in variants:
-            with no_grad(), own_rope(variant):
+            with grad_off(), own_rope(variant):
                 outs[variant], sec = timed(functools.partial(call, models[variant], inputs), device, reps)
             rounds_s[variant].append(sec)
         print(f"  {name:<26} round {r + 1}: " + ", ".join(f"{v} {rounds_s[v][-1] * 1e3:.3f} ms" for v in variants), flush=True)

@@ -53,6 +53,17 @@ def test_a_cold_router_is_ready_after_one_build_and_routes_to_the_others_once_bu
     assert d.client().stats()["compiles"] == 2
 
 
+def test_a_router_whose_other_build_never_comes_keeps_serving_and_ready_says_why(make_daemon, tmp_path):
+    d = make_daemon("--kernel-module", "tests.routed_kind", env={"ROUTED_SMALL_GATE": str(tmp_path / "gate")})  # the gate never opens
+    k = d.client().get_kernel("routed_scale", target="c", M=None, N=N)
+    d.stop()  # the small build's answer never comes
+    with pytest.raises(client.KernelServiceError):
+        k.ready(timeout=120)
+    x = torch.randn(2, N)
+    torch.testing.assert_close(k(x), x * 3)  # still the last range's build, correct for every M
+    assert k.route(2).spec["params"]["schedule"] == "large"
+
+
 def test_a_static_size_is_served_by_its_ranges_build(routed):
     c = routed.client()
     small, large = c.get_kernel("routed_scale", target="c", M=3, N=N), c.get_kernel("routed_scale", target="c", M=100, N=N)
