@@ -318,7 +318,7 @@ class Client:
             return
 
         def later(specs: list[dict]) -> list:
-            return self.prefetch([{"kind": s["kind"], "target": s["target"], **s["params"]} for s in specs], timeout=timeout)
+            return self.prefetch([{"kind": s["kind"], "target": s["target"], **s["params"]} for s in specs], timeout=timeout, later=True)
 
         try:
             router.load_routes(self._at_hand, later)
@@ -505,6 +505,7 @@ class Client:
         timeout: float | None = None,
         progress: Callable[..., object] | None = None,
         load: bool = True,
+        later: bool = False,
     ) -> list:
         """Makes many kernels ready at once (cold ones compile in parallel).
 
@@ -528,6 +529,9 @@ class Client:
         shared_build) or `error_code` (a gRPC status name: "INVALID_ARGUMENT" for an invalid
         spec, "FAILED_PRECONDITION" for a failed compile, "NOT_FOUND" for not ready) and
         `error_message`.
+
+        `later=True` asks for kernels this process can do without for now (a router's other
+        ranges): the daemon compiles them after every other request's builds, from any process.
         """
         if isinstance(specs, (str, os.PathLike, dict)):
             specs = manifest.specs(specs)
@@ -553,7 +557,7 @@ class Client:
                 refuse(i, _in_batch(exc, i))
         # The daemon refuses a whole batch for one spec it finds invalid (a kind only it knows):
         # that spec leaves the batch, which is sent again.
-        while (refused := self._prefetch_batch(wanted, results, done, timeout, report, load)) is not None:
+        while (refused := self._prefetch_batch(wanted, results, done, timeout, report, load, later)) is not None:
             slot, exc = refused
             wanted = [w for w in wanted if w[0] != slot]
             refuse(slot, exc)
@@ -565,11 +569,11 @@ class Client:
                     results[i] = exc
         return results
 
-    def _prefetch_batch(self, wanted: list, results: list, done: int, timeout: float | None, report, load: bool) -> tuple[int, InvalidSpec] | None:
+    def _prefetch_batch(self, wanted: list, results: list, done: int, timeout: float | None, report, load: bool, later: bool) -> tuple[int, InvalidSpec] | None:
         """One Prefetch of the `wanted` specs, each answer put in its slot of `results` and reported
         (`done` of them reported before). Returns (slot, InvalidSpec) when the daemon refused the
         batch for that one spec before answering any, else None; raises for the whole batch."""
-        request = pb.PrefetchRequest(specs=[proto for _, _, proto, _ in wanted], app=self.app, no_compile=self.strict)
+        request = pb.PrefetchRequest(specs=[proto for _, _, proto, _ in wanted], app=self.app, no_compile=self.strict, later=later)
         answered = 0
 
         def opened(request, timeout, metadata):  # retried by _call until the daemon answers (its first event, or a refusal)

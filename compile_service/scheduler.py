@@ -20,6 +20,8 @@
   its sizes recorded in the ABI for the loader (counted as `derived`). A router
   is a copy of its last range's build the same way; its other ranges are queued
   after it (LATER, below every request) and are not waited for (compile_service.copies).
+  A LATER build starts only while no request's build runs: a cold model's first builds
+  have every worker and core to themselves, and the other ranges come once they are done.
 - A request that joins a queued build it outranks (a GetKernel joining a prefetched
   or LATER build) moves that build up to its own priority.
 - Failures are remembered: a key whose compile failed answers with that
@@ -147,7 +149,7 @@ class _Flight:
 
     key: str
     spec: CanonicalSpec
-    background: bool  # asked for by Prefetch (BACKGROUND): counted against background_limit
+    background: bool  # asked for by Prefetch (BACKGROUND, or LATER): counted against background_limit
     priority: int  # of its queued build (a joiner that outranks it moves it up)
     stage: _Stage | None  # of its own build; None: made from other builds (a shared build, a router)
     waiters: int = 1  # requests (and copies) waiting on it; at none, a queued build may be dropped
@@ -291,6 +293,8 @@ class Scheduler:
         self._seq = itertools.count()
         self._closing = False
         self._running = 0  # builds a driver is waiting on
+        self._asked = 0  # jobs of requests (above LATER) that drivers are running: LATER ones wait for none
+        self._deferred: list[_Job] = []  # LATER jobs taken while some were: queued again when none is
         self._last_build = -math.inf  # when the last build ended (time.monotonic)
         self._started = threading.Event()  # drivers submit nothing before start_workers()
         self.compiles = compiles
@@ -421,13 +425,14 @@ class Scheduler:
     def _enqueue(self, key: str, spec: CanonicalSpec, priority: int, counted: bool, plan: Plan) -> _Flight:
         """A new flight for `key`, its build queued unless it is made from other builds (caller
         holds _lock). Raises QueueFull past the queue's limit, or background work's half of it."""
+        background = priority == BACKGROUND or (counted and priority == LATER)  # a Prefetch's, later or not
         if len(self._flights) >= self.queue_limit:
             raise QueueFull(f"{len(self._flights)} compiles are already queued (limit {self.queue_limit}); retry later")
-        if priority == BACKGROUND and counted and self._flights.background >= self.background_limit:
+        if background and counted and self._flights.background >= self.background_limit:
             raise QueueFull(
                 f"{self._flights.background} prefetched compiles are already queued (prefetches may take half of the queue, {self.background_limit}); retry later"
             )
-        flight = _Flight(key, spec, background=priority == BACKGROUND, priority=priority, stage=None if plan.bases else _Stage.QUEUED)
+        flight = _Flight(key, spec, background=background, priority=priority, stage=None if plan.bases else _Stage.QUEUED)
         self._flights.add(flight)
         if not plan.bases:
             self._queue.put(_Job(priority, next(self._seq), flight))
@@ -525,11 +530,31 @@ class Scheduler:
             if job.priority == _WARM:
                 self._warmup.take()
                 continue
+            asked = job.priority < LATER
             with self._lock:
                 if job.flight.stage is not _Stage.QUEUED:
                     continue  # cancelled, or taken already from the place a joiner moved it up to
+                if not asked and self._asked and not self._closing:
+                    self._deferred.append(job)  # back in the queue when the last request's job ends
+                    continue
                 job.flight.stage = _Stage.STARTED
-            self._run(job)
+                self._asked += asked
+            try:
+                self._run(job)
+            finally:
+                if asked:
+                    self._request_job_ended()
+
+    def _request_job_ended(self) -> None:
+        """A request's job is off its driver (built, found, or parked): when it was the last
+        one, the LATER jobs held meanwhile go back to the queue."""
+        with self._lock:
+            self._asked -= 1
+            woken = self._deferred if not self._asked else []
+            if woken:
+                self._deferred = []
+        for job in woken:
+            self._queue.put(job)
 
     def _last_build_end(self) -> float | None:
         """When the last build ended (time.monotonic); None while one runs (the warm-up waits)."""
@@ -722,6 +747,9 @@ class Scheduler:
         then kills the workers. Queued jobs fail with ShuttingDown; no staging is left."""
         with self._lock:
             self._closing = True
+            deferred, self._deferred = self._deferred, []
+        for job in deferred:  # failed with ShuttingDown by the drivers, before their stop
+            self._queue.put(job)
         self._warmup.stop()
         self._started.set()  # drivers that never started can stop
         for _ in self._drivers:

@@ -29,7 +29,20 @@ from .apps import AppRecorder
 from .build.compiler import CompileFailed
 from .keys import describe_toolchain, toolchain
 from .metrics import Metrics
-from .scheduler import BACKGROUND, MEMO_SPEC, URGENT, Cancelled, CompileTimeout, NotReady, QueueFull, Scheduler, ShuttingDown, SourceChanged, WorkerCrashed
+from .scheduler import (
+    BACKGROUND,
+    LATER,
+    MEMO_SPEC,
+    URGENT,
+    Cancelled,
+    CompileTimeout,
+    NotReady,
+    QueueFull,
+    Scheduler,
+    ShuttingDown,
+    SourceChanged,
+    WorkerCrashed,
+)
 from .store import Entry, StoreError
 
 log = logging.getLogger(__name__)
@@ -310,9 +323,10 @@ class KernelServicer(pb_grpc.KernelServiceServicer):
         records = functools.cache(lambda: list(self.scheduler.store.records()))
         queued, share = 0, self.scheduler.call_share
         compiles = not request.no_compile and self.scheduler.compiles  # else a miss is a fetch, never a queued compile
+        priority = LATER if request.later else BACKGROUND
         # Longest compiles first (the kinds' cost hints): the batch then ends with short ones filling the workers.
         for i, spec in sorted(enumerate(specs), key=lambda item: -kernels.get_kind(item[1].kind).compile_cost):
-            future, outcome = self.scheduler.request(spec, BACKGROUND, compile=not request.no_compile)
+            future, outcome = self.scheduler.request(spec, priority, compile=not request.no_compile)
             if not future.done():
                 claims.add(future)
                 if compiles and outcome == Outcome.COMPILED and future not in pending:

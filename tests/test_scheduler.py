@@ -2,8 +2,9 @@
 what is in flight stays put while the test looks at it (single-flight, the queue's shares,
 release() dropping what no one waits for, a shared build's copy releasing its build, shutdown
 failing what is queued, serving only); and, with one in-process worker, the order builds run
-in and when warm-up runs."""
+in and when warm-up runs; with two, a LATER build waiting while a request's build runs."""
 
+import concurrent.futures as cf
 import os
 import time
 
@@ -16,6 +17,7 @@ from compile_service.build import compiler
 from compile_service.scheduler import BACKGROUND, URGENT, Cancelled, NotReady, QueueFull, Scheduler, ShuttingDown, in_process_pool
 from compile_service.store.local import LocalStore
 from compile_service.warmup import WARM_AFTER_IDLE
+from compile_service.workers import Workers
 from proto.wire import Outcome
 
 
@@ -31,9 +33,9 @@ def row_double(m):
 def scheduler(tmp_path):
     made = []
 
-    def make(**options):
+    def make(workers=1, pool=in_process_pool, **options):
         store = LocalStore(tmp_path / "cache")
-        s = Scheduler(store, store.claims, workers=1, pool=in_process_pool, start=False, **options)
+        s = Scheduler(store, store.claims, workers=workers, pool=pool, start=False, **options)
         made.append(s)
         return s
 
@@ -145,3 +147,29 @@ def test_a_router_waits_for_one_build_its_others_come_last_and_a_joiner_moves_a_
     while s.in_flight and time.monotonic() < deadline:  # the small build of 8, with no waiter, still made
         time.sleep(0.05)
     assert s.in_flight == 0 and s.metrics.counters()["compiles"] == 4
+
+
+def test_a_later_build_waits_while_a_request_s_build_runs(scheduler, tmp_path, monkeypatch):
+    """On two workers, a router's other range (LATER) does not take the idle one while a
+    request's build runs: it starts once that build is done, and is still made."""
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("ROUTED_SMALL_GATE", str(gate))  # every small build waits for the gate
+
+    def two_threads(workers, initargs):
+        return Workers(workers, lambda: cf.ThreadPoolExecutor(1, initializer=compiler.worker_init, initargs=initargs), killable=False)
+
+    s = scheduler(pool=two_threads, workers=2)
+    held, _ = s.request(routed(16, "small"), URGENT)  # a request's build, held at the gate
+    router, _ = s.request(routed(8), BACKGROUND)  # its large build on the other worker, then its small one LATER
+    s.start_workers()
+    router.result(120)
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        assert s.running == 1 and not held.done()  # the small build of 8 has not taken the idle worker
+        time.sleep(0.02)
+    gate.touch()
+    held.result(120)
+    deadline = time.monotonic() + 120
+    while s.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert s.in_flight == 0 and s.metrics.counters()["compiles"] == 3

@@ -105,14 +105,16 @@ class SharedBuild(_message.Message):
     def __init__(self, key: _Optional[str] = ..., canonical_spec: _Optional[str] = ..., compile_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("specs", "app", "no_compile")
+    __slots__ = ("specs", "app", "no_compile", "later")
     SPECS_FIELD_NUMBER: _ClassVar[int]
     APP_FIELD_NUMBER: _ClassVar[int]
     NO_COMPILE_FIELD_NUMBER: _ClassVar[int]
+    LATER_FIELD_NUMBER: _ClassVar[int]
     specs: _containers.RepeatedCompositeFieldContainer[KernelSpec]
     app: str
     no_compile: bool
-    def __init__(self, specs: _Optional[_Iterable[_Union[KernelSpec, _Mapping]]] = ..., app: _Optional[str] = ..., no_compile: _Optional[bool] = ...) -> None: ...
+    later: bool
+    def __init__(self, specs: _Optional[_Iterable[_Union[KernelSpec, _Mapping]]] = ..., app: _Optional[str] = ..., no_compile: _Optional[bool] = ..., later: _Optional[bool] = ...) -> None: ...
 
 class PrefetchEvent(_message.Message):
     __slots__ = ("index", "done", "total", "kernel", "error_code", "error_message")
