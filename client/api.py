@@ -304,11 +304,11 @@ class Client:
             return self._memo.setdefault(memo_key, kernel)
 
     def _load_routes(self, router: loader.Kernel, timeout: float | None) -> None:
-        """Loads the builds of a router (abi.dispatch) through this client: those in the cache now,
-        the others in the background, prefetched (the daemon makes them after the router, below
-        every request; calls in their ranges run the last range's build until then, and
-        `router.ready()` waits for them). A strict client loads every one now, so that no call
-        compiles or loads."""
+        """Loads the builds of a router (abi.dispatch) through this client: the last range's now
+        (every range falls back to it), the others in the background, from the cache or else
+        prefetched (the daemon makes them after every request's builds; calls in their ranges
+        run the last range's build until then, and `router.ready()` waits for them). A strict
+        client loads every one now, so that no call compiles or loads."""
 
         def get(spec: dict) -> loader.Kernel:
             return self.get_kernel(spec["kind"], target=spec["target"], timeout=timeout, **spec["params"])

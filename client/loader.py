@@ -528,36 +528,55 @@ class Kernel:
         """Loads a router's builds; nothing for a plain kernel or one whose builds are loaded.
 
         `now(spec)` gives a build at once, or None where it is not at hand (with no `later`, it
-        must give each one, waiting as long as that takes: then no call compiles or loads).
-        `later(specs)` loads the others, off this thread, as one list of Kernels or the
-        exceptions met: until each is there, calls in its range run the last range's build,
-        which is correct for every size (a cold router is ready after one build); ready()
-        waits for them. Raises CorruptArtifact for a build that is not one."""
+        must give each one, waiting as long as that takes: then no call compiles or loads, and
+        every build is loaded here). With `later`, only the last range's build loads here (every
+        range falls back to it, correct for every size: a router is ready after one build, cold
+        or warm); the others load off this thread, `now` first, then `later(specs)` for those
+        not at hand, as one list of Kernels or the exceptions met. Until each is there, calls in
+        its range run the last range's build; ready() waits for them. Raises CorruptArtifact for
+        a build that is not one."""
         if self.dispatch is None or self._routes is not None:
             return
         ranges = self.dispatch
-        got = [None if k is None else _route_build(spec, k) for _, spec in ranges for k in [now(spec)]]
-        if got[-1] is None:  # the build every range falls back to: needed before any call
-            got[-1] = _route_build(ranges[-1][1], _loaded(later([ranges[-1][1]])[0]))
-        self._routes = [(upto, k or got[-1]) for (upto, _), k in zip(ranges, got)]
-        missing = [i for i, k in enumerate(got) if k is None]
-        if missing:
-            self._loading = threading.Thread(target=self._load_later, args=(later, missing), name=f"routes-{self.kind}", daemon=True)
+        if later is None:
+            self._routes = [(upto, _route_build(spec, now(spec))) for upto, spec in ranges]
+            return
+        last = ranges[-1][1]
+        fallback = _route_build(last, now(last) or _loaded(later([last])[0]))
+        self._routes = [(upto, fallback) for upto, _ in ranges]
+        if len(ranges) > 1:
+            self._loading = threading.Thread(target=self._load_others, args=(now, later), name=f"routes-{self.kind}", daemon=True)
             self._loading.start()
 
-    def _load_later(self, later: Callable[[list[dict]], list], missing: list[int]) -> None:
+    def _load_others(self, now: Callable[[dict], Kernel | None], later: Callable[[list[dict]], list]) -> None:
+        """The builds of every range but the last (load_routes), each swapped in as it loads."""
         ranges = self.dispatch
+
+        def swap(i: int, got) -> None:
+            try:
+                build = _route_build(ranges[i][1], _loaded(got))
+            except Exception as exc:  # noqa: BLE001 - kept for ready(); calls in its range keep the last range's build
+                self._loading_error = exc
+                log.warning("%s: a build of this router did not load (calls in its range run the last range's build): %s", self.kind, exc)
+                return
+            routes = list(self._routes)  # swapped whole: a call reads one list or the other
+            routes[i] = (ranges[i][0], build)
+            self._routes = routes
+
         try:
-            for i, got in zip(missing, later([ranges[i][1] for i in missing])):
+            missing = []
+            for i in range(len(ranges) - 1):
                 try:
-                    build = _route_build(ranges[i][1], _loaded(got))
-                except Exception as exc:  # noqa: BLE001 - kept for ready(); calls in its range keep the last range's build
-                    self._loading_error = exc
-                    log.warning("%s: a build of this router did not load (calls in its range run the last range's build): %s", self.kind, exc)
-                    continue
-                routes = list(self._routes)  # swapped whole: a call reads one list or the other
-                routes[i] = (ranges[i][0], build)
-                self._routes = routes
+                    got = now(ranges[i][1])
+                except Exception as exc:  # noqa: BLE001 - swap() keeps it for ready()
+                    got = exc
+                if got is None:
+                    missing.append(i)
+                else:
+                    swap(i, got)
+            if missing:
+                for i, got in zip(missing, later([ranges[i][1] for i in missing])):
+                    swap(i, got)
         except BaseException as exc:  # noqa: BLE001 - the whole request failed (daemon gone): kept for ready()
             self._loading_error = exc
             log.warning("%s: this router's other builds did not load (calls run the last range's build): %s", self.kind, exc)
