@@ -3,6 +3,9 @@ workspaces (KernelKind.scratch, abi.scratch), through a real daemon on target "c
 with the test kind tests/routed_kind.py: Y = 2X from the build for M <= 4, 3X
 (through a workspace) from the other, so every output shows which build ran."""
 
+import json
+import threading
+
 import pytest
 import torch
 
@@ -10,6 +13,7 @@ import client
 import kernels
 from compile_service import bundle
 from compile_service.store import LocalStore
+from client import loader
 from proto import abi
 from tests import routed_kind  # noqa: F401 - registers routed_scale in this process too
 
@@ -62,6 +66,30 @@ def test_a_router_whose_other_build_never_comes_keeps_serving_and_ready_says_why
     x = torch.randn(2, N)
     torch.testing.assert_close(k(x), x * 3)  # still the last range's build, correct for every M
     assert k.route(2).spec["params"]["schedule"] == "large"
+
+
+def test_a_warm_router_answers_after_one_load_and_loads_its_other_builds_in_the_background(routed):
+    routed.client().get_kernel("routed_scale", target="c", M=None, N=N).ready()  # the cache holds both builds
+    c = routed.client()
+
+    def opened(spec: dict) -> loader.Kernel:
+        return loader.open_published(*c.find(kernels.canonicalize(spec["kind"], spec["params"], spec["target"])))
+
+    router = opened(json.loads(kernels.canonicalize("routed_scale", {"M": None, "N": N}, "c").to_json()))
+    small_may_load, asked = threading.Event(), []
+
+    def now(spec: dict) -> loader.Kernel:
+        if spec["params"]["schedule"] == "small":
+            small_may_load.wait(60)
+        return opened(spec)
+
+    router.load_routes(now, asked.append)
+    assert router.route(2).spec["params"]["schedule"] == "large"  # answered before the small build loaded
+    small_may_load.set()
+    router.ready(timeout=60)
+    assert router.route(2).spec["params"]["schedule"] == "small" and not asked  # from the cache, nothing fetched
+    x = torch.randn(2, N)
+    torch.testing.assert_close(router(x), x * 2)
 
 
 def test_a_static_size_is_served_by_its_ranges_build(routed):
