@@ -35,7 +35,10 @@ workers gone, before the next starts; the sidecar's workers have warmed up befor
 first agent), in this order:
 
   served_cold                   a daemon already up on a fresh cache, its workers
-                                warmed up; the agent prefetches the 9 kernels
+                                warmed up; the agent's first step, before its own
+                                `import torch`, sends the 9 kernels' specs
+                                (client.prefetch(specs, wait=False)), and it takes
+                                them (result()) once its weights are made
   served_cold_from_serve        a daemon on a fresh cache started at the same moment as
                                 the agent, which waits until it serves (after making
                                 its weights) and prefetches
@@ -89,6 +92,34 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
+
+def child_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="startup.py _child")
+    p.add_argument("role", choices=("served", "tilelang", "compile", "eager"))
+    p.add_argument("--t0", type=float, required=True)
+    p.add_argument("--config", required=True, help="the LayerConfig as JSON")
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--specs", help="the layer's kernels, as client.prefetch specs in JSON (served)")
+    p.add_argument("--socket")
+    p.add_argument("--wait-for-daemon", action="store_true")
+    p.add_argument("--graphs", action="store_true")
+    p.add_argument("--compile-mode", choices=tuple(COMPILE_MODES))
+    p.add_argument("--out", type=Path)
+    return p.parse_args(argv)
+
+
+def send_early(a: argparse.Namespace):
+    """A served agent's first step, before its own `import torch` (seconds on a GPU host): it sends
+    its kernels' specs, and the daemon builds them while the agent imports and makes its weights."""
+    import client
+
+    return client.connect(a.socket).prefetch(json.loads(a.specs), wait=False)
+
+
+COMPILE_MODES = {"default": None, "reduce_overhead": "reduce-overhead"}  # variant name part -> torch.compile mode
+CHILD = child_args(sys.argv[2:]) if __name__ == "__main__" and sys.argv[1:2] == ["_child"] else None
+EARLY = send_early(CHILD) if CHILD is not None and CHILD.role == "served" and not CHILD.wait_for_daemon else None
+
 import torch  # noqa: E402
 
 import decode_step  # noqa: E402  (benchmark/decode_step.py, next to this file)
@@ -108,7 +139,6 @@ VARIANTS = (
     "eager",
     "eager_beside_warm_up",
 )
-COMPILE_MODES = {"default": None, "reduce_overhead": "reduce-overhead"}  # variant name part -> torch.compile mode
 
 
 # ----------------------------------------------------------------------------
@@ -194,7 +224,9 @@ def count_outcomes(kernels: list) -> dict:
     return outcomes
 
 
-def child_served(clock: Clock, cfg: LayerConfig, layers: int, socket: str, wait_for_daemon: bool, out_path: Path, graphs: bool = False) -> dict:
+def child_served(
+    clock: Clock, cfg: LayerConfig, layers: int, socket: str, specs: list[dict], wait_for_daemon: bool, out_path: Path, graphs: bool = False
+) -> dict:
     import client
 
     clock.done("imports")
@@ -207,7 +239,10 @@ def child_served(clock: Clock, cfg: LayerConfig, layers: int, socket: str, wait_
         wait_serving(socket_address(socket), timeout=600)
         clock.done("waiting_for_daemon")
     c = client.connect(socket)
-    kernels = c.prefetch(layer_specs(cfg), progress=lambda done, total, event: print("@", flush=True))
+    pending = EARLY or c.prefetch(specs, wait=False)  # sent before `import torch`, unless the daemon was not up then
+    kernels = pending.result()
+    for _ in kernels:
+        print("@", flush=True)
     failed = [k for k in kernels if isinstance(k, Exception)]
     if failed:
         raise failed[0]
@@ -275,22 +310,11 @@ def child_eager(clock: Clock, cfg: LayerConfig, layers: int, out_path: Path) -> 
     return {}
 
 
-def child_main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="startup.py _child")
-    p.add_argument("role", choices=("served", "tilelang", "compile", "eager"))
-    p.add_argument("--t0", type=float, required=True)
-    p.add_argument("--config", required=True, help="the LayerConfig as JSON")
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--socket")
-    p.add_argument("--wait-for-daemon", action="store_true")
-    p.add_argument("--graphs", action="store_true")
-    p.add_argument("--compile-mode", choices=tuple(COMPILE_MODES))
-    p.add_argument("--out", type=Path)
-    a = p.parse_args(argv)
+def child_main(a: argparse.Namespace) -> None:
     clock = Clock(a.t0)
     cfg = LayerConfig(**json.loads(a.config))
     if a.role == "served":
-        extra = child_served(clock, cfg, a.layers, a.socket, a.wait_for_daemon, a.out, a.graphs)
+        extra = child_served(clock, cfg, a.layers, a.socket, json.loads(a.specs), a.wait_for_daemon, a.out, a.graphs)
     elif a.role == "tilelang":
         extra = child_tilelang(clock, cfg, a.layers)
     elif a.role == "compile":
@@ -362,6 +386,8 @@ class Bench:
             "--out",
             str(out),
         ]
+        if role == "served":
+            flags["specs"] = json.dumps(layer_specs(self.cfg))
         for flag, value in flags.items():
             if value is True:
                 args.append(f"--{flag.replace('_', '-')}")
@@ -614,7 +640,7 @@ def config_for(args) -> LayerConfig:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_child"]:
-        child_main(argv[1:])
+        child_main(CHILD or child_args(argv[1:]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2); they share their kernels")

@@ -18,6 +18,7 @@ from .inductor import InductorCache
 from . import errors
 from .errors import *  # noqa: F403  (the exceptions: errors.__all__)
 from .loader import Kernel
+from .pending import PendingPrefetch
 from .tilelang import install_tilelang_cache, uninstall_tilelang_cache
 from .when_imported import when_imported
 
@@ -38,6 +39,7 @@ __all__ = [
     "Client",
     "InductorCache",
     "Kernel",
+    "PendingPrefetch",
     "connect",
     "default_client",
     "explain",

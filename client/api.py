@@ -30,6 +30,7 @@ from proto.wire import Outcome, Status
 from . import hit_reports, loader, resolver
 from .errors import CompileError, CorruptArtifact, InvalidSpec, KernelNotReady, ServiceError, ServiceUnavailable
 from .inductor import InductorCache, use_shared_inductor_cache
+from .pending import PendingPrefetch
 
 log = logging.getLogger(__name__)
 
@@ -506,7 +507,8 @@ class Client:
         progress: Callable[..., object] | None = None,
         load: bool = True,
         later: bool = False,
-    ) -> list:
+        wait: bool = True,
+    ) -> list | PendingPrefetch:
         """Makes many kernels ready at once (cold ones compile in parallel).
 
         `specs` are dicts like {"kind": "gemm", "M": 128, ..., "target": "c"}, or a
@@ -532,9 +534,16 @@ class Client:
 
         `later=True` asks for kernels this process can do without for now (a router's other
         ranges): the daemon compiles them after every other request's builds, from any process.
+
+        `wait=False` sends the batch and returns at once a PendingPrefetch, whose `result()` is
+        this list: called first thing, before `import torch`, it has the daemon build while the
+        process imports (neither sending nor the daemon's building needs torch here).
         """
         if isinstance(specs, (str, os.PathLike, dict)):
             specs = manifest.specs(specs)
+        if not wait:
+            _progress_reporter(progress)  # a callback of the wrong shape raises now, not at result()
+            return PendingPrefetch(self.prefetch, list(specs), {"timeout": timeout, "progress": progress, "load": load, "later": later})
         report = _progress_reporter(progress)
         specs = list(specs)
         results: list = [None] * len(specs)
@@ -784,7 +793,7 @@ Client.get_kernel.__doc__ += _kinds_doc()
 get_kernel.__doc__ = Client.get_kernel.__doc__
 
 
-def prefetch(specs: Iterable[dict], **options) -> list:
+def prefetch(specs: Iterable[dict], **options) -> list | PendingPrefetch:
     return default_client().prefetch(specs, **options)
 
 

@@ -362,6 +362,45 @@ def test_prefetch_streams_progress_and_reports_failures_per_kernel(make_daemon):
     assert c.stats()["compiles"] == 1
 
 
+EARLY_AGENT = """
+import json, sys, time
+import client
+
+specs = json.loads(sys.argv[2])
+c = client.connect(sys.argv[1])
+pending = c.prefetch(specs, wait=False)
+assert "torch" not in sys.modules, "sending needs no torch"
+deadline = time.monotonic() + 120
+while not pending.sent() and time.monotonic() < deadline:
+    time.sleep(0.05)
+built = c.stats()["compiles"]  # before result(): what the daemon built on the early request alone
+import torch
+
+kernels = pending.result()
+x, w = torch.randn(3, 48), torch.randn(48)
+print(json.dumps({"built": built, "outcomes": [getattr(k, "outcome", type(k).__name__) for k in kernels], "y": kernels[0](x, w).tolist(), "x": x.tolist(), "w": w.tolist()}))
+"""
+
+
+def test_an_agent_sends_its_prefetch_before_importing_torch_and_takes_the_kernels_later(make_daemon):
+    """prefetch(wait=False) sends the batch without torch; the daemon builds it before result() is
+    called, and result() loads the kernels (hits now) and keeps each slot's error."""
+    d = make_daemon()
+    specs = [
+        {"kind": "rmsnorm", "M": None, "N": 48, "dtype": "float32", "target": "c"},
+        {"kind": "softmax", "M": None, "N": 48, "dtype": "float32", "target": "c"},
+        {"kind": "rmsnorm", "M": None, "N": 0, "dtype": "float32", "target": "c"},  # invalid: its own slot
+    ]
+    run = subprocess.run([sys.executable, "-c", EARLY_AGENT, str(d.socket), json.dumps(specs)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["built"] == 2, out["built"]
+    assert out["outcomes"] == ["hit", "hit", "InvalidSpec"]
+    torch.testing.assert_close(torch.tensor(out["y"]), rmsnorm_ref(torch.tensor(out["x"]), torch.tensor(out["w"])), rtol=1e-4, atol=1e-4)
+    with pytest.raises(TypeError, match="progress must take"):
+        d.client().prefetch(specs[:1], progress=lambda: None, wait=False)
+
+
 def test_stats_cli_prints_json(shared_daemon):
     out = subprocess.run(
         [sys.executable, "-m", "compile_service.cli", "stats", "--socket", str(shared_daemon.socket), "--json"],
