@@ -40,8 +40,10 @@ first agent), in this order:
                                 (client.prefetch(specs, wait=False)), and it takes
                                 them (result()) once its weights are made
   served_cold_from_serve        a daemon on a fresh cache started at the same moment as
-                                the agent, which waits until it serves (after making
-                                its weights) and prefetches
+                                the agent, which sends its specs as served_cold's does
+                                (the client retries a socket not there yet for 2 s),
+                                waits until the daemon serves (after making its
+                                weights) and takes them
   served_warm                   served_cold's daemon and cache, now holding every kernel
                                 (filled untimed if served_cold did not run)
   served_warm_graphs            served_warm, then the forward captured in a CUDA graph
@@ -113,12 +115,13 @@ def send_early(a: argparse.Namespace):
     its kernels' specs, and the daemon builds them while the agent imports and makes its weights."""
     import client
 
-    return client.connect(a.socket).prefetch(json.loads(a.specs), wait=False)
+    c = client.connect(a.socket)
+    return c, c.prefetch(json.loads(a.specs), wait=False)
 
 
 COMPILE_MODES = {"default": None, "reduce_overhead": "reduce-overhead"}  # variant name part -> torch.compile mode
 CHILD = child_args(sys.argv[2:]) if __name__ == "__main__" and sys.argv[1:2] == ["_child"] else None
-EARLY = send_early(CHILD) if CHILD is not None and CHILD.role == "served" and not CHILD.wait_for_daemon else None
+EARLY = send_early(CHILD) if CHILD is not None and CHILD.role == "served" else None
 
 import torch  # noqa: E402
 
@@ -224,23 +227,18 @@ def count_outcomes(kernels: list) -> dict:
     return outcomes
 
 
-def child_served(
-    clock: Clock, cfg: LayerConfig, layers: int, socket: str, specs: list[dict], wait_for_daemon: bool, out_path: Path, graphs: bool = False
-) -> dict:
-    import client
-
+def child_served(clock: Clock, cfg: LayerConfig, layers: int, early: tuple, wait_for_daemon: bool, out_path: Path, graphs: bool = False) -> dict:
+    """`early`: the client and the PendingPrefetch send_early made before `import torch`."""
+    c, pending = early
     clock.done("imports")
     model = Model(cfg, layers)
     clock.done("weights")
     if wait_for_daemon:  # the daemon was started with us: no socket yet, or not serving yet
         from devtools.launch import wait_serving
-        from proto.paths import socket_address
 
-        wait_serving(socket_address(socket), timeout=600)
+        wait_serving(c.address, timeout=600)
         clock.done("waiting_for_daemon")
-    c = client.connect(socket)
-    pending = EARLY or c.prefetch(specs, wait=False)  # sent before `import torch`, unless the daemon was not up then
-    kernels = pending.result()
+    kernels = pending.result()  # sent before `import torch`; asked again now, so a daemon that came up since gets it
     for _ in kernels:
         print("@", flush=True)
     failed = [k for k in kernels if isinstance(k, Exception)]
@@ -314,7 +312,7 @@ def child_main(a: argparse.Namespace) -> None:
     clock = Clock(a.t0)
     cfg = LayerConfig(**json.loads(a.config))
     if a.role == "served":
-        extra = child_served(clock, cfg, a.layers, a.socket, json.loads(a.specs), a.wait_for_daemon, a.out, a.graphs)
+        extra = child_served(clock, cfg, a.layers, EARLY or send_early(a), a.wait_for_daemon, a.out, a.graphs)
     elif a.role == "tilelang":
         extra = child_tilelang(clock, cfg, a.layers)
     elif a.role == "compile":
