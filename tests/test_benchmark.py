@@ -252,7 +252,11 @@ def test_startup_small_times_every_variant_and_served_outputs_match_eager(tmp_pa
         assert variants[name]["rel_error_vs_eager"] < 1e-4, name
     compiled = variants["compile_default_cold"]
     assert compiled["ready_s"] == compiled["first_output_s"] and (compiled["inductor_cache"], compiled["fxgraph_misses"]) == ("environment", 1)
-    assert variants["served_cold"]["outcomes"] == {"compiled": 9} and variants["served_cold_from_serve"]["outcomes"] == {"compiled": 9}
+    # The agent sends its batch before `import torch` and takes it later: what the take sees of
+    # kernels built meanwhile is a hit or a join; the daemon's count says each was compiled once.
+    for name in ("served_cold", "served_cold_from_serve"):
+        assert sum(variants[name]["outcomes"].values()) == 9 and set(variants[name]["outcomes"]) <= {"compiled", "joined", "hit"}, name
+        assert variants[name]["daemon_compiled"] == 9, name
     assert variants["served_warm"]["outcomes"] == {"hit": 9}
     assert (variants["tilelang_cold"]["compiled"], variants["tilelang_warm"]["compiled"], variants["tilelang_warm"]["loaded"]) == (9, 0, 9)
     assert "waiting_for_daemon" in variants["served_cold_from_serve"]["phases_s"]
