@@ -11,8 +11,11 @@ current stream, so the whole forward can be captured as it is, in milliseconds p
 A bucket of one token, (batch, 1), is a decode step of `generate` with a static cache
 (`cache_implementation="static"`, which kernelize then makes the model's default): each step's
 inputs are the same shapes and the cache's tensors keep their addresses, so the step is captured
-once per cache and batch, at its second call (the first runs eagerly: it loads what the step
-needs), and replayed from then on.
+once per cache layout and batch, at its second call (the first runs eagerly: it loads what the
+step needs), and replayed from then on. generate makes a new cache per call: the graph adopts it
+(its contents copied into the tensors the graph reads and writes, which the new cache then holds),
+so later calls replay from their first step; the graph keeps one cache's tensors alive until
+`release()`.
 
 A forward call is padded up to its bucket: its ids with the pad token, its attention mask with zeros
 (each sequence's keys are its mask's one run of ones, so the padding changes nothing the call
@@ -37,6 +40,7 @@ import inspect
 import threading
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -260,19 +264,43 @@ def _static_layers(cache) -> list | None:
     return layers
 
 
-def _addresses(layers) -> tuple:
-    return tuple(t.data_ptr() for layer in layers for t in (layer.keys, layer.values, layer.cumulative_length))
+def _tensors(layer) -> tuple:
+    return layer.keys, layer.values, layer.cumulative_length
+
+
+def _layout(layers) -> tuple:
+    """What a step's graph fixes of a cache: each layer's tensors' shapes and dtypes."""
+    return tuple((t.shape, t.dtype) for layer in layers for t in _tensors(layer))
 
 
 class _Step:
-    """One decode step's graph: its tensor inputs copied into static ones, the cache's own tensors."""
+    """One decode step's graph: its tensor inputs copied into static ones, and the cache tensors it
+    reads and writes (held here, so that they outlive the cache they were made for)."""
 
     def __init__(self, kwargs: dict, layers):
         self.inputs = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        self.others = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
-        self.addresses = _addresses(layers)
-        self.graph = torch.cuda.CUDAGraph()
+        self.tensors = [_tensors(layer) for layer in layers]
+        self.holders = [weakref.ref(layer) for layer in layers]  # the layers that hold them now
+        self.graph = None
         self.out = None
+        self.cache_at: list = []  # where the output holds the cache (keys, or indices of a tuple)
+
+    def holds(self, layers) -> bool:
+        return all(layer.keys is mine[0] for layer, mine in zip(layers, self.tensors))
+
+    def adopt(self, layers) -> None:
+        """Serves a new cache of the captured one's layout: its contents go into the graph's
+        tensors, which it then holds. A cache that held them and is still alive gets copies, so
+        that each cache keeps its own contents."""
+        with torch.inference_mode(self.tensors[0][0].is_inference()), torch.no_grad():
+            for i, layer in enumerate(layers):
+                mine, before = self.tensors[i], self.holders[i]()
+                if before is not None and before is not layer and before.keys is mine[0]:
+                    before.keys, before.values, before.cumulative_length = (t.clone() for t in mine)
+                for m, t in zip(mine, _tensors(layer)):
+                    m.copy_(t)
+                layer.keys, layer.values, layer.cumulative_length = mine
+                self.holders[i] = weakref.ref(layer)
 
 
 class _Steps:
@@ -305,12 +333,11 @@ class _Steps:
         if why:
             self.stats.uncaptured[why] += 1
             return self.forward(*args, **kwargs)
-        key = tuple(sorted((k, (v.shape, v.dtype) if isinstance(v, torch.Tensor) else id(v)) for k, v in kwargs.items()))
         layers = _static_layers(kwargs["past_key_values"])
+        key = tuple(
+            sorted((k, (v.shape, v.dtype) if isinstance(v, torch.Tensor) else _layout(layers) if k == "past_key_values" else id(v)) for k, v in kwargs.items())
+        )
         step = self.graphs.get(key)
-        if step is not None and step.addresses != _addresses(layers):  # the cache's tensors moved: capture anew
-            del self.graphs[key]
-            step = None
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not _one_run_per_row(mask[:, 0, 0]):
             self.stats.uncaptured["a decode mask whose rows are not one run of keys"] += 1
@@ -325,11 +352,13 @@ class _Steps:
             step = self._capture(kwargs, layers)
             self.graphs[key] = step
         else:
+            if not step.holds(layers):  # another cache of this layout (generate makes one per call)
+                step.adopt(layers)
             for k, v in step.inputs.items():
                 v.copy_(kwargs[k])
         step.graph.replay()
         self.stats.replays[(kwargs["input_ids"].shape[0], 1)] += 1
-        return _cut(step.out)
+        return _put_cache(_cut(step.out), step.cache_at, kwargs["past_key_values"])  # the call's own cache, which generate goes on with
 
     def _capture(self, kwargs: dict, layers) -> _Step:
         """Records the step (capture runs nothing: the cache does not advance); the replay after it
@@ -337,8 +366,13 @@ class _Steps:
         t = time.perf_counter()
         with torch.inference_mode(False), torch.no_grad():  # normal tensors: a replay copies into them under any mode
             step = _Step(kwargs, layers)
+        others = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}  # the cache: not kept after
+        step.graph = torch.cuda.CUDAGraph()
         with step_capture(layers), torch.cuda.graph(step.graph, capture_error_mode="thread_local"):
-            step.out = self.forward(**step.inputs, **step.others)
+            out = self.forward(**step.inputs, **others)
+        cache = kwargs["past_key_values"]
+        step.cache_at = [k for k, v in (out.items() if hasattr(out, "keys") else enumerate(out)) if v is cache]
+        step.out = _put_cache(out, step.cache_at, None)  # the step keeps the cache's tensors, not the cache
         self.stats.steps += 1
         self.stats.capture_s += time.perf_counter() - t
         return step
@@ -358,6 +392,20 @@ def run(forward, g: _Graph, fixed: dict):
     """The forward a graph captures, on its static inputs (also how a test runs it without CUDA)."""
     with _capturing():
         return forward(input_ids=g.ids, attention_mask=g.mask, **fixed)
+
+
+def _put_cache(out, where: list, cache):
+    """`out` with `cache` at `where` (keys of a ModelOutput, or indices of a tuple)."""
+    if not where:
+        return out
+    if hasattr(out, "keys"):
+        for k in where:
+            out[k] = cache
+        return out
+    items = list(out)
+    for i in where:
+        items[i] = cache
+    return type(out)(items)
 
 
 def _cut(out, bucket: tuple[int, int] | None = None, call: tuple[int, int] | None = None):
