@@ -14,8 +14,8 @@ inputs are the same shapes and the cache's tensors keep their addresses, so the 
 once per cache layout and batch, at its second call (the first runs eagerly: it loads what the
 step needs), and replayed from then on. generate makes a new cache per call: the graph adopts it
 (its contents copied into the tensors the graph reads and writes, which the new cache then holds),
-so later calls replay from their first step; the graph keeps one cache's tensors alive until
-`release()`.
+so later calls replay from their first step; the graph keeps one cache's tensors per layout
+alive, as long as the model (or until `release()`).
 
 A forward call is padded up to its bucket: its ids with the pad token, its attention mask with zeros
 (each sequence's keys are its mask's one run of ones, so the padding changes nothing the call
