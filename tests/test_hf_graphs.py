@@ -76,17 +76,21 @@ def test_the_captured_forward_reads_nothing_on_the_host_and_matches(cpu_daemon):
     torch.testing.assert_close(out[valid], want[valid], atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("padded, mode", [(False, torch.inference_mode), (True, torch.inference_mode), (True, torch.no_grad)])
+@pytest.mark.parametrize("padded, mode", [(False, torch.inference_mode), ("left", torch.inference_mode), ("left", torch.no_grad), ("gap", torch.no_grad)])
 def test_a_captured_decode_step_reads_nothing_on_the_host_and_matches(cpu_daemon, padded, mode):
     """generate with a static cache, each decode step run as a capture runs it (every sequence's
-    keys rotated, the mask taken as checked, in graphs.step_capture's mode): the tokens
-    transformers' eager generate picks, from served kernels, whichever mode generate runs in."""
+    keys gathered to the front, in graphs.step_capture's mode): the tokens transformers' eager
+    generate picks, from served kernels, whichever mode generate runs in, and whatever the mask
+    (left padding, or a gap in a prompt's keys)."""
     ref = llama()
     model = hf.kernelize(copy.deepcopy(ref), client=cpu_daemon, backend="kernel-service")
     ids = torch.randint(3, VOCAB, (3, 8))
     mask = torch.ones_like(ids)
-    if padded:
+    if padded == "left":
         mask[1, :3] = 0  # left padding, as a tokenizer pads for generate
+        mask[2, :1] = 0
+    elif padded == "gap":
+        mask[1, 2:4] = 0  # keys a sequence does not see, between keys it sees
         mask[2, :1] = 0
     forward, steps = model.forward, []
 

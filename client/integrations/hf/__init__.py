@@ -25,8 +25,8 @@ here, and through transformers' attention interfaces, keeping the model's own we
   `attention` for prefill and encoders, `kv_attention` for decode steps against a KV cache. A
   padded batch (and ModernBERT's sliding-window layers, at any length) is one `attention` call
   with `varlen=True` (each sequence's key range, read off the mask) and the layer's `window`;
-  eager only: reading the mask is data-dependent. A padded decode step is one `kv_attention` call,
-  each sequence's cache rotated to start at its first key (`kv_attention` has no key start).
+  eager only: reading the mask is data-dependent. A masked decode step is one `kv_attention` call,
+  each sequence's keys gathered to the front of its cache (`kv_attention` reads keys from 0).
 
 A shape, dtype, mask or option a kind does not serve keeps the module's own forward (attention:
 transformers' `sdpa`), call by call; `strict=True` raises instead, naming the module and why.

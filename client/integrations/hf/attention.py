@@ -1,7 +1,7 @@
 """Attention through transformers' `AttentionInterface` / `AttentionMaskInterface`: `attention`
 for prefill and encoders, `kv_attention` for decode steps. A padded batch (and a sliding window)
-is one varlen call with each sequence's key range read off the mask; a padded decode step is one
-`kv_attention` call, each sequence's cache rotated to start at its first key."""
+is one varlen call with each sequence's key range read off the mask; a masked decode step is one
+`kv_attention` call, each sequence's keys gathered to the front of its cache."""
 
 from __future__ import annotations
 
@@ -160,38 +160,26 @@ def _full_ranges(b, kv, device):
     return torch.tensor([[0, kv]], dtype=torch.int32, device=device).expand(b, 2).contiguous()
 
 
-def _decode_runs(mask, b, kv):
-    """A decode mask [batch, 1, 1, keys] as each sequence's one run of keys: (lo int64 [batch],
-    seq_lens int32 [batch], whether every lo is 0), or None when a sequence's keys have a gap."""
+def _decode_keys(mask, b, kv):
+    """A decode mask [batch, 1, 1, keys] as each sequence's keys: (order int64 [batch, keys], the
+    positions of its keys first and in order; seq_lens int32 [batch]). Nothing is read on the host."""
 
     def compute():
-        seen = mask[:, 0, 0].expand(b, kv)
-        lo, hi = _runs(seen, kv)
-        if capturing():  # the step's mask was checked before the replay; every run is rotated
-            return lo, (hi - lo).to(torch.int32), False
-        one_run, at_zero = torch.stack(((seen.sum(1) == hi - lo).all(), (lo == 0).all())).tolist()  # one sync
-        return (lo, (hi - lo).to(torch.int32), at_zero) if one_run else None
+        hidden = (~mask[:, 0, 0].expand(b, kv)).to(torch.int8)
+        return torch.argsort(hidden, dim=1, stable=True), (kv - hidden.sum(1, dtype=torch.int32)).to(torch.int32)
 
     return per_forward(mask, "decode", compute)
 
 
 def _padded_decode(kv_attn, causal, Q, K, V, mask):
-    """One decode query per sequence against a padded cache, in one kv_attention call. The kernel
-    sees keys 0..seq_lens-1; a decode query sees every key of its run, so their order does not
-    matter: each sequence's cache is rotated to start at its first key (a gather, as costly as the
-    copy that makes the cache contiguous anyway; none when every run starts at 0, as in a static
-    cache without padding). Each sequence's keys must be one run."""
+    """One decode query per sequence against a masked cache, in one kv_attention call. The kernel
+    sees keys 0..seq_lens-1; a decode query sees a set of keys, whose order does not matter, so each
+    sequence's keys are gathered to the front of its cache (a gather, as costly as the copy that
+    makes the cache contiguous anyway): any mask is served, padding on either side or gaps, with
+    no read on the host (none inside a CUDA graph, no sync a step outside one)."""
     if not causal or kv_attn is None:
         return None, "one query against a padded cache needs kv_attention (causal models)"
     b, kv = K.shape[0], K.shape[1]
-    runs = _decode_runs(mask, b, kv)
-    if runs is None:
-        return None, "a decode mask with a gap in a sequence's keys"
-    lo, seq_lens, at_zero = runs
-    if at_zero:
-        K, V = K.contiguous(), V.contiguous()
-    else:
-        keys = (lo[:, None] + torch.arange(kv, device=K.device)) % kv  # [batch, keys]: the run first
-        rows = torch.arange(b, device=K.device)[:, None]
-        K, V = K[rows, keys], V[rows, keys]
-    return kv_attn(Q.contiguous(), K, V, seq_lens), "kv_attention"
+    order, seq_lens = _decode_keys(mask, b, kv)
+    rows = torch.arange(b, device=K.device)[:, None]
+    return kv_attn(Q.contiguous(), K[rows, order], V[rows, order], seq_lens), "kv_attention"

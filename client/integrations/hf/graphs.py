@@ -27,8 +27,9 @@ without graphs, and is counted in `model.kernel_service.graphs`.
 The capture rule: every kernel, and every range of a routed kernel, is at hand before a capture,
 and nothing compiles, loads or reads a tensor's values on the host inside one. Each bucket's
 forward therefore runs eagerly at its own shapes first (loading what it needs), and while
-`capturing()` the attention path takes the mask as given (the 2D mask is checked on the host
-before each replay instead of the 4D mask inside the forward).
+`capturing()` the attention path takes the mask as given (a forward bucket's 2D mask is checked
+on the host before each replay instead of the 4D mask inside the forward; a decode step's
+attention serves any mask, so its mask is not checked).
 """
 
 from __future__ import annotations
@@ -338,10 +339,6 @@ class _Steps:
             sorted((k, (v.shape, v.dtype) if isinstance(v, torch.Tensor) else _layout(layers) if k == "past_key_values" else id(v)) for k, v in kwargs.items())
         )
         step = self.graphs.get(key)
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not _one_run_per_row(mask[:, 0, 0]):
-            self.stats.uncaptured["a decode mask whose rows are not one run of keys"] += 1
-            return self.forward(*args, **kwargs)
         if step is None:
             if key not in self.seen or len(self.graphs) >= self.LIMIT:  # the first call loads what the step needs
                 if len(self.seen) > 4 * self.LIMIT:  # keys that never repeat must not pile up
