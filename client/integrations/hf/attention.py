@@ -164,9 +164,14 @@ def _decode_keys(mask, b, kv):
     """A decode mask [batch, 1, 1, keys] as each sequence's keys: (order int64 [batch, keys], the
     positions of its keys first and in order; seq_lens int32 [batch]). Nothing is read on the host."""
 
-    def compute():
-        hidden = (~mask[:, 0, 0].expand(b, kv)).to(torch.int8)
-        return torch.argsort(hidden, dim=1, stable=True), (kv - hidden.sum(1, dtype=torch.int32)).to(torch.int32)
+    def compute():  # a scan and a scatter, no sort: CUB's segmented sorts cannot always be captured in a CUDA graph
+        seen = mask[:, 0, 0].expand(b, kv)
+        upto = seen.to(torch.int32).cumsum(1, dtype=torch.int32)  # each position's keys seen, itself included
+        seq_lens = upto[:, -1:]
+        j = torch.arange(kv, device=mask.device, dtype=torch.int32)
+        to = torch.where(seen, upto - 1, seq_lens + j - upto)  # the keys to the front in order, the others after them
+        order = torch.empty((b, kv), dtype=torch.long, device=mask.device).scatter_(1, to.long(), j.long().expand(b, kv))
+        return order, seq_lens[:, 0].contiguous()
 
     return per_forward(mask, "decode", compute)
 
