@@ -270,8 +270,9 @@ def _tensors(layer) -> tuple:
 
 
 def _layout(layers) -> tuple:
-    """What a step's graph fixes of a cache: each layer's tensors' shapes and dtypes."""
-    return tuple((t.shape, t.dtype) for layer in layers for t in _tensors(layer))
+    """What a step's graph fixes of a cache: each layer's tensors' shapes and dtypes, and whether
+    they are inference tensors (a cache made under inference_mode writes in place only there)."""
+    return tuple((t.shape, t.dtype, t.is_inference()) for layer in layers for t in _tensors(layer))
 
 
 class _Step:
