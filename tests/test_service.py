@@ -283,6 +283,14 @@ def test_missing_daemon_fails_fast(tmp_path):
     assert time.monotonic() - t < 1.0
     with pytest.raises(ConnectionError):
         c.stats()
+    # An early prefetch with no daemon: sending returns at once, taking raises as prefetch does.
+    pending = c.prefetch([{"kind": "rmsnorm", "M": None, "N": 8, "dtype": "float32", "target": "c"}], wait=False)
+    with pytest.raises(client.ServiceUnavailable):
+        pending.result()
+    deadline = time.monotonic() + 2
+    while not pending.sent() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pending.sent(), "the sending thread outlived the refusal"
 
 
 FALLBACK = textwrap.dedent(
