@@ -68,6 +68,9 @@ first agent), in this order:
                                 the kinds' examples, parse their headers) while the
                                 agent starts; against eager, what a daemon's start costs
                                 an agent on the same host
+  eager_beside_restart          the same beside a daemon restarted on a cache that holds
+                                the layer's kernels: its zygote imports TileLang, and
+                                no worker warms up (nothing shows it will build)
 
 Every variant but TileLang's saves its output; each is compared with eager's (relative
 error), and a mismatch fails the run. Besides ready and first output, each variant
@@ -141,6 +144,7 @@ VARIANTS = (
     "compile_reduce_overhead_warm",
     "eager",
     "eager_beside_warm_up",
+    "eager_beside_restart",
 )
 
 
@@ -344,11 +348,12 @@ class Bench:
         path.mkdir()
         return path
 
-    def start_daemon(self, name: str, wait: bool = True):
+    def start_daemon(self, name: str, wait: bool = True, cache: Path | None = None):
+        """A daemon on `cache` (default: a fresh one)."""
         from devtools.launch import DaemonProcess
 
         workers = ["--workers", str(self.args.workers)] if self.args.workers else []
-        cache = self.fresh_dir(f"{name}-cache")
+        cache = cache or self.fresh_dir(f"{name}-cache")
         daemon = DaemonProcess(cache, "--target", self.cfg.target, *workers, log_path=cache.with_suffix(".log"))
         self.daemons.append(daemon)
         return daemon.start(wait=wait)
@@ -521,6 +526,24 @@ def variant_eager_beside_warm_up(b: Bench) -> dict:
     daemon = b.start_daemon("beside")
     try:
         return b.child("eager_beside_warm_up", "eager")
+    finally:
+        daemon.stop()
+
+
+def variant_eager_beside_restart(b: Bench) -> dict:
+    cache = b.fresh_dir("restart-cache")
+    progress("eager_beside_restart", "filling a cache (untimed)")
+    filler = b.start_daemon("restart", cache=cache)
+    try:
+        with filler.client() as c:
+            failed = [k for k in c.prefetch(layer_specs(b.cfg), load=False) if isinstance(k, Exception)]
+        if failed:
+            raise failed[0]
+    finally:
+        filler.stop()
+    daemon = b.start_daemon("restart", cache=cache)
+    try:
+        return b.child("eager_beside_restart", "eager")
     finally:
         daemon.stop()
 

@@ -28,7 +28,7 @@ GAUGES = {
     "running": "Compiles running in workers",
     "queued": "Compiles waiting for a worker",
     "workers": "Size of the compile pool",
-    "workers_ready": "Workers started and warmed up",
+    "workers_ready": "Workers started and warmed up (before any warm-up: started)",
     "entries": "Entries in the cache",
     "bytes": "Bytes the cache keeps (entries, blobs, device binaries)",
     "inductor_entries": "Files in the shared torch.compile directory",

@@ -309,14 +309,16 @@ class Scheduler:
             self.start_workers()
 
     def start_workers(self) -> None:
-        """Starts every worker now, from the calling thread, and their warm-up. A spawned worker
-        dies with the thread that started it (die_with_parent): the daemon calls this from a
-        thread that lives as long as it does, right after it says SERVING. Outside the lock: the
-        first fork waits for the zygote's imports."""
+        """Starts every worker now, from the calling thread, and their warm-up on a cache that
+        holds no kernel (otherwise the first build starts it: compile_service.warmup). A spawned
+        worker dies with the thread that started it (die_with_parent): the daemon calls this
+        from a thread that lives as long as it does, right after it says SERVING. Outside the
+        lock: the first fork waits for the zygote's imports."""
         if self._pool is None:  # serving only
             return
         self._pool.spawn()
-        self._warmup.start()
+        if next(iter(self.store.records()), None) is None:
+            self._warmup.start()
         self._started.set()
 
     def _new_pool(self) -> Workers:
@@ -403,6 +405,8 @@ class Scheduler:
                 return done(entry), Outcome.HIT
             flight = self._enqueue(key, spec, priority, counted, plan)
         tally(misses=1)
+        if not plan.bases:
+            self._warmup.start()  # this daemon builds: its workers warm up in the gaps between builds
         if plan.bases:
             self._serve_from_builds(flight, plan, priority, compile)
         for build in plan.after:  # named, not waited for: made once the queue has nothing else

@@ -6,6 +6,10 @@ job of the scheduler's queue, below every request; it runs only when no build ha
 WARM_AFTER_IDLE seconds, on whichever worker is idle, and goes round again until every worker
 is warm (a step that lands on a warm worker returns at once). One worker is always left free
 for a request while others warm. Steps are admitted within the memory limit as builds are.
+
+The warm-up starts with the workers on a cache that holds no kernel (a cold start's first burst
+then finds its headers parsed), and otherwise at the first build: a daemon whose cache already
+holds what its agents ask for parses no header at all.
 """
 
 from __future__ import annotations
@@ -43,17 +47,23 @@ class WarmUp:
         self._lock = threading.Lock()  # guards the three below
         self._warm: set[int] = set()  # pids of workers done warming up
         self._steps = 0  # steps going round the queue (or held back: _hold)
+        self._begun = False  # start() has run: until then no worker warms, and a started one counts as ready
         self._closing = False
 
     @property
     def ready(self) -> int:
-        """Workers that finished their warm-up."""
+        """Workers that finished their warm-up; before it starts, workers that have started."""
         with self._lock:
+            if not self._begun and self._pool is not None:
+                return self._pool.started()
             return len(self._warm)
 
     def start(self) -> None:
-        """Puts the first steps in the queue, leaving one worker free for a request."""
+        """Puts the first steps in the queue, leaving one worker free for a request; once."""
         with self._lock:
+            if self._begun or self._pool is None:
+                return
+            self._begun = True
             for _ in range(max(1, self.workers - 1)):
                 self._put()
 
@@ -71,7 +81,7 @@ class WarmUp:
         """A worker was killed or died, and a fresh one started: it warms up as the first ones did."""
         with self._lock:
             self._warm &= self._pool.pids()
-            if not self._steps and not self._closing:
+            if self._begun and not self._steps and not self._closing:
                 self._put()
 
     def _put(self) -> None:

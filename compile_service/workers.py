@@ -103,6 +103,12 @@ class Workers:
         self._start(fresh)
         return fresh
 
+    def started(self) -> int:
+        """Workers whose start (their imports) has ended well."""
+        with self._lock:
+            starts = list(self._started.values())
+        return sum(1 for f in starts if f.done() and f.exception() is None)
+
     def pids(self) -> set[int]:
         """The live workers' process ids (empty for threads)."""
         with self._lock:

@@ -248,12 +248,17 @@ def test_nvrtc_workers_parse_the_zoo_headers_in_the_background(make_daemon, tmp_
     first.stop()
     assert not any((pch_root / w).exists() for w in workers)
 
-    # A later daemon's workers build the PCHs of the preludes the first one found, with no
-    # lowering of examples, and CUDA builds are served by them.
+    # A later daemon on this cache, which holds a kernel, parses no header while it only serves
+    # hits: its workers count as ready once started. Its first build starts the warm-up, which
+    # builds the PCHs of the preludes the first daemon found, with no lowering of examples.
     again = make_daemon("--target", "sm_90a", "--cuda-compiler", "nvrtc", cache_dir=cache, workers=2)
     _wait_ready(again)
-    assert "lowering the kinds' warm-up examples" not in again.log() and again.log().count("precompiled headers for") == 2
+    assert again.client().get_kernel("rmsnorm", M=None, N=64, dtype="float32", target="c").outcome == "hit"
+    time.sleep(1.5)  # past WARM_AFTER_IDLE: a warm-up would have started
+    assert "precompiled headers for" not in again.log() and "warm-up" not in again.log()
     assert again.client().get_kernel("rmsnorm", M=None, N=64, dtype="float16", target="sm_90a").outcome == "compiled"
+    _wait_ready(again)
+    assert "lowering the kinds' warm-up examples" not in again.log() and again.log().count("precompiled headers for") == 2
 
 
 def test_idle_workers_share_out_the_warm_up_examples_one_per_step(tmp_path):

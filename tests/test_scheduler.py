@@ -123,6 +123,35 @@ def test_warm_up_waits_until_no_build_has_run_for_a_while(scheduler, monkeypatch
     assert s.workers_ready == 1
 
 
+def test_a_cache_that_holds_kernels_warms_up_only_once_a_build_runs(scheduler, monkeypatch):
+    """A daemon restarted on a warm cache serves hits: its workers parse no header (a co-located
+    agent starting meanwhile is not slowed) until a miss shows it will build. Until then a
+    started worker counts as ready."""
+    steps = []
+    monkeypatch.setattr(compiler, "warm_step", lambda: (steps.append(time.monotonic()), (os.getpid(), True))[1])
+    first = scheduler()
+    first.start_workers()
+    first.request(rmsnorm(64))[0].result(120)
+    first.shutdown(0)
+    steps.clear()
+
+    s = scheduler()  # the same cache, now holding rmsnorm(64)
+    s.start_workers()
+    deadline = time.monotonic() + 10
+    while s.workers_ready < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.workers_ready == 1  # started, nothing to warm for
+    assert s.request(rmsnorm(64))[1] == Outcome.HIT
+    time.sleep(WARM_AFTER_IDLE + 0.5)
+    assert not steps, "warm-up ran on a cache holding what was asked for"
+
+    s.request(rmsnorm(65))[0].result(120)  # a miss: this daemon builds, so its workers warm up
+    deadline = time.monotonic() + 10
+    while not steps and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert steps, "a build did not start the warm-up"
+
+
 def routed(n: int, schedule: str = "auto"):
     return kernels.canonicalize("routed_scale", {"M": None, "N": n, "schedule": schedule}, "c")
 

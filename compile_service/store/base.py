@@ -1,7 +1,7 @@
 """What every store offers the scheduler: storage, claims on builds, the entry, the error.
 
 A store is an action cache (key -> a small metadata record) over a content
-store (file bytes by sha256): lookup, put, remove, usage (Storage). The local
+store (file bytes by sha256): lookup, put, remove, usage, records (Storage). The local
 disk is its implementation (store.local). Claiming a build is apart (Claims):
 before compiling a key after a local miss, the scheduler asks whether another
 builder has built it, is building it, or saw it fail. A store no one else
@@ -66,6 +66,11 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def usage(self) -> tuple[int, int]:
         """(entries, bytes) now: every byte the store keeps counts, and shared bytes once."""
+
+    @abc.abstractmethod
+    def records(self):
+        """Every entry's key and entry.json, read without verifying the entry (explain; whether
+        the cache holds any kernel at all). Serving always goes through lookup."""
 
 
 @dataclass(frozen=True)
