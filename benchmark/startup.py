@@ -32,7 +32,8 @@ just before it spawns the child), so the interpreter's start and the imports cou
 Each variant runs in a fresh child process of this script (so each pays its own
 imports), one after another, on a quiet machine (a variant's own daemon is stopped, its
 workers gone, before the next starts; the sidecar's workers have warmed up before its
-first agent), in this order:
+first agent, and it builds nothing when a variant starts: a router's other ranges, built
+in the background after served_cold's agent took its kernels, are done), in this order:
 
   served_cold                   a daemon already up on a fresh cache, its workers
                                 warmed up; the agent's first step, before its own
@@ -365,6 +366,19 @@ class Bench:
             self._sidecar = self.start_daemon("sidecar")
             self._sidecar.wait_workers_ready()
         return self._sidecar
+
+    def quiet(self, timeout: float = 600) -> None:
+        """Waits until the sidecar (if up) builds nothing and its workers are ready: a router's
+        other ranges, built in the background after an agent took its kernels, would otherwise
+        run beside the next variant's agent."""
+        if self._sidecar is None:
+            return
+        deadline = time.monotonic() + timeout
+        with self._sidecar.client() as c:
+            while (stats := c.stats())["in_flight"] or stats["workers_ready"] < stats["workers"]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the sidecar is still busy after {timeout:g} s: {stats['in_flight']} builds in flight")
+                time.sleep(0.1)
 
     def close(self) -> None:
         for daemon in self.daemons:
@@ -705,8 +719,9 @@ def main(argv=None) -> int:
     rows, failed = {}, []
     try:
         for name in sorted(variants, key=VARIANTS.index):  # cold before warm: warm variants reuse the caches
-            load_before = os.getloadavg()[0]
             try:
+                b.quiet()
+                load_before = os.getloadavg()[0]
                 rows[name] = run_variant(b, name)
                 # Other work on the host skews every number; the load average shows whether there was any.
                 rows[name]["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
