@@ -351,12 +351,16 @@ class LocalStore(Storage):
 
     # ----- housekeeping
     def keys(self) -> list[str]:
-        return [p.name for shard in self.entries_dir.iterdir() if real_dir(shard) for p in shard.iterdir() if real_dir(p)]
+        return list(self._walk_keys())
+
+    def _walk_keys(self):
+        """Keys as the directory walk finds them (lazily: asking whether there is any reads one shard)."""
+        return (p.name for shard in self.entries_dir.iterdir() if real_dir(shard) for p in shard.iterdir() if real_dir(p))
 
     def records(self):
         """Every entry's key and entry.json, read without verifying the entry (explain only
         compares specs and toolchains; serving always goes through lookup)."""
-        for key in self.keys():
+        for key in self._walk_keys():
             try:
                 meta = json.loads(read_owned(self.entry_path(key) / ENTRY_META, self.owner))
             except (OSError, ValueError):
