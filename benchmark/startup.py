@@ -487,12 +487,17 @@ def warm_sidecar(b: Bench, name: str):
     daemon = b.sidecar()
     if not b.sidecar_has_kernels:
         progress(name, "filling the daemon's cache (untimed)")
-        with daemon.client() as c:
-            failed = [k for k in c.prefetch(layer_specs(b.cfg), load=False) if isinstance(k, Exception)]
-        if failed:
-            raise failed[0]
+        fill(daemon, b.cfg)
         b.sidecar_has_kernels = True
     return daemon
+
+
+def fill(daemon, cfg) -> None:
+    """Build the layer's kernels into the daemon's cache, loading none here."""
+    with daemon.client() as c:
+        failed = [k for k in c.prefetch(layer_specs(cfg), load=False) if isinstance(k, Exception)]
+    if failed:
+        raise failed[0]
 
 
 def variant_served_warm(b: Bench) -> dict:
@@ -549,10 +554,7 @@ def variant_eager_beside_restart(b: Bench) -> dict:
     progress("eager_beside_restart", "filling a cache (untimed)")
     filler = b.start_daemon("restart", cache=cache)
     try:
-        with filler.client() as c:
-            failed = [k for k in c.prefetch(layer_specs(b.cfg), load=False) if isinstance(k, Exception)]
-        if failed:
-            raise failed[0]
+        fill(filler, b.cfg)
     finally:
         filler.stop()
     daemon = b.start_daemon("restart", cache=cache)

@@ -405,10 +405,10 @@ class Scheduler:
                 return done(entry), Outcome.HIT
             flight = self._enqueue(key, spec, priority, counted, plan)
         tally(misses=1)
-        if not plan.bases:
-            self._warmup.start()  # this daemon builds: its workers warm up in the gaps between builds
         if plan.bases:
             self._serve_from_builds(flight, plan, priority, compile)
+        else:
+            self._warmup.start()  # this daemon builds: its workers warm up in the gaps between builds
         for build in plan.after:  # named, not waited for: made once the queue has nothing else
             try:
                 self.request(build, LATER, counted=False, compile=compile)
