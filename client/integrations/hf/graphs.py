@@ -281,6 +281,7 @@ class _Step:
 
     def __init__(self, kwargs: dict, layers):
         self.inputs = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        self.targets = list(self.inputs.values())
         self.tensors = [_tensors(layer) for layer in layers]
         self.holders = [weakref.ref(layer) for layer in layers]  # the layers that hold them now
         self.graph = None
@@ -315,8 +316,21 @@ class _Steps:
         self.batches, self.forward, self.stats = batches, forward, stats
         self.graphs: dict[tuple, _Step] = {}
         self.seen: set = set()
+        # A static cache's layers and layout, once per cache: its tensors keep their shapes, and
+        # walking every layer each step costs a deep model host time on every token.
+        self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def _why_not(self, model, args, kwargs) -> str:
+    def _static(self, cache) -> tuple | None:
+        """The cache's (layers, layout) if it is static (_static_layers), else None."""
+        known = self._caches.get(cache)
+        if known is None:
+            layers = _static_layers(cache)
+            if layers is None:
+                return None
+            known = self._caches[cache] = (layers, _layout(layers))
+        return known
+
+    def _why_not(self, model, args, kwargs, static) -> str:
         ids = kwargs.get("input_ids")
         if not self.batches:
             return "a decode step (no (batch, 1) bucket asked for)"
@@ -326,19 +340,19 @@ class _Steps:
             return f"a decode step of batch {ids.shape[0]} (no ({ids.shape[0]}, 1) bucket)"
         if model.training or torch.is_grad_enabled():
             return "training mode or grad enabled"
-        if _static_layers(kwargs["past_key_values"]) is None:
+        if static is None:
             return "a decode step with a cache that is not static (generate(..., cache_implementation='static'))"
         return ""
 
     def __call__(self, model, args, kwargs):
-        why = self._why_not(model, args, kwargs)
+        cache = kwargs["past_key_values"]
+        static = self._static(cache)
+        why = self._why_not(model, args, kwargs, static)
         if why:
             self.stats.uncaptured[why] += 1
             return self.forward(*args, **kwargs)
-        layers = _static_layers(kwargs["past_key_values"])
-        key = tuple(
-            sorted((k, (v.shape, v.dtype) if isinstance(v, torch.Tensor) else _layout(layers) if k == "past_key_values" else id(v)) for k, v in kwargs.items())
-        )
+        layers, layout = static
+        key = tuple(sorted((k, (v.shape, v.dtype) if isinstance(v, torch.Tensor) else layout if v is cache else id(v)) for k, v in kwargs.items()))
         step = self.graphs.get(key)
         if step is None:
             if key not in self.seen or len(self.graphs) >= self.LIMIT:  # the first call loads what the step needs
@@ -352,11 +366,10 @@ class _Steps:
         else:
             if not step.holds(layers):  # another cache of this layout (generate makes one per call)
                 step.adopt(layers)
-            for k, v in step.inputs.items():
-                v.copy_(kwargs[k])
+            torch._foreach_copy_(step.targets, [kwargs[k] for k in step.inputs])  # one call, not one per input
         step.graph.replay()
         self.stats.replays[(kwargs["input_ids"].shape[0], 1)] += 1
-        return _put_cache(_cut(step.out), step.cache_at, kwargs["past_key_values"])  # the call's own cache, which generate goes on with
+        return _put_cache(_cut(step.out), step.cache_at, cache)  # the call's own cache, which generate goes on with
 
     def _capture(self, kwargs: dict, layers) -> _Step:
         """Records the step (capture runs nothing: the cache does not advance); the replay after it
