@@ -474,3 +474,20 @@ def test_rope_rows_are_made_once_per_cos_and_sin():
     assert again[0] is positions and again[1] is cache
     other = hf.rope.rope_rows(cos, torch.randn(1, 6, 8), 3, torch.float32)  # another sin: made again
     assert other[1] is not cache and not torch.equal(other[1], cache)
+
+
+@pytest.mark.parametrize("tensor_offset", [False, True])
+def test_a_causal_decode_step_s_mask_is_sdpa_s(tensor_offset):
+    """A decode step's mask, made the short way (attention._decode_mask), equals transformers'
+    sdpa_mask: past the current key, padding on either side, a 2D mask shorter or longer than the
+    keys, an offset of the keys, the position as a static cache's tensor."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    g = torch.Generator().manual_seed(0)
+    for kv_length, q_offset, kv_offset, mask_len in ((10, 6, 0, 7), (10, 9, 0, 10), (8, 9, 2, 10), (10, 4, 0, 12), (6, 3, 0, None)):
+        two_d = None if mask_len is None else (torch.rand(3, mask_len, generator=g) > 0.3).long()
+        args = dict(batch_size=3, q_length=1, kv_length=kv_length, kv_offset=kv_offset, mask_function=causal_mask_function, attention_mask=None if two_d is None else two_d.bool())
+        position = torch.tensor([q_offset]) if tensor_offset else q_offset
+        got = hf.attention.mask(q_offset=position, allow_is_causal_skip=False, device=torch.device("cpu"), **args)
+        want = sdpa_mask(q_offset=q_offset, allow_is_causal_skip=False, **args)
+        assert got.shape == (3, 1, 1, kv_length) and torch.equal(got, want), (kv_length, q_offset, kv_offset, mask_len)

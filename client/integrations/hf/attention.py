@@ -37,9 +37,12 @@ def mask(
     **kwargs,
 ):
     """sdpa's mask, except that a plain causal or full pattern with no padding is None even while
-    tracing (torch < 2.14 materializes it under torch.compile): the served kernels need no mask."""
-    from transformers.masking_utils import sdpa_mask
+    tracing (torch < 2.14 materializes it under torch.compile): the served kernels need no mask;
+    and a causal decode step's mask is made in a few operations (_decode_mask)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
 
+    if q_length == 1 and not allow_is_causal_skip and mask_function is causal_mask_function and local_size is None:
+        return _decode_mask(batch_size, kv_length, q_offset, kv_offset, attention_mask, kwargs.get("device"))
     if capturing():  # the mask was checked on the host; reading it here would sync inside a capture
         allow_is_causal_skip = allow_is_bidirectional_skip = False
     plain = (allow_is_causal_skip and (q_length == 1 or q_length == kv_length)) or allow_is_bidirectional_skip
@@ -58,6 +61,20 @@ def mask(
         allow_is_bidirectional_skip=allow_is_bidirectional_skip,
         **kwargs,
     )
+
+
+def _decode_mask(batch_size, kv_length, q_offset, kv_offset, attention_mask, device):
+    """sdpa_mask's [batch, 1, 1, keys] mask of one causal query at position q_offset (an int, or a
+    static cache's tensor): key j is seen iff j + kv_offset <= q_offset and the 2D mask (padded
+    with zeros to the keys) has it. A decode step makes this mask on the host every token, where
+    sdpa_mask's general form costs three times the launches."""
+    keys = torch.arange(kv_offset, kv_offset + kv_length, device=device if attention_mask is None else attention_mask.device)
+    seen = keys <= q_offset
+    if attention_mask is not None:
+        pad = kv_offset + kv_length - attention_mask.shape[-1]
+        padding = attention_mask if pad <= 0 else torch.nn.functional.pad(attention_mask, (0, pad))
+        seen = seen & padding[:, kv_offset : kv_offset + kv_length].bool()
+    return seen.expand(batch_size, kv_length)[:, None, None, :]
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
