@@ -66,8 +66,9 @@ def mask(
 def _decode_mask(batch_size, kv_length, q_offset, kv_offset, attention_mask, device):
     """sdpa_mask's [batch, 1, 1, keys] mask of one causal query at position q_offset (an int, or a
     static cache's tensor): key j is seen iff j + kv_offset <= q_offset and the 2D mask (padded
-    with zeros to the keys) has it. A decode step makes this mask on the host every token, where
-    sdpa_mask's general form costs three times the launches."""
+    with zeros to the keys) has it. generate makes this mask on the host before every decode
+    step, outside any graph: sdpa_mask's general form launches many more kernels for it
+    (docs/measured.md#hugging-face-models)."""
     keys = torch.arange(kv_offset, kv_offset + kv_length, device=device if attention_mask is None else attention_mask.device)
     seen = keys <= q_offset
     if attention_mask is not None:
