@@ -485,8 +485,8 @@ def test_a_causal_decode_step_s_mask_is_sdpa_s(tensor_offset):
 
     g = torch.Generator().manual_seed(0)
     for kv_length, q_offset, kv_offset, mask_len in ((10, 6, 0, 7), (10, 9, 0, 10), (8, 9, 2, 10), (10, 4, 0, 12), (6, 3, 0, None)):
-        two_d = None if mask_len is None else (torch.rand(3, mask_len, generator=g) > 0.3).long()
-        args = dict(batch_size=3, q_length=1, kv_length=kv_length, kv_offset=kv_offset, mask_function=causal_mask_function, attention_mask=None if two_d is None else two_d.bool())
+        two_d = None if mask_len is None else torch.rand(3, mask_len, generator=g) > 0.3
+        args = dict(batch_size=3, q_length=1, kv_length=kv_length, kv_offset=kv_offset, mask_function=causal_mask_function, attention_mask=two_d)
         position = torch.tensor([q_offset]) if tensor_offset else q_offset
         got = hf.attention.mask(q_offset=position, allow_is_causal_skip=False, device=torch.device("cpu"), **args)
         want = sdpa_mask(q_offset=q_offset, allow_is_causal_skip=False, **args)
