@@ -105,7 +105,7 @@ def test_llama_swapped_and_matches(llamas):
     ref, model = llamas
     r = model.kernel_service
     assert r.backend == "kernel-service" and not r.kept, r
-    assert set(r.swapped.values()) == {"rmsnorm", "swiglu", "rope", "attention + kv_attention"}
+    assert set(r.swapped.values()) == {"rmsnorm", "add_rmsnorm", "swiglu", "rope", "attention + kv_attention"}
     assert type(model.model.layers[0].input_layernorm).forward is modeling_llama.LlamaRMSNorm.forward  # the class is untouched
     assert model.model.layers[0].input_layernorm.forward.__func__ is hf.RMSNormLayer.forward
     assert model.config._attn_implementation == hf.ATTN
@@ -117,8 +117,8 @@ def test_llama_swapped_and_matches(llamas):
         out = model(ids).logits
         with own_rotary(modeling_llama):
             want = ref(ids).logits
-    # 2 layers: 2 norms, rope, attention, MLP each; plus the final norm
-    assert {k: r.calls[k] - before.get(k, 0) for k in r.calls} == {"rmsnorm": 5, "rope": 2, "attention": 2, "swiglu": 2}
+    # 2 layers: a norm, rope, attention, the residual add with the second norm, MLP each; plus the final norm
+    assert {k: r.calls[k] - before.get(k, 0) for k in r.calls} == {"rmsnorm": 3, "add_rmsnorm": 2, "rope": 2, "attention": 2, "swiglu": 2}
     assert not r.fallbacks
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
@@ -383,7 +383,7 @@ def test_a_call_with_grad_enabled_warns_once_and_counts_every_fallback(daemon):
         model(ids)
     assert sum("inference_mode" in str(w.message) for w in caught) == 1
     r = model.kernel_service
-    assert not r.calls and dict(r.fallbacks) == {"rmsnorm": 10, "rope": 4, "attention": 4, "swiglu": 4}, r.fallbacks
+    assert not r.calls and dict(r.fallbacks) == {"add_rmsnorm": 4, "rmsnorm": 10, "rope": 4, "attention": 4, "swiglu": 4}, r.fallbacks
 
 
 def test_a_model_called_in_another_dtype_counts_every_fallback_rope_included(daemon):
@@ -395,7 +395,7 @@ def test_a_model_called_in_another_dtype_counts_every_fallback_rope_included(dae
     with torch.inference_mode():
         model(torch.randint(3, VOCAB, (1, 5)))
     r = model.kernel_service
-    assert not r.calls and dict(r.fallbacks) == {"rmsnorm": 5, "rope": 2, "attention": 2, "swiglu": 2}, r.fallbacks
+    assert not r.calls and dict(r.fallbacks) == {"add_rmsnorm": 2, "rmsnorm": 5, "rope": 2, "attention": 2, "swiglu": 2}, r.fallbacks
 
     # An attention option the kernel does not take (a scaling of its own): sdpa, counted too.
     model.float()
@@ -422,7 +422,7 @@ def test_backend_policy(daemon, monkeypatch):
     # strict: the backend asked for, or an error; auto on the CPU would be eager
     with pytest.raises(RuntimeError, match=r"strict=True.*'auto' would be 'eager'"):
         hf.kernelize(llama(), client=c, strict=True)
-    with pytest.raises(RuntimeError, match=r"strict=True.*model\.layers\.0\..*float32"):
+    with pytest.raises(RuntimeError, match=r"strict=True.*model\.layers\.0\b.*float32"):
         hf.kernelize(llama().to(torch.bfloat16), client=c, backend="kernel-service", strict=True)
     # no daemon on the socket
     import client
@@ -443,6 +443,25 @@ def test_strict_names_a_kept_module(daemon):
     assert "model.layers.0.mlp" not in m.kernel_service.swapped
     with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp.*gelu"):
         hf.kernelize(llama(hidden_act="gelu"), client=daemon[1], backend="kernel-service", strict=True)
+
+
+def test_a_decoder_layer_fuses_only_what_is_served(daemon):
+    """Llama's decoder layer drops its residual adds around what is served: a kept MLP (GELU) is added
+    after its own forward, and a layer whose post-attention norm is not Llama's RMSNorm keeps its own
+    forward, named in `kept`. Outputs match eager either way."""
+    ref = llama(hidden_act="gelu")
+    ref.model.layers[1].post_attention_layernorm = torch.nn.RMSNorm(64, eps=1e-6)
+    model = hf.kernelize(copy.deepcopy(ref), client=daemon[1], backend="kernel-service", warmup=False)
+    r = model.kernel_service
+    assert r.swapped["model.layers.0"] == "add_rmsnorm" and "model.layers.1" not in r.swapped
+    assert r.kept["model.layers.1"].startswith("post_attention_layernorm is not Llama's RMSNorm"), r.kept
+    ids = torch.randint(3, VOCAB, (2, 7))
+    with torch.inference_mode():
+        out = model(ids).logits
+        with own_rotary(modeling_llama):
+            want = ref(ids).logits
+    assert dict(r.calls) == {"rmsnorm": 3, "add_rmsnorm": 1, "rope": 2, "attention": 2} and not r.fallbacks, r
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 
 def test_no_hugging_face_kernels_distribution():

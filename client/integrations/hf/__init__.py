@@ -15,7 +15,8 @@ here, and through transformers' attention interfaces, keeping the model's own we
 - `nn.LayerNorm` with weights (ModernBERT; this model's instances only) -> `layernorm`;
 - ModernBERT's encoder layer, its two residual adds fused away: the attention output's into
   `mlp_norm` (`layernorm` with `residual`: one kernel writes the sum and its norm), the MLP's into
-  its `Wo` GEMM (accumulated onto that sum, a tensor the layer owns);
+  its `Wo` GEMM (accumulated onto that sum, a tensor the layer owns); Llama's decoder layer (and
+  its modular copies) the same way, `add_rmsnorm` for `post_attention_layernorm`, `down_proj`'s GEMM;
 - rotary (the modeling module's `apply_rotary_pos_emb`, replaced by a wrapper) -> `rope` with the
   model's own cos/sin as the cache;
 - an attention module with one fused QKV projection (ModernBERT's `Wqkv`) is swapped whole:
@@ -52,7 +53,7 @@ check_transformers()
 from . import attention, graphs, rope, served  # noqa: E402, F401  (after the check; tests reach ATTR, ROPE and the interfaces here)
 from .attention import ATTN  # noqa: E402
 from .backends import BACKENDS, kernelize  # noqa: E402
-from .layers import EncoderLayer, GeGLUMLPLayer, LayerNormLayer, QKVAttentionLayer, RMSNormLayer, SwiGLUMLPLayer  # noqa: E402
+from .layers import DecoderLayer, EncoderLayer, GeGLUMLPLayer, LayerNormLayer, QKVAttentionLayer, RMSNormLayer, SwiGLUMLPLayer  # noqa: E402
 from .graphs import GraphStats  # noqa: E402
 from .report import Report  # noqa: E402
 from .rope import RotaryLayer  # noqa: E402
@@ -62,6 +63,7 @@ __all__ = [
     "ATTN",
     "BACKENDS",
     "GRAD_WARNING",
+    "DecoderLayer",
     "EncoderLayer",
     "GeGLUMLPLayer",
     "GraphStats",

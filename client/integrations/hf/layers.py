@@ -3,6 +3,8 @@ each falls back to the module's own forward when a call is not served."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -40,22 +42,43 @@ class EncoderLayer(ServedLayer):
         if entry is None:
             return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_embeddings=position_embeddings, **kwargs)
         attn_output, _ = self.attn(self.attn_norm(hidden_states), position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
-        n, norm = hidden_states.shape[-1], self.mlp_norm
-        bias = (norm.bias,) if norm.bias is not None else ()
-        normed, summed = entry.kernel(attn_output.reshape(-1, n), hidden_states.reshape(-1, n), norm.weight, *bias)
-        return add_mlp(self.mlp, normed, summed).view(hidden_states.shape)
+        return norm_and_mlp(entry, self.mlp_norm, self.mlp, attn_output, hidden_states)
+
+
+class DecoderLayer(ServedLayer):
+    """Llama's decoder layer (`h += attn(input_norm(h)); h += mlp(post_attention_norm(h))`) without
+    its two residual adds: `add_rmsnorm` takes the attention output and the layer's input and writes
+    their sum and its norm (vLLM's fused_add_rms_norm), and the MLP adds onto that sum in place."""
+
+    def forward(self, hidden_states, **kwargs):  # LlamaModel passes the rest by keyword
+        entry = module_entry(self, hidden_states, self.post_attention_layernorm.weight)
+        if entry is None:
+            return type(self).forward(self, hidden_states, **kwargs)
+        attn_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        return norm_and_mlp(entry, self.post_attention_layernorm, self.mlp, attn_output, hidden_states)
+
+
+def norm_and_mlp(entry, norm, mlp, attn_output, hidden_states):
+    """`h = hidden_states + attn_output; h + mlp(norm(h))` with no add of its own: `entry`'s kernel
+    (a norm with `residual`) writes h and norm(h) in one pass, and add_mlp accumulates onto h."""
+    n = hidden_states.shape[-1]
+    bias = (norm.bias,) if getattr(norm, "bias", None) is not None else ()
+    normed, summed = entry.kernel(attn_output.reshape(-1, n), hidden_states.reshape(-1, n), norm.weight, *bias)
+    return add_mlp(mlp, normed, summed).view(hidden_states.shape)
 
 
 def add_mlp(mlp, x, out):
-    """out += mlp(x), in place (`out`: a tensor the caller owns). A served GLU MLP's `Wo` GEMM
+    """out += mlp(x), in place (`out`: a tensor the caller owns). A served GLU MLP's output GEMM
     accumulates onto `out` itself (addmm_: the GEMM's epilogue adds), instead of a separate add."""
     entry = mlp.__dict__.get(ATTR)
-    entry = served(entry, mlp, x, mlp.Wi.weight) if entry is not None and entry.kind == "geglu" and type(mlp.Wo) is nn.Linear else None
-    if entry is None:
-        return out.add_(mlp(x).view(out.shape))
-    h = mlp.Wi(x)
-    out.addmm_(entry.kernel(h.reshape(-1, h.shape[-1])), mlp.Wo.weight.t())  # dropout: identity in eval
-    return out if mlp.Wo.bias is None else out.add_(mlp.Wo.bias)
+    glu = _GLU.get(getattr(entry, "kind", None))
+    if glu is None or type(getattr(mlp, glu.out)) is not nn.Linear:
+        return out.add_(mlp(x).view(out.shape))  # its own forward, served or not, counts itself
+    if served(entry, mlp, x, getattr(mlp, glu.into).weight) is None:
+        return out.add_(type(mlp).forward(mlp, x).view(out.shape))  # counted as a fallback just now
+    act, proj = glu.layer.act(mlp, entry, x), getattr(mlp, glu.out)
+    out.addmm_(act.reshape(-1, act.shape[-1]), proj.weight.t())
+    return out if proj.bias is None else out.add_(proj.bias)
 
 
 class SwiGLUMLPLayer(ServedLayer):
@@ -63,9 +86,14 @@ class SwiGLUMLPLayer(ServedLayer):
         entry = module_entry(self, x, self.gate_proj.weight)
         if entry is None:
             return type(self).forward(self, x)
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(SwiGLUMLPLayer.act(self, entry, x))
+
+    @staticmethod
+    def act(mlp, entry, x):
+        """silu(gate_proj(x)) * up_proj(x): what down_proj reads."""
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
         n = gate.shape[-1]
-        return self.down_proj(entry.kernel(gate.reshape(-1, n), up.reshape(-1, n)).view(gate.shape))
+        return entry.kernel(gate.reshape(-1, n), up.reshape(-1, n)).view(gate.shape)
 
 
 class GeGLUMLPLayer(ServedLayer):
@@ -75,9 +103,24 @@ class GeGLUMLPLayer(ServedLayer):
         entry = module_entry(self, hidden_states, self.Wi.weight)
         if entry is None:
             return type(self).forward(self, hidden_states)
-        x = self.Wi(hidden_states)
-        n = x.shape[-1]
-        return self.Wo(entry.kernel(x.reshape(-1, n)).view(*x.shape[:-1], n // 2))  # dropout: identity in eval
+        return self.Wo(GeGLUMLPLayer.act(self, entry, hidden_states))  # dropout: identity in eval
+
+    @staticmethod
+    def act(mlp, entry, x):
+        """gelu(input) * gate of Wi(x) = [input | gate]: what Wo reads."""
+        h = mlp.Wi(x)
+        n = h.shape[-1]
+        return entry.kernel(h.reshape(-1, n)).view(*h.shape[:-1], n // 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Glu:
+    layer: type  # its `act`: the activation the output projection reads
+    into: str  # the projection whose weight the call is checked against
+    out: str  # the output projection (add_mlp's GEMM)
+
+
+_GLU = {"swiglu": _Glu(SwiGLUMLPLayer, "gate_proj", "down_proj"), "geglu": _Glu(GeGLUMLPLayer, "Wi", "Wo")}
 
 
 class QKVAttentionLayer(ServedLayer):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .layers import EncoderLayer, GeGLUMLPLayer, LayerNormLayer, RMSNormLayer, SwiGLUMLPLayer
+from .layers import DecoderLayer, EncoderLayer, GeGLUMLPLayer, LayerNormLayer, RMSNormLayer, SwiGLUMLPLayer
 from .rope import unwrapped
 
 
@@ -52,6 +52,7 @@ def _known():
     return {
         "rmsnorm": {_code(llama.LlamaRMSNorm.forward)},
         "swiglu": {_code(llama.LlamaMLP.forward)},
+        "decoder_layer": {_code(llama.LlamaDecoderLayer.forward)},
         "geglu": {_code(modernbert.ModernBertMLP.forward)},
         "encoder_layer": {_code(modernbert.ModernBertEncoderLayer.forward)},
         "qkv_attention": {_code(modernbert.ModernBertAttention.forward)},
@@ -104,6 +105,13 @@ def _residual_layernorm(m):
     return {"M": None, "N": norm.normalized_shape[0], "eps": float(norm.eps), "bias": norm.bias is not None, "residual": True}
 
 
+def _residual_rmsnorm(m):
+    norm = m.post_attention_layernorm
+    if not computes("rmsnorm")(norm):
+        return "post_attention_layernorm is not Llama's RMSNorm (the residual add is fused into it)"
+    return {"M": None, "N": norm.weight.shape[-1], "eps": float(norm.variance_epsilon)}
+
+
 def _layernorm(m):
     if m.weight is None or len(m.normalized_shape) != 1:
         return "layernorm serves one normalized dim with weights"
@@ -128,6 +136,7 @@ RULES = (  # the first rule that matches a module decides
     Rule(computes("swiglu"), "swiglu", _swiglu, SwiGLUMLPLayer),
     Rule(computes("geglu"), "geglu", _geglu, GeGLUMLPLayer),
     Rule(computes("encoder_layer"), "layernorm", _residual_layernorm, EncoderLayer),
+    Rule(computes("decoder_layer"), "add_rmsnorm", _residual_rmsnorm, DecoderLayer),
     Rule(lambda m: type(m) is nn.LayerNorm, "layernorm", _layernorm, LayerNormLayer),
     Rule(_is_attention, "attention", _attention, None),  # through transformers' interfaces, with _attention_riders
 )
