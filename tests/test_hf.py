@@ -464,6 +464,22 @@ def test_a_decoder_layer_fuses_only_what_is_served(daemon):
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 
+def test_a_decoder_layer_whose_mlp_cannot_be_served_counts_one_fallback(daemon):
+    """The layer is served but its MLP, left in training mode, is not: the MLP runs its own forward
+    once, counted once as a fallback, and the output still matches eager."""
+    ref = llama()
+    model = hf.kernelize(copy.deepcopy(ref), client=daemon[1], backend="kernel-service", warmup=False)
+    model.model.layers[0].mlp.train()
+    ids = torch.randint(3, VOCAB, (1, 6))
+    with torch.inference_mode():
+        out = model(ids).logits
+        with own_rotary(modeling_llama):
+            want = ref(ids).logits
+    r = model.kernel_service
+    assert dict(r.fallbacks) == {"swiglu": 1} and r.calls["swiglu"] == 1 and r.calls["add_rmsnorm"] == 2, r
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
 def test_no_hugging_face_kernels_distribution():
     """The integration applies the HF `kernels` layer contract itself: no `kernels` distribution is
     installed (it would share `site-packages/kernels/` with this project's package), and transformers,

@@ -109,7 +109,7 @@ def _residual_rmsnorm(m):
     norm = m.post_attention_layernorm
     if not computes("rmsnorm")(norm):
         return "post_attention_layernorm is not Llama's RMSNorm (the residual add is fused into it)"
-    return {"M": None, "N": norm.weight.shape[-1], "eps": float(norm.variance_epsilon)}
+    return _rmsnorm(norm)
 
 
 def _layernorm(m):
