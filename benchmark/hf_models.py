@@ -210,6 +210,7 @@ def run_workload(name, base, inputs, call, compare, device, reps, rounds, c, row
                     "replays": sum(r.graphs.replays.values()),
                     "uncaptured": dict(r.graphs.uncaptured),
                     "capture_s": round(r.graphs.capture_s, 3),
+                    "head": r.graphs.head,
                 }
         rows.append(row)
     models.clear()

@@ -76,6 +76,28 @@ def test_the_captured_forward_reads_nothing_on_the_host_and_matches(cpu_daemon):
     torch.testing.assert_close(out[valid], want[valid], atol=2e-5, rtol=1e-4)
 
 
+def test_a_causal_lm_s_head_runs_after_what_its_graph_captures(cpu_daemon):
+    """A causal LM's graph leaves its head out (the logits it holds are the hidden states the head
+    reads), and a call's logits are the head's output of its own rows: the forward's logits, in a
+    tensor of the call's own. A model without a head (an encoder) has nothing to leave out."""
+    model = hf.kernelize(llama(), client=cpu_daemon, backend="kernel-service")
+    g = graphs._Graph(2, 16, torch.device("cpu"), 0)
+    g.load(torch.randint(3, VOCAB, (2, 11)), None)
+    with torch.no_grad(), no_host_reads():
+        whole = graphs.run(model.forward, g, {"use_cache": False})
+        head, why = graphs._head(model, whole)
+        with graphs._without(head):
+            g.out = graphs.run(model.forward, g, {"use_cache": False})
+    assert head is model.lm_head and not why and type(model.lm_head).forward is torch.nn.Linear.forward and "forward" not in vars(head)
+    assert g.out.logits.shape == (2, 16, model.config.hidden_size)
+    g.head = head
+    with torch.inference_mode():
+        got = g.outputs(1, 9).logits
+    assert got.shape == (1, 9, VOCAB) and got.untyped_storage().data_ptr() != g.out.logits.untyped_storage().data_ptr()
+    torch.testing.assert_close(got, whole.logits[:1, :9], atol=1e-6, rtol=1e-5)
+    assert graphs._head(hf.kernelize(modernbert(), client=cpu_daemon, backend="kernel-service"), whole) == (None, "")
+
+
 @pytest.mark.parametrize("padded, mode", [(False, torch.inference_mode), ("left", torch.inference_mode), ("left", torch.no_grad), ("gap", torch.no_grad)])
 def test_a_captured_decode_step_reads_nothing_on_the_host_and_matches(cpu_daemon, padded, mode):
     """generate with a static cache, each decode step run as a capture runs it (every sequence's
@@ -181,12 +203,15 @@ def test_a_captured_causal_lm_replays_prefill_without_a_cache_only(cuda_daemon):
     ids = torch.randint(3, VOCAB, (2, 16), device="cuda")
     with torch.inference_mode():
         got = model(ids, use_cache=False).logits
+        part = model(ids[:1, :9], use_cache=False).logits  # padded up to the bucket; the head reads its own rows
         model(ids)  # use_cache defaults on: a cache is not captured
         with own_rotary(modeling_llama):
             want = ref(ids, use_cache=False).logits
+            want_part = ref(ids[:1, :9], use_cache=False).logits
     stats = model.kernel_service.graphs
-    assert dict(stats.replays) == {(2, 16): 1} and sum(stats.uncaptured.values()) == 1
+    assert dict(stats.replays) == {(2, 16): 2} and sum(stats.uncaptured.values()) == 1 and stats.head == "after the replay", stats
     torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(part, want_part, atol=5e-2, rtol=5e-2)
 
 
 def prefilled_cache(model, seed):

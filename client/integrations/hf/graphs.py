@@ -20,7 +20,11 @@ alive, as long as the model (or until `release()`).
 A forward call is padded up to its bucket: its ids with the pad token, its attention mask with zeros
 (each sequence's keys are its mask's one run of ones, so the padding changes nothing the call
 sees), and the outputs are cut back to the call's batch and tokens and copied out of the graph's
-memory (they stay valid after the next call, unlike reduce-overhead's). A call no bucket serves
+memory (they stay valid after the next call, unlike reduce-overhead's). A causal LM's head (its
+`nn.Linear` output embedding) is left out of the graph and runs after each replay, writing the
+call's own logits: the largest output is then never copied (a 2048-token call of a 128k
+vocabulary: 525 MB). It is left out only where the logits come out the same as the whole
+forward's, checked at capture; `graphs.head` says which. A call no bucket serves
 (longer, another keyword, grad enabled, a mask with a gap) runs the forward uncaptured, as
 without graphs, and is counted in `model.kernel_service.graphs`.
 
@@ -72,6 +76,7 @@ class GraphStats:
     steps: int = 0  # decode steps captured (one per static cache and batch)
     uncaptured: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # why -> calls run without a graph
     capture_s: float = 0.0  # warm-up and capture, all buckets
+    head: str = ""  # a causal LM's head: "after the replay", or why it stays in the graph ('': no head)
     reason: str = ""  # why nothing was captured ('' when the buckets were)
 
 
@@ -110,6 +115,7 @@ class _Graph:
         self.mask = torch.ones((batch, tokens), dtype=torch.long, device=device)
         self.graph = None
         self.out = None
+        self.head = None  # the output embedding, run after the replay (None: inside the graph, or none)
 
     def load(self, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
         """A call's inputs into the static ones, padded: pad tokens the mask hides."""
@@ -124,7 +130,7 @@ class _Graph:
 
     def outputs(self, b: int, s: int):
         """The graph's outputs as a call of [b, s] gets them (_cut)."""
-        return _cut(self.out, (self.batch, self.tokens), (b, s))
+        return _cut(self.out, (self.batch, self.tokens), (b, s), self.head)
 
 
 class Graphs:
@@ -157,17 +163,39 @@ class Graphs:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(2):  # loads every kernel this shape needs; cuBLAS picks its algorithms
-                        self._run(g)
+                        whole = self._run(g)
                 torch.cuda.current_stream().wait_stream(side)
-                g.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g.graph, pool=pool, capture_error_mode="thread_local"):
-                    g.out = self._run(g)
+                self._record(g, pool, whole)
             self._graphs[(batch, tokens)] = g
         torch.cuda.synchronize()
         self.stats.buckets = list(self.buckets)
         self.stats.capture_s += time.perf_counter() - t
         self.model.forward = self  # an instance attribute: the class and other models are untouched
         return self
+
+    def _record(self, g: _Graph, pool, whole) -> None:
+        """Captures g's forward; a causal LM's head after the replay where that gives `whole`'s
+        logits (the forward's own, run eagerly on the same inputs), else inside the graph."""
+        head, why = _head(self.model, whole)
+        if head is not None:
+            with _without(head):
+                self._capture(g, pool)
+            g.graph.replay()
+            if torch.equal(head(g.out["logits"]), whole["logits"]):
+                g.head = head
+            else:
+                why = "its logits after the replay differ from the whole forward's"
+        if g.head is None:
+            self._capture(g, pool)
+        if why:  # a bucket that keeps its head says why
+            self.stats.head = why
+        elif g.head is not None and not self.stats.head:
+            self.stats.head = "after the replay"
+
+    def _capture(self, g: _Graph, pool) -> None:
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=pool, capture_error_mode="thread_local"):
+            g.out = self._run(g)
 
     def release(self) -> None:
         """Puts the model's own forward back and frees the graphs."""
@@ -405,6 +433,33 @@ def run(forward, g: _Graph, fixed: dict):
         return forward(input_ids=g.ids, attention_mask=g.mask, **fixed)
 
 
+def _head(model, out) -> tuple:
+    """(head, '') when the model's output embedding is a plain nn.Linear whose output is `out`'s
+    logits, else (None, why); (None, '') for a model without one."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if head is None:
+        return None, ""
+    if type(head) is not torch.nn.Linear or not hasattr(out, "keys") or not isinstance(out.get("logits"), torch.Tensor):
+        return None, "not an nn.Linear whose output is the logits"
+    return head, ""
+
+
+@contextlib.contextmanager
+def _without(head):
+    """`head` passes its input through (an instance attribute: the class and other modules are
+    untouched), so a forward's logits are the hidden states the head would read."""
+    head.forward = _identity
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _identity(x):
+    return x
+
+
 def _put_cache(out, where: list, cache):
     """`out` with `cache` at `where` (keys of a ModelOutput, or indices of a tuple)."""
     if not where:
@@ -419,24 +474,30 @@ def _put_cache(out, where: list, cache):
     return type(out)(items)
 
 
-def _cut(out, bucket: tuple[int, int] | None = None, call: tuple[int, int] | None = None):
+def _cut(out, bucket: tuple[int, int] | None = None, call: tuple[int, int] | None = None, head=None):
     """The graph's outputs as the call's own, copied out of the graph's memory; with a bucket,
-    cut to the call's [batch, tokens] where they are the bucket's."""
+    cut to the call's [batch, tokens] where they are the bucket's; with a `head`, the logits are
+    that head's output of what the graph left in their place (no copy)."""
     batch, tokens = bucket or (-1, -1)
     b, s = call or (-1, -1)
 
-    def cut(t):
-        if not isinstance(t, torch.Tensor):
-            return t
+    def view(t):
         if t.dim() >= 2 and t.shape[0] == batch and t.shape[1] == tokens:
-            t = t[:b, :s]
-        elif t.dim() >= 1 and t.shape[0] == batch:
-            t = t[:b]
-        return t.clone()
+            return t[:b, :s]
+        if t.dim() >= 1 and t.shape[0] == batch:
+            return t[:b]
+        return t
+
+    def cut(t):
+        return view(t).clone() if isinstance(t, torch.Tensor) else t
+
+    def field(k, v):
+        if k == "logits" and head is not None:
+            return head(view(v))
+        return tuple(cut(x) for x in v) if isinstance(v, tuple) else cut(v)
 
     if isinstance(out, torch.Tensor):
         return cut(out)
     if isinstance(out, tuple) and not hasattr(out, "keys"):
         return type(out)(cut(t) if not isinstance(t, tuple) else tuple(cut(x) for x in t) for t in out)
-    fields = {k: (tuple(cut(x) for x in v) if isinstance(v, tuple) else cut(v)) for k, v in out.items()}
-    return type(out)(**fields)
+    return type(out)(**{k: field(k, v) for k, v in out.items()})
