@@ -74,7 +74,9 @@ in the background after served_cold's agent took its kernels, are done), in this
                                 no worker warms up (nothing shows it will build)
 
 Every variant but TileLang's saves its output; each is compared with eager's (relative
-error), and a mismatch fails the run. Besides ready and first output, each variant
+error), and a mismatch fails the run. Before the first variant, this tree's packages are
+byte-compiled (untimed), as an installed client's are: torch and TileLang come with theirs,
+and under PYTHONDONTWRITEBYTECODE an agent would otherwise compile ours at every start. Besides ready and first output, each variant
 reports where its time went: imports (from the process's start), weights, kernels,
 forward.
 """
@@ -147,6 +149,14 @@ VARIANTS = (
     "eager_beside_warm_up",
     "eager_beside_restart",
 )
+
+
+def compile_bytecode() -> None:
+    """This tree's packages byte-compiled into their __pycache__ (quietly; stale files only)."""
+    import compileall
+
+    for package in ("client", "kernels", "proto", "compile_service", "devtools", "benchmark"):
+        compileall.compile_dir(ROOT / package, quiet=1)
 
 
 # ----------------------------------------------------------------------------
@@ -713,6 +723,7 @@ def main(argv=None) -> int:
         if not variants:
             p.error("served_warm_graphs needs a CUDA device")
 
+    compile_bytecode()
     b = Bench(args, cfg)
     print(
         f"startup: {args.layers} layers, {len(layer_specs(cfg))} kernels, target {cfg.target}, variants {', '.join(variants)}; work dir {b.work}",
