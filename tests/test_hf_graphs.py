@@ -98,6 +98,46 @@ def test_a_causal_lm_s_head_runs_after_what_its_graph_captures(cpu_daemon):
     assert graphs._head(hf.kernelize(modernbert(), client=cpu_daemon, backend="kernel-service"), whole) == (None, "")
 
 
+class Softcapped(modeling_llama.LlamaForCausalLM):
+    """Gemma 2's final soft-capping: the logits change after the head."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = torch.tanh(out.logits / 30.0) * 30.0
+        return out
+
+
+class Upcast(modeling_llama.LlamaForCausalLM):
+    """Logits recast after the head (as models that upcast them to float32 do)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits.double()
+        return out
+
+
+@pytest.mark.parametrize(
+    "cls, why",
+    [
+        (modeling_llama.LlamaForCausalLM, ""),
+        (Softcapped, "its logits after the replay differ from the whole forward's"),
+        (Upcast, "the forward without it fails: RuntimeError"),
+    ],
+)
+def test_a_head_is_left_out_only_where_the_logits_come_out_the_same(cls, why):
+    """The capture's check, on the forward run as a capture runs it: the head after the forward
+    without it gives the whole forward's logits bit for bit, or the head stays in the graph and
+    says why (logits changed or recast after the head); the head's own forward is back either way."""
+    model = cls(llama().config).eval()
+    g = graphs._Graph(2, 16, torch.device("cpu"), 0)
+    g.load(torch.randint(3, VOCAB, (2, 11)), None)
+    with torch.no_grad():
+        whole = graphs.run(model.forward, g, {"use_cache": False})
+        got = graphs._head_after(lambda: graphs.run(model.forward, g, {"use_cache": False}), model.lm_head, whole.logits)
+    assert got.startswith(why) and bool(got) == bool(why)
+    assert "forward" not in vars(model.lm_head)
+
+
 @pytest.mark.parametrize("padded, mode", [(False, torch.inference_mode), ("left", torch.inference_mode), ("left", torch.no_grad), ("gap", torch.no_grad)])
 def test_a_captured_decode_step_reads_nothing_on_the_host_and_matches(cpu_daemon, padded, mode):
     """generate with a static cache, each decode step run as a capture runs it (every sequence's

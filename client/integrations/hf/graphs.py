@@ -178,13 +178,8 @@ class Graphs:
         logits (the forward's own, run eagerly on the same inputs), else inside the graph."""
         head, why = _head(self.model, whole)
         if head is not None:
-            with _without(head):
-                self._capture(g, pool)
-            g.graph.replay()
-            if torch.equal(head(g.out["logits"]), whole["logits"]):
-                g.head = head
-            else:
-                why = "its logits after the replay differ from the whole forward's"
+            why = _head_after(lambda: self._capture_and_replay(g, pool), head, whole["logits"])
+            g.head = None if why else head
         if g.head is None:
             self._capture(g, pool)
         if why:  # a bucket that keeps its head says why
@@ -196,6 +191,11 @@ class Graphs:
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=pool, capture_error_mode="thread_local"):
             g.out = self._run(g)
+
+    def _capture_and_replay(self, g: _Graph, pool):
+        self._capture(g, pool)
+        g.graph.replay()
+        return g.out
 
     def release(self) -> None:
         """Puts the model's own forward back and frees the graphs."""
@@ -443,6 +443,19 @@ def _head(model, out) -> tuple:
     if type(head) is not torch.nn.Linear or not hasattr(out, "keys") or not isinstance(out.get("logits"), torch.Tensor):
         return None, "not an nn.Linear whose output is the logits"
     return head, ""
+
+
+def _head_after(outputs, head, logits: torch.Tensor) -> str:
+    """'' when `head` run on the logits of the forward without it (`outputs()`, called with the
+    head left out) gives the whole forward's `logits`, else why not."""
+    try:
+        with _without(head):
+            held = outputs()["logits"]
+        if torch.equal(head(held), logits):
+            return ""
+    except Exception as exc:  # a forward that reshapes or recasts its logits after the head, say
+        return f"the forward without it fails: {type(exc).__name__}: {exc}"
+    return "its logits after the replay differ from the whole forward's"
 
 
 @contextlib.contextmanager
