@@ -74,11 +74,11 @@ in the background after served_cold's agent took its kernels, are done), in this
                                 no worker warms up (nothing shows it will build)
 
 Every variant but TileLang's saves its output; each is compared with eager's (relative
-error), and a mismatch fails the run. Before the first variant, this tree's packages are
-byte-compiled (untimed), as an installed client's are: torch and TileLang come with theirs,
-and under PYTHONDONTWRITEBYTECODE an agent would otherwise compile ours at every start. Besides ready and first output, each variant
+error), and a mismatch fails the run. Besides ready and first output, each variant
 reports where its time went: imports (from the process's start), weights, kernels,
-forward.
+forward. Before the first variant, this tree's packages are byte-compiled (untimed), as an
+installed client's are: torch and TileLang come with theirs, and under
+PYTHONDONTWRITEBYTECODE an agent would otherwise compile ours at every start.
 """
 
 from __future__ import annotations
