@@ -22,8 +22,12 @@ which transformers compiles the decode forward in that mode itself), `kernel-ser
 `kernel-service-graphs` (the same with `graphs=[(batch, tokens)]`: the forward captured in a
 CUDA graph at kernelize and replayed; for generate `[(batch, 1)]`, its decode steps with a static
 cache, captured at the second step). `ready_s` is the time from
-the untouched model to its first output (kernelize's prefetch, or compile's first call,
-included). Then --rounds rounds each time every variant in turn, --reps runs each: `ms` is the
+the untouched model to its first output with its CUDA graphs (kernelize's prefetch and capture,
+or compile's first call, included; reduce-overhead records a forward's graph at its second call,
+so it is called twice), in this process, after the variants before it; `fresh_ready_s` the same
+in a fresh process of this script on the caches this run filled (the daemon's, the Inductor
+directory), its imports and model made before the clock starts, as a restarted server's are
+(compile-ro and kernel-service-graphs). Then --rounds rounds each time every variant in turn, --reps runs each: `ms` is the
 median over the rounds of each round's median, `spread_ms` the lowest and highest round. Outputs
 are compared with eager (`max_diff`: logits / hidden states at non-padded positions; generate:
 the fraction of generated tokens equal to eager's). kernel-service is made last: transformers
@@ -40,12 +44,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
+import dataclasses
 import functools
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -58,6 +65,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, ModernBertConfig, Modern
 
 VARIANTS = ("eager", "compile", "compile-ro", "kernel-service", "kernel-service-graphs")  # served last (see above)
 SERVED = ("kernel-service", "kernel-service-graphs")
+FRESH = ("compile-ro", "kernel-service-graphs")  # made ready again in a fresh process (fresh_ready)
 COMPILE_MODES = {"compile": None, "compile-ro": "reduce-overhead"}
 
 
@@ -124,11 +132,9 @@ def timed(fn, device, reps):
     return out, statistics.median(times)
 
 
-def prepare(base, variant, c, buckets, generate):
-    """(model, seconds to make it): the variant's copy of `base`; `generate`: the workload is
-    generate (compile-ro then lets generate compile its decode steps, as transformers advises)."""
-    t = time.perf_counter()
-    model = copy.deepcopy(base)
+def prepare(model, variant, c, buckets, generate):
+    """`model` (untouched) made into the variant, in place; `generate`: the workload is generate
+    (compile-ro then lets generate compile its decode steps, as transformers advises)."""
     if variant == "compile-ro" and generate:
         # A static cache makes generate torch.compile its decode forward in mode reduce-overhead
         # (its default CompileConfig); compiling the model too would compile it twice.
@@ -140,7 +146,7 @@ def prepare(base, variant, c, buckets, generate):
         hf.kernelize(model, client=c, backend="kernel-service", strict=False, graphs=graphs)
         if model.kernel_service.backend != "kernel-service":
             raise SystemExit(f"kernelize chose {model.kernel_service.backend}: {model.kernel_service.reason}")
-    return model, time.perf_counter() - t
+    return model
 
 
 @contextlib.contextmanager
@@ -161,44 +167,139 @@ def own_rope(variant):
             module.apply_rotary_pos_emb = wrapper
 
 
-def run_workload(name, base, inputs, call, compare, device, reps, rounds, c, rows, extra=None, buckets=None, generate=False):
-    """Every variant of `base` on one workload; `buckets`: the (batch, tokens) graphs of the
-    kernel-service-graphs variant (None: the workload has no such variant)."""
-    variants = [v for v in VARIANTS if buckets is not None or v != "kernel-service-graphs"]
-    # generate as callers run it (transformers' generate is itself under no_grad); the forwards
-    # under inference_mode. graphs.step_capture serves both.
-    grad_off = torch.no_grad if generate else torch.inference_mode
+@dataclasses.dataclass
+class Workload:
+    name: str
+    part: str  # what --only names: "prefill", "generate" or "modernbert"
+    family: str  # the base model it runs: "llama" or "modernbert"
+    inputs: object
+    call: Callable  # (model, inputs) -> the output compared with eager's
+    compare: Callable  # (output, eager's) -> {"max_diff": ...} or {"same_tokens": ...}
+    extra: dict
+    buckets: list | None  # kernel-service-graphs' (batch, tokens) graphs; None: no such variant
+    generate: bool = False
+
+
+def workloads(small: bool, device) -> list[Workload]:
+    """Every workload, its inputs drawn in this order from one seed, whichever run: a fresh
+    process's (fresh_ready) are the same as the main run's."""
+    g = torch.Generator().manual_seed(0)
+    vocab = llama_config(small).vocab_size
+    n = 16 if small else 2048
+    out = [
+        Workload(
+            "llama prefill",
+            "prefill",
+            "llama",
+            torch.randint(3, vocab, (1, n), generator=g).to(device),
+            lambda m, x: m(x, use_cache=False).logits,
+            logits_diff,
+            {"batch": 1, "tokens": n},
+            buckets=None if small else [(1, n)],  # graphs need CUDA
+        )
+    ]
+    prompt, new = (8, 8) if small else (128, 128)
+    for batch, padded in ((1, False), (8, False), (8, True)):
+        ids = torch.randint(3, vocab, (batch, prompt), generator=g).to(device)
+        mask = torch.ones_like(ids)
+        if padded:  # left padding: each prompt's own length, from half the prompt to all of it
+            pads = torch.randint(0, prompt // 2 + 1, (batch,), generator=g)
+            mask = (torch.arange(prompt)[None, :] >= pads[:, None]).to(device=device, dtype=torch.long)
+
+        def gen(m, x, new=new, mask=mask):
+            return m.generate(x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+        def same(out, ref, prompt=prompt):
+            return {"same_tokens": float((out[:, prompt:] == ref[:, prompt:]).float().mean())}
+
+        name = f"llama generate b{batch}" + (" padded" if padded else "")
+        extra = {"batch": batch, "new_tokens": new, "padded": padded}
+        out.append(Workload(name, "generate", "llama", ids, gen, same, extra, buckets=None if small else [(batch, 1)], generate=True))
+    batch, n = (4, 12) if small else (32, 512)
+    ids = torch.randint(3, min(bert_config(small).vocab_size, 50000), (batch, n), generator=g).to(device)
+    lens = torch.randint(n // 2, n + 1, (batch,), generator=g)
+    mask = (torch.arange(n)[None, :] < lens[:, None]).to(device=device, dtype=torch.long)
+
+    def hidden_diff(out, ref):
+        valid = mask.bool()
+        return {"max_diff": float((out[valid].float() - ref[valid].float()).abs().max())}
+
+    out.append(
+        Workload(
+            "modernbert",
+            "modernbert",
+            "modernbert",
+            (ids, mask),
+            lambda m, x: m(input_ids=x[0], attention_mask=x[1]).last_hidden_state,
+            hidden_diff,
+            {"batch": batch, "tokens": n, "padded": True},
+            buckets=None if small else [(batch, n)],
+        )
+    )
+    return out
+
+
+def logits_diff(out, ref):
+    return {"max_diff": float((out.float() - ref.float()).abs().max())}
+
+
+def base_model(family: str, small: bool, device, dtype):
+    torch.manual_seed(0)
+    cls, cfg = (LlamaForCausalLM, llama_config(small)) if family == "llama" else (ModernBertModel, bert_config(small))
+    with torch.device(device):
+        return cls(cfg).to(dtype).eval()
+
+
+def grad_off(w: Workload):
+    """generate as callers run it (transformers' generate is itself under no_grad); the forwards
+    under inference_mode. graphs.step_capture serves both."""
+    return torch.no_grad() if w.generate else torch.inference_mode()
+
+
+def make_ready(w: Workload, model, variant: str, c, device) -> float:
+    """Seconds from the untouched `model` to the variant's first output with its CUDA graphs
+    (kernelize's prefetch and capture, or compile's first calls, included): reduce-overhead
+    records a forward's graph at its second call, so it is run twice (generate's first call
+    records its decode step's)."""
+    sync(device)
+    t = time.perf_counter()
+    prepare(model, variant, c, w.buckets, w.generate)
+    with grad_off(w), own_rope(variant):
+        for _ in range(2 if variant == "compile-ro" and not w.generate and device.type == "cuda" else 1):
+            w.call(model, w.inputs)
+    sync(device)
+    return time.perf_counter() - t
+
+
+def run_workload(w: Workload, base, device, reps, rounds, c, rows):
+    """Every variant of `base` on one workload."""
+    variants = [v for v in VARIANTS if w.buckets is not None or v != "kernel-service-graphs"]
     models, ready = {}, {}
     for variant in variants:
-        model, made = prepare(base, variant, c, buckets, generate)
-        sync(device)
-        t = time.perf_counter()
-        with grad_off(), own_rope(variant):
-            call(model, inputs)
-        sync(device)
-        models[variant], ready[variant] = model, made + time.perf_counter() - t
-        print(f"  {name:<26} {variant:<22} ready {ready[variant]:8.2f} s", flush=True)
+        models[variant] = model = copy.deepcopy(base)
+        ready[variant] = make_ready(w, model, variant, c, device)
+        print(f"  {w.name:<26} {variant:<22} ready {ready[variant]:8.2f} s", flush=True)
         if variant in SERVED:
             model.kernel_service.ready()  # a router's other builds: timed rounds run every kernel they will run
     rounds_s, outs = {v: [] for v in variants}, {}
     for r in range(rounds):  # alternating: a drift of the host's speed reaches every variant alike
         for variant in variants:
-            with grad_off(), own_rope(variant):
-                outs[variant], sec = timed(functools.partial(call, models[variant], inputs), device, reps)
+            with grad_off(w), own_rope(variant):
+                outs[variant], sec = timed(functools.partial(w.call, models[variant], w.inputs), device, reps)
             rounds_s[variant].append(sec)
-        print(f"  {name:<26} round {r + 1}: " + ", ".join(f"{v} {rounds_s[v][-1] * 1e3:.3f} ms" for v in variants), flush=True)
+        print(f"  {w.name:<26} round {r + 1}: " + ", ".join(f"{v} {rounds_s[v][-1] * 1e3:.3f} ms" for v in variants), flush=True)
     for variant in variants:
         ms = [round(sec * 1e3, 3) for sec in rounds_s[variant]]
         row = {
-            "workload": name,
+            "workload": w.name,
             "variant": variant,
             "ready_s": round(ready[variant], 3),
             "ms": statistics.median(ms),
             "spread_ms": [min(ms), max(ms)],
             "rounds_ms": ms,
-            **(extra or {}),
+            **w.extra,
         }
-        row.update(compare(outs[variant], outs["eager"]))
+        row.update(w.compare(outs[variant], outs["eager"]))
         if variant in SERVED:
             r = models[variant].kernel_service
             row["swapped"] = len(r.swapped)
@@ -214,6 +315,31 @@ def run_workload(name, base, inputs, call, compare, device, reps, rounds, c, row
                 }
         rows.append(row)
     models.clear()
+    return variants
+
+
+def fresh_ready(w: Workload, variants: list[str], small: bool, socket: str | None) -> dict[str, float]:
+    """Each of FRESH's variants made ready in a fresh process of this script on the caches this
+    run has filled (the daemon's, the Inductor directory): its imports and untouched model are
+    made before the clock starts, as a restarted server's are."""
+    out = {}
+    for variant in (v for v in FRESH if v in variants):
+        cmd = [sys.executable, __file__, "--fresh-ready", w.name, variant, *(["--small"] if small else []), *(["--socket", socket] if socket else [])]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        last = done.stdout.strip().splitlines()[-1:] or [""]
+        if done.returncode != 0 or not last[0].startswith("{"):
+            raise SystemExit(f"{w.name} {variant}: the fresh process failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+        out[variant] = json.loads(last[0])["ready_s"]
+        print(f"  {w.name:<26} {variant:<22} ready {out[variant]:8.2f} s in a fresh process", flush=True)
+    return out
+
+
+def fresh_ready_child(name: str, variant: str, small: bool, socket: str | None) -> None:
+    device = torch.device("cpu" if small else "cuda")
+    w = next(w for w in workloads(small, device) if w.name == name)
+    model = base_model(w.family, small, device, torch.float32 if small else torch.bfloat16)
+    c = client.connect(socket) if socket else client.default_client()
+    print(json.dumps({"ready_s": round(make_ready(w, model, variant, c, device), 3)}))
 
 
 def main() -> None:
@@ -224,8 +350,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every variant in turn (default 3)")
     parser.add_argument("--only", choices=("prefill", "generate", "modernbert"), action="append", help="run only these workloads")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--fresh-ready", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)  # fresh_ready's child
     args = parser.parse_args()
     small = args.small
+    if args.fresh_ready:
+        return fresh_ready_child(*args.fresh_ready, small, args.socket)
     reps = args.reps or (2 if small else 10)
     if reps < 1 or args.rounds < 1:
         parser.error("--reps and --rounds take a whole number of at least 1")
@@ -247,92 +376,30 @@ def main() -> None:
     c = client.connect(args.socket) if args.socket else client.default_client()
     only = set(args.only or ("prefill", "generate", "modernbert"))
     rows: list[dict] = []
-    g = torch.Generator().manual_seed(0)
+    family, base = None, None
     try:
-        torch.manual_seed(0)
-        if only & {"prefill", "generate"}:
-            cfg = llama_config(small)
-            with torch.device(device):
-                base = LlamaForCausalLM(cfg).to(dtype).eval()
-
-            def logits_diff(out, ref):
-                return {"max_diff": float((out.float() - ref.float()).abs().max())}
-
-            if "prefill" in only:
-                n = 16 if small else 2048
-                ids = torch.randint(3, cfg.vocab_size, (1, n), generator=g).to(device)
-                run_workload(
-                    "llama prefill",
-                    base,
-                    ids,
-                    lambda m, x: m(x, use_cache=False).logits,
-                    logits_diff,
-                    device,
-                    reps,
-                    args.rounds,
-                    c,
-                    rows,
-                    {"batch": 1, "tokens": n},
-                    buckets=None if small else [(1, n)],  # graphs need CUDA
-                )
-            if "generate" in only:
-                prompt, new = (8, 8) if small else (128, 128)
-                for batch, padded in ((1, False), (8, False), (8, True)):
-                    ids = torch.randint(3, cfg.vocab_size, (batch, prompt), generator=g).to(device)
-                    mask = torch.ones_like(ids)
-                    if padded:  # left padding: each prompt's own length, from half the prompt to all of it
-                        pads = torch.randint(0, prompt // 2 + 1, (batch,), generator=g)
-                        mask = (torch.arange(prompt)[None, :] >= pads[:, None]).to(device=device, dtype=torch.long)
-
-                    def gen(m, x, new=new, mask=mask):
-                        return m.generate(x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-
-                    def same(out, ref, prompt=prompt):
-                        return {"same_tokens": float((out[:, prompt:] == ref[:, prompt:]).float().mean())}
-
-                    name = f"llama generate b{batch}" + (" padded" if padded else "")
-                    extra = {"batch": batch, "new_tokens": new, "padded": padded}
-                    run_workload(name, base, ids, gen, same, device, reps, args.rounds, c, rows, extra, buckets=None if small else [(batch, 1)], generate=True)
-            del base
-        if "modernbert" in only:
-            cfg = bert_config(small)
-            with torch.device(device):
-                base = ModernBertModel(cfg).to(dtype).eval()
-            batch, n = (4, 12) if small else (32, 512)
-            ids = torch.randint(3, min(cfg.vocab_size, 50000), (batch, n), generator=g).to(device)
-            lens = torch.randint(n // 2, n + 1, (batch,), generator=g)
-            mask = (torch.arange(n)[None, :] < lens[:, None]).to(device=device, dtype=torch.long)
-
-            def hidden_diff(out, ref):
-                valid = mask.bool()
-                return {"max_diff": float((out[valid].float() - ref[valid].float()).abs().max())}
-
-            run_workload(
-                "modernbert",
-                base,
-                (ids, mask),
-                lambda m, x: m(input_ids=x[0], attention_mask=x[1]).last_hidden_state,
-                hidden_diff,
-                device,
-                reps,
-                args.rounds,
-                c,
-                rows,
-                {"batch": batch, "tokens": n, "padded": True},
-                buckets=None if small else [(batch, n)],
-            )
+        for w in workloads(small, device):
+            if w.part not in only:
+                continue
+            if w.family != family:
+                family, base = None, None  # the last model's memory back first
+                family, base = w.family, base_model(w.family, small, device, dtype)
+            variants = run_workload(w, base, device, reps, args.rounds, c, rows)
+            for variant, sec in fresh_ready(w, variants, small, args.socket).items():
+                next(r for r in rows if r["workload"] == w.name and r["variant"] == variant)["fresh_ready_s"] = sec
     finally:
         if daemon is not None:
             daemon.stop()
     base = {v: {r["workload"]: r["ms"] for r in rows if r["variant"] == v} for v in ("eager", "compile", "compile-ro")}
-    print(f"\n{'workload':<26} {'variant':<22} {'ready s':>9} {'ms':>10} {'spread ms':>17} {'x eager':>8} {'x compile':>10} {'x c-ro':>7}  check")
+    print(f"\n{'workload':<26} {'variant':<22} {'ready s':>9} {'fresh':>6} {'ms':>10} {'spread ms':>17} {'x eager':>8} {'x compile':>10} {'x c-ro':>7}  check")
     for r in rows:
         for v, field in (("eager", "x_eager"), ("compile", "x_compile"), ("compile-ro", "x_compile_ro")):
             r[field] = round(base[v][r["workload"]] / r["ms"], 3) if r["workload"] in base[v] else None
         check = f"max_diff {r['max_diff']:.3g}" if "max_diff" in r else f"same tokens {r['same_tokens']:.0%}"
         spread = f"{r['spread_ms'][0]:.3f}-{r['spread_ms'][1]:.3f}"
+        fresh = f"{r['fresh_ready_s']:.2f}" if "fresh_ready_s" in r else "-"
         print(
-            f"{r['workload']:<26} {r['variant']:<22} {r['ready_s']:>9.2f} {r['ms']:>10.3f} {spread:>17} {r['x_eager']:>8.2f} "
+            f"{r['workload']:<26} {r['variant']:<22} {r['ready_s']:>9.2f} {fresh:>6} {r['ms']:>10.3f} {spread:>17} {r['x_eager']:>8.2f} "
             f"{r['x_compile'] or 0:>10.2f} {r['x_compile_ro'] or 0:>7.2f}  {check}"
         )
     if args.json:
