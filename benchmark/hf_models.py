@@ -61,6 +61,7 @@ import torch  # noqa: E402
 
 import client  # noqa: E402
 import client.integrations.hf as hf  # noqa: E402
+from devtools.bytecode import compile_tree  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, ModernBertConfig, ModernBertModel  # noqa: E402
 
 VARIANTS = ("eager", "compile", "compile-ro", "kernel-service", "kernel-service-graphs")  # served last (see above)
@@ -375,6 +376,7 @@ def main() -> None:
         args.socket = str(daemon.socket)
     c = client.connect(args.socket) if args.socket else client.default_client()
     only = set(args.only or ("prefill", "generate", "modernbert"))
+    compile_tree()  # fresh_ready's processes import this tree as an installed client's (devtools/bytecode.py)
     rows: list[dict] = []
     family, base = None, None
     try:

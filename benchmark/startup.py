@@ -135,6 +135,7 @@ import torch  # noqa: E402
 
 import decode_step  # noqa: E402  (benchmark/decode_step.py, next to this file)
 from decode_step import LayerConfig  # noqa: E402
+from devtools.bytecode import compile_tree  # noqa: E402
 
 VARIANTS = (
     "served_cold",
@@ -151,14 +152,6 @@ VARIANTS = (
     "eager_beside_warm_up",
     "eager_beside_restart",
 )
-
-
-def compile_bytecode() -> None:
-    """This tree's packages byte-compiled into their __pycache__ (quietly; stale files only)."""
-    import compileall
-
-    for package in ("client", "kernels", "proto", "compile_service", "devtools", "benchmark"):
-        compileall.compile_dir(ROOT / package, quiet=1)
 
 
 # ----------------------------------------------------------------------------
@@ -730,7 +723,7 @@ def main(argv=None) -> int:
         if not variants:
             p.error("served_warm_graphs needs a CUDA device")
 
-    compile_bytecode()
+    compile_tree()  # as an installed client's are (devtools/bytecode.py)
     b = Bench(args, cfg)
     print(
         f"startup: {args.layers} layers, {len(layer_specs(cfg))} kernels, target {cfg.target}, variants {', '.join(variants)}; work dir {b.work}",
