@@ -27,8 +27,8 @@ or compile's first call, included; reduce-overhead records a forward's graph at 
 so it is called twice), in this process, after the variants before it; `fresh_ready_s` the same
 in a fresh process of this script on the caches this run filled (the daemon's, the Inductor
 directory), its imports and model made before the clock starts, as a restarted server's are
-(compile-ro and kernel-service-graphs). Then --rounds rounds each time every variant in turn, --reps runs each: `ms` is the
-median over the rounds of each round's median, `spread_ms` the lowest and highest round. Outputs
+(compile-ro and kernel-service-graphs). Then --rounds rounds each time every variant in turn,
+--reps runs each: `ms` is the median over the rounds of each round's median, `spread_ms` the lowest and highest round. Outputs
 are compared with eager (`max_diff`: logits / hidden states at non-padded positions; generate:
 the fraction of generated tokens equal to eager's). kernel-service is made last: transformers
 shares `apply_rotary_pos_emb` between models of a family, so kernelizing swaps it process-wide;
@@ -272,8 +272,8 @@ def make_ready(w: Workload, model, variant: str, c, device) -> float:
     return time.perf_counter() - t
 
 
-def run_workload(w: Workload, base, device, reps, rounds, c, rows):
-    """Every variant of `base` on one workload."""
+def run_workload(w: Workload, base, device, reps, rounds, c) -> dict[str, dict]:
+    """Every variant of `base` on one workload: its row by variant."""
     variants = [v for v in VARIANTS if w.buckets is not None or v != "kernel-service-graphs"]
     models, ready = {}, {}
     for variant in variants:
@@ -282,7 +282,7 @@ def run_workload(w: Workload, base, device, reps, rounds, c, rows):
         print(f"  {w.name:<26} {variant:<22} ready {ready[variant]:8.2f} s", flush=True)
         if variant in SERVED:
             model.kernel_service.ready()  # a router's other builds: timed rounds run every kernel they will run
-    rounds_s, outs = {v: [] for v in variants}, {}
+    rounds_s, outs, rows = {v: [] for v in variants}, {}, {}
     for r in range(rounds):  # alternating: a drift of the host's speed reaches every variant alike
         for variant in variants:
             with grad_off(w), own_rope(variant):
@@ -314,22 +314,28 @@ def run_workload(w: Workload, base, device, reps, rounds, c, rows):
                     "capture_s": round(r.graphs.capture_s, 3),
                     "head": r.graphs.head,
                 }
-        rows.append(row)
+        rows[variant] = row
     models.clear()
-    return variants
+    return rows
 
 
 def fresh_ready(w: Workload, variants: list[str], small: bool, socket: str | None) -> dict[str, float]:
     """Each of FRESH's variants made ready in a fresh process of this script on the caches this
     run has filled (the daemon's, the Inductor directory): its imports and untouched model are
-    made before the clock starts, as a restarted server's are."""
+    made before the clock starts, as a restarted server's are. A process that fails is reported
+    and left out (the run's other figures stand)."""
     out = {}
     for variant in (v for v in FRESH if v in variants):
         cmd = [sys.executable, __file__, "--fresh-ready", w.name, variant, *(["--small"] if small else []), *(["--socket", socket] if socket else [])]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        except subprocess.TimeoutExpired:
+            print(f"  {w.name:<26} {variant:<22} the fresh process ran past 900 s: left out", file=sys.stderr, flush=True)
+            continue
         last = done.stdout.strip().splitlines()[-1:] or [""]
         if done.returncode != 0 or not last[0].startswith("{"):
-            raise SystemExit(f"{w.name} {variant}: the fresh process failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+            print(f"  {w.name:<26} {variant:<22} the fresh process failed (rc {done.returncode}): left out\n{done.stderr[-3000:]}", file=sys.stderr, flush=True)
+            continue
         out[variant] = json.loads(last[0])["ready_s"]
         print(f"  {w.name:<26} {variant:<22} ready {out[variant]:8.2f} s in a fresh process", flush=True)
     return out
@@ -386,9 +392,10 @@ def main() -> None:
             if w.family != family:
                 family, base = None, None  # the last model's memory back first
                 family, base = w.family, base_model(w.family, small, device, dtype)
-            variants = run_workload(w, base, device, reps, args.rounds, c, rows)
-            for variant, sec in fresh_ready(w, variants, small, args.socket).items():
-                next(r for r in rows if r["workload"] == w.name and r["variant"] == variant)["fresh_ready_s"] = sec
+            by_variant = run_workload(w, base, device, reps, args.rounds, c)
+            for variant, sec in fresh_ready(w, list(by_variant), small, args.socket).items():
+                by_variant[variant]["fresh_ready_s"] = sec
+            rows.extend(by_variant.values())
     finally:
         if daemon is not None:
             daemon.stop()

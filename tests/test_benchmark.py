@@ -267,6 +267,31 @@ def test_startup_refuses_an_unknown_variant():
     assert out.returncode == 2 and "nope" in out.stderr
 
 
+def test_hf_models_small_checks_every_variant_and_times_reduce_overhead_again_in_a_fresh_process(tmp_path):
+    """benchmark/hf_models.py --small, the prefill: each variant's output against eager's, and
+    compile-ro made ready again in a fresh process of the script (fresh_ready_s; the graphs
+    variant needs CUDA)."""
+    pytest.importorskip("transformers")
+    out_json = tmp_path / "hf.json"
+    args = ["--small", "--only", "prefill", "--reps", "1", "--rounds", "1", "--json", str(out_json)]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmark" / "hf_models.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = {r["variant"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert set(rows) == {"eager", "compile", "compile-ro", "kernel-service"}
+    assert all(r["workload"] == "llama prefill" and r["max_diff"] < 1e-4 and r["ready_s"] > 0 for r in rows.values()), rows
+    assert rows["kernel-service"]["swapped"] > 0 and not rows["kernel-service"]["fallbacks"]
+    assert rows["compile-ro"]["fresh_ready_s"] > 0
+    assert [v for v, r in rows.items() if "fresh_ready_s" in r] == ["compile-ro"]
+    assert "in a fresh process" in proc.stdout
+
+
 def test_user_kernels_case_table_covers_issue_30s_styles(tmp_path):
     """benchmark/user_kernels.py (GPU only): its case table and the daemons it would start."""
     import user_kernels
